@@ -1,0 +1,161 @@
+"""ClusterView: the policy's picture of rollout instances, live trajectories and per-version queues.
+
+Invariants kept here (checked on every change, so a policy bug fails loudly in tests):
+* an instance hosts at most one version; a trajectory is placed only on an instance whose ready
+  version equals the trajectory's version (single version per trajectory);
+* an instance never holds more live trajectories than it has slots;
+* every live trajectory is in exactly one place: its version's queue or one instance's active set.
+
+A trajectory admitted but not yet placed waits in ``queues[version]``; ``place`` turns waiting
+trajectories into Dispatch commands on the least-loaded ready instance of that version.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .events import AssignVersion, Dispatch, Migrate
+
+
+@dataclass
+class InstanceView:
+    slots: int
+    version: int | None = None
+    loading: int | None = None
+    active: set[int] = field(default_factory=set)
+
+    @property
+    def ready(self) -> bool:
+        return self.loading is None and self.version is not None
+
+    @property
+    def target(self) -> int | None:
+        """The version this instance holds or is loading."""
+        return self.loading if self.loading is not None else self.version
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.active) if self.ready else 0
+
+
+@dataclass
+class TrajView:
+    group_id: int
+    sample_idx: int
+    version: int
+    instance: int | None = None
+
+
+class ClusterView:
+    def __init__(self, n_instances: int, slots: int, group_size: int) -> None:
+        if n_instances < 1 or slots < 1:
+            raise ValueError("a cluster needs at least one instance with at least one slot")
+        self.group_size = group_size
+        self.instances = [InstanceView(slots) for _ in range(n_instances)]
+        self.trajs: dict[int, TrajView] = {}
+        self.queues: dict[int, deque[int]] = {}
+        self._has_free: dict[int, set[int]] = {}  # version -> ready instances with a free slot
+
+    # -- queries -----------------------------------------------------------------------------------
+    def hosts(self, version: int, ready_only: bool = False) -> list[int]:
+        return [i for i, inst in enumerate(self.instances)
+                if (inst.version == version and inst.ready) or (not ready_only and inst.target == version)]
+
+    def active_count(self, version: int) -> int:
+        return sum(len(inst.active) for inst in self.instances if inst.target == version)
+
+    def queued_count(self, version: int) -> int:
+        q = self.queues.get(version)
+        return len(q) if q else 0
+
+    def free_slots(self, version: int) -> int:
+        return sum(self.instances[i].free for i in self._has_free.get(version, ()))
+
+    def versions_with_work(self) -> set[int]:
+        live = {t.version for t in self.trajs.values()}
+        return live
+
+    # -- admission and placement -------------------------------------------------------------------
+    def enqueue_group(self, group_id: int, version: int) -> None:
+        q = self.queues.setdefault(version, deque())
+        for s in range(self.group_size):
+            tid = group_id * self.group_size + s
+            self.trajs[tid] = TrajView(group_id, s, version)
+            q.append(tid)
+
+    def place(self, version: int) -> list[Dispatch]:
+        """Dispatch queued trajectories of ``version`` onto its ready instances, least loaded first."""
+        q, free = self.queues.get(version), self._has_free.get(version)
+        out: list[Dispatch] = []
+        while q and free:
+            i = min(free, key=lambda j: (len(self.instances[j].active), j))
+            tid = q.popleft()
+            t = self.trajs[tid]
+            self._put(tid, i)
+            out.append(Dispatch(tid, t.group_id, t.sample_idx, version, i))
+        return out
+
+    # -- changes -----------------------------------------------------------------------------------
+    def remove(self, traj_id: int) -> TrajView:
+        """Forget a trajectory (finished or aborted), wherever it is."""
+        t = self.trajs.pop(traj_id)
+        if t.instance is None:
+            self.queues[t.version].remove(traj_id)
+        else:
+            inst = self.instances[t.instance]
+            inst.active.discard(traj_id)
+            self._refresh(t.instance)
+        return t
+
+    def assign(self, cmd: AssignVersion) -> None:
+        inst = self.instances[cmd.instance]
+        if inst.active and not cmd.keep_requests:
+            raise AssertionError(f"instance {cmd.instance} reassigned with {len(inst.active)} live requests")
+        inst.loading = cmd.version
+        if cmd.keep_requests:
+            for tid in inst.active:
+                self.trajs[tid].version = cmd.version
+        self._refresh(cmd.instance)
+
+    def ready(self, instance: int, version: int) -> None:
+        inst = self.instances[instance]
+        if inst.loading != version:
+            raise AssertionError(f"instance {instance} ready with v{version}, was loading v{inst.loading}")
+        inst.version, inst.loading = version, None
+        self._refresh(instance)
+
+    def migrate(self, cmd: Migrate) -> None:
+        t = self.trajs[cmd.traj_id]
+        dst = self.instances[cmd.dst]
+        if t.instance != cmd.src or dst.version != t.version or not dst.ready or dst.free < 1:
+            raise AssertionError(f"bad migration {cmd} of a v{t.version} trajectory")
+        self.instances[cmd.src].active.discard(cmd.traj_id)
+        self._refresh(cmd.src)
+        self._put(cmd.traj_id, cmd.dst)
+
+    def retag_queued(self, version: int) -> list[int]:
+        """Move every queued (not yet started) trajectory to ``version``; returns their ids."""
+        moved: list[int] = []
+        for v in [v for v in self.queues if v != version]:
+            q = self.queues.pop(v)
+            for tid in q:
+                self.trajs[tid].version = version
+            moved.extend(q)
+        self.queues.setdefault(version, deque()).extend(moved)
+        return moved
+
+    def _put(self, traj_id: int, instance: int) -> None:
+        inst, t = self.instances[instance], self.trajs[traj_id]
+        if not inst.ready or inst.version != t.version or inst.free < 1:
+            raise AssertionError(f"trajectory {traj_id} (v{t.version}) cannot run on instance {instance}")
+        inst.active.add(traj_id)
+        t.instance = instance
+        self._refresh(instance)
+
+    def _refresh(self, i: int) -> None:
+        for s in self._has_free.values():
+            s.discard(i)
+        inst = self.instances[i]
+        if inst.ready and inst.free > 0:
+            self._has_free.setdefault(inst.version, set()).add(i)

@@ -1,0 +1,149 @@
+"""The protocol between drivers (runtime, simulator, tests) and the pure scheduling core.
+
+Invariant: a policy sees the world only through these Events and acts on it only through these
+Commands. Both are small frozen dataclasses (picklable, hashable, no tensors), so the same policy runs
+under MPI, in the simulator and in property tests unchanged.
+
+Identifiers are plain ints: ``group_id`` is the index of a prompt in the data stream (the data cursor),
+``traj_id = group_id * group_size + sample_idx`` names one sample of that GRPO group, and instances
+are numbered ``0..n_instances-1``. Versions count train steps: v0 = initial weights, vn = after n steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAINER = -1
+"""``AssignVersion.source`` value meaning: take the weights from the trainer (or initial checkpoint)."""
+
+
+# ----------------------------------------------------------------------------------------- events in
+@dataclass(frozen=True)
+class Start:
+    """The run begins; every instance is empty and holds no weights."""
+
+
+@dataclass(frozen=True)
+class InstanceReady:
+    """Instance finished loading ``version`` (the effect of an AssignVersion) and can take requests."""
+
+    instance: int
+    version: int
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """Trajectory ``traj_id`` finished generating on ``instance`` (EOS, stop, or max_tokens)."""
+
+    traj_id: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class VersionPublished:
+    """Train step ``version - 1`` is done: the trainer holds weights of ``version`` and is free again."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class KvPressure:
+    """An instance reports its KV-cache use (fraction of its block pool in use)."""
+
+    instance: int
+    used_fraction: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Periodic wake-up from the driver (the temporal rebalancing trigger)."""
+
+
+Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick
+
+
+# -------------------------------------------------------------------------------------- commands out
+@dataclass(frozen=True)
+class AssignVersion:
+    """Load ``version`` on ``instance``, from a peer instance that holds it or from TRAINER.
+
+    With ``keep_requests=False`` (every policy but PartialRollout) the instance holds no live request
+    when this command is issued: the policy has migrated them away first. With ``keep_requests=True``
+    (PartialRollout only) its live requests continue under the new weights after a re-prefill.
+    The driver answers with InstanceReady once the weights are loaded.
+    """
+
+    instance: int
+    version: int
+    source: int = TRAINER
+    keep_requests: bool = False
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Start trajectory ``traj_id`` (sample ``sample_idx`` of prompt group ``group_id``) on ``instance``.
+
+    ``version`` is the tag the group received at admission; the instance hosts exactly that version.
+    """
+
+    traj_id: int
+    group_id: int
+    sample_idx: int
+    version: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Move live trajectory ``traj_id`` from ``src`` to ``dst`` (both host its version).
+
+    ``carry_kv=True`` moves its KV cache (zero re-prefill); False re-prefills it at ``dst``.
+    """
+
+    traj_id: int
+    src: int
+    dst: int
+    carry_kv: bool = True
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Move a live trajectory's KV cache to host memory on ``instance`` (it stops decoding)."""
+
+    traj_id: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Bring an offloaded trajectory's KV cache back to device memory on ``instance``."""
+
+    traj_id: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop trajectory ``traj_id`` on ``instance`` and free its KV (its group is dropped)."""
+
+    traj_id: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Prompt group ``group_id`` is dropped and will never be trained on (recorded, not lost)."""
+
+    group_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartTrain:
+    """Run train step ``step`` on exactly these complete groups; ends with VersionPublished(step+1)."""
+
+    step: int
+    group_ids: tuple[int, ...]
+
+
+Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Abort | Drop | StartTrain

@@ -1,0 +1,97 @@
+"""Rebalancing planner: instances per version in proportion to pending work, and the moves to get there.
+
+Invariants:
+* ``target_counts`` gives every version with live requests at least one instance and never fewer
+  than its active requests need (``ceil(active / slots)``), so consolidation always fits; it never
+  gives a legacy version more instances than its requests could fill; leftovers go to the latest.
+* ``plan`` is minimal: an instance is reassigned only when its version has a surplus *and* another
+  version is starved (queued requests beyond its free slots). Requests on a released instance
+  migrate to kept instances of the same version (with their KV unless told otherwise), never to
+  another version. Weights come peer-to-peer from a ready instance of the version when one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cluster import ClusterView
+from .events import TRAINER, AssignVersion, Command, Migrate
+
+
+@dataclass(frozen=True)
+class VersionLoad:
+    active: int
+    queued: int
+
+    @property
+    def total(self) -> int:
+        return self.active + self.queued
+
+
+def version_loads(view: ClusterView, latest: int) -> dict[int, VersionLoad]:
+    versions = {inst.target for inst in view.instances if inst.target is not None}
+    versions |= {v for v, q in view.queues.items() if q} | {latest}
+    return {v: VersionLoad(view.active_count(v), view.queued_count(v)) for v in versions}
+
+
+def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int) -> dict[int, int]:
+    """Instances per version, proportional to load (D'Hondt apportionment) within [lower, upper]."""
+    lower = {v: math.ceil(ld.active / slots) or (1 if ld.queued else 0) for v, ld in loads.items()}
+    upper = {v: n if v == latest else math.ceil(ld.total / slots) for v, ld in loads.items()}
+    # Too many versions for too few instances: queued-only versions wait, newest first.
+    for v in sorted(loads, reverse=True):
+        if sum(lower.values()) <= n:
+            break
+        if loads[v].active == 0:
+            lower[v] = 0
+    target = dict(lower)
+    for _ in range(n - sum(target.values())):
+        open_ = [v for v in target if target[v] < upper[v]] or [latest]
+        best = max(open_, key=lambda v: (loads[v].total / (target[v] + 1), v == latest, v))
+        target[best] += 1
+    return target
+
+
+def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]:
+    """The AssignVersion + Migrate commands that move today's partition toward ``target_counts``."""
+    loads = version_loads(view, latest)
+    target = target_counts(len(view.instances), view.instances[0].slots, loads, latest)
+    current = {v: len(view.hosts(v)) for v in target}
+    starved = {v: target[v] - current[v] for v in target
+               if target[v] > current[v] and loads[v].queued > view.free_slots(v)}
+    if not starved:
+        return []
+    need = sum(starved.values())
+    donors: list[int] = []
+    out: list[Command] = []
+    for v in sorted(target):  # oldest versions give instances back first
+        surplus = min(current[v] - target[v], need - len(donors))
+        receivers: set[int] = set()
+        released = 0
+        for i in sorted(view.hosts(v), key=lambda j: (len(view.instances[j].active), -j)):
+            if released >= surplus:
+                break
+            if i in receivers:
+                continue
+            peers = [j for j in view.hosts(v, ready_only=True) if j != i and j not in donors]
+            if len(view.instances[i].active) > sum(view.instances[j].free for j in peers):
+                continue
+            for tid in sorted(view.instances[i].active):
+                dst = max(peers, key=lambda j: (view.instances[j].free, -j))
+                m = Migrate(tid, i, dst, carry_kv)
+                view.migrate(m)
+                out.append(m)
+                receivers.add(dst)
+            donors.append(i)
+            released += 1
+    for v in sorted(starved, reverse=True):  # latest first
+        for _ in range(starved[v]):
+            if not donors:
+                break
+            i = donors.pop(0)
+            peers = view.hosts(v, ready_only=True)
+            cmd = AssignVersion(i, v, peers[0] if peers else TRAINER)
+            view.assign(cmd)
+            out.append(cmd)
+    return out

@@ -1,0 +1,169 @@
+"""A driver that executes a policy's commands and delivers their completions in a random order.
+
+It keeps its own record of what happened (independent of the policy's bookkeeping) and checks the
+DESIGN.md invariants on every command: single version per trajectory, groups never split across
+versions, staleness bounds, exactly-once consumption, nothing lost.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+
+from dora_hpc.core.events import (
+    Abort, AssignVersion, Dispatch, Drop, InstanceReady, KvPressure, Migrate, RequestFinished, Start,
+    StartTrain, Tick, VersionPublished,
+)
+from dora_hpc.core.policies import Policy
+
+STALENESS_BOUND = {"sync": 0, "one_step": 1, "oversample": 0}
+
+
+class InvariantBroken(AssertionError):
+    pass
+
+
+class RandomDriver:
+    def __init__(self, policy: Policy, rng: random.Random) -> None:
+        self.p, self.rng = policy, rng
+        n = policy.cfg.n_instances
+        self.version: list[int | None] = [None] * n   # ready version per instance
+        self.loading: dict[int, int] = {}              # instance -> version being loaded
+        self.where: dict[int, int] = {}                # live traj -> instance
+        self.segments: dict[int, list[int]] = defaultdict(list)
+        self.group_tag: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.consumed: Counter[int] = Counter()
+        self.dropped: set[int] = set()
+        self.staleness: list[int] = []
+        self.train_step: int | None = None
+        self.steps_done = 0
+        self.max_live_versions = 0
+        self.migrations = 0
+        self.reprefills = 0
+
+    # -- executing commands ------------------------------------------------------------------------
+    def feed(self, event) -> None:
+        for cmd in self.p.on(event):
+            self.execute(cmd)
+
+    def execute(self, cmd) -> None:
+        match cmd:
+            case AssignVersion(i, v, src, keep):
+                live = [t for t, j in self.where.items() if j == i]
+                if live and not keep:
+                    raise InvariantBroken(f"{cmd}: instance still holds {live}")
+                if keep and self.p.name != "partial":
+                    raise InvariantBroken(f"{self.p.name} switched live requests to a new version")
+                if src >= 0 and self.version[src] != v:
+                    raise InvariantBroken(f"{cmd}: peer {src} does not hold v{v}")
+                for t in live:
+                    self.segments[t].append(v)
+                    self.reprefills += 1
+                self.version[i] = None
+                self.loading[i] = v
+            case Dispatch(t, g, s, v, i):
+                if self.version[i] != v:
+                    raise InvariantBroken(f"{cmd}: instance {i} holds v{self.version[i]}")
+                if self.group_tag.setdefault(g, v) != v and self.p.name != "partial":
+                    raise InvariantBroken(f"group {g} split across v{self.group_tag[g]} and v{v}")
+                if t in self.where or t in self.finished:
+                    raise InvariantBroken(f"trajectory {t} dispatched twice")
+                self.where[t] = i
+                self.segments[t].append(v)
+            case Migrate(t, src, dst, carry_kv):
+                if self.where.get(t) != src or self.version[dst] != self.segments[t][-1]:
+                    raise InvariantBroken(f"{cmd}: bad source or destination version")
+                self.where[t] = dst
+                self.migrations += 1
+            case Abort(t, i):
+                if self.where.pop(t, None) != i:
+                    raise InvariantBroken(f"{cmd}: trajectory not on that instance")
+            case Drop(g, _):
+                self.dropped.add(g)
+            case StartTrain(step, groups):
+                self._train(step, groups)
+            case _:
+                raise InvariantBroken(f"unexpected command {cmd}")
+        live = {self.segments[t][-1] for t in self.where}
+        self.max_live_versions = max(self.max_live_versions, len(live))
+
+    def _train(self, step: int, groups: tuple[int, ...]) -> None:
+        if self.train_step is not None:
+            raise InvariantBroken("StartTrain while the trainer is busy")
+        if step != self.steps_done or len(groups) != self.p.cfg.tbs:
+            raise InvariantBroken(f"step {step} with {len(groups)} groups")
+        g_size = self.p.cfg.group_size
+        for g in groups:
+            trajs = range(g * g_size, (g + 1) * g_size)
+            if any(t not in self.finished for t in trajs):
+                raise InvariantBroken(f"step {step} consumes incomplete group {g}")
+            if g in self.dropped:
+                raise InvariantBroken(f"step {step} consumes dropped group {g}")
+            self.consumed[g] += 1
+            if self.consumed[g] > 1:
+                raise InvariantBroken(f"group {g} consumed twice")
+            versions = {v for t in trajs for v in self.segments[t]}
+            if self.p.name != "partial" and len(versions) != 1:
+                raise InvariantBroken(f"group {g} mixes versions {versions}")
+            stale = step - min(versions)
+            self.staleness.append(stale)
+            bound = self.p.cfg.k if self.p.name == "dora" else STALENESS_BOUND.get(self.p.name)
+            if bound is not None and stale > bound:
+                raise InvariantBroken(f"group {g} consumed at step {step} with staleness {stale} > {bound}")
+        self.train_step = step
+
+    # -- delivering completions --------------------------------------------------------------------
+    def actions(self) -> list[tuple]:
+        acts: list[tuple] = [("ready", i) for i in self.loading]
+        acts += [("finish", t) for t, i in self.where.items() if self.version[i] is not None]
+        if self.train_step is not None:
+            acts.append(("train",))
+        return acts
+
+    def run(self, steps: int, max_events: int = 200_000) -> None:
+        self.feed(Start())
+        for _ in range(max_events):
+            if self.steps_done >= steps:
+                return
+            acts = self.actions()
+            if not acts:
+                raise InvariantBroken(f"deadlock after {self.steps_done} steps: nothing can happen")
+            r = self.rng.random()
+            if r < 0.03:
+                self.feed(Tick())
+            elif r < 0.05 and self.version.count(None) < len(self.version):
+                i = self.rng.choice([i for i, v in enumerate(self.version) if v is not None])
+                self.feed(KvPressure(i, self.rng.random()))
+            act = self.rng.choice(acts)
+            if act[0] == "ready":
+                i = act[1]
+                self.version[i] = self.loading.pop(i)
+                self.feed(InstanceReady(i, self.version[i]))
+            elif act[0] == "finish":
+                t = act[1]
+                i = self.where.pop(t)
+                self.finished.add(t)
+                self.feed(RequestFinished(t, i))
+            else:
+                step, self.train_step = self.train_step, None
+                self.steps_done += 1
+                self.feed(VersionPublished(step + 1))
+        raise InvariantBroken(f"no progress: {self.steps_done} steps after {max_events} events")
+
+    def check_nothing_lost(self) -> None:
+        """Every dispatched group is consumed, dropped, or still accounted pending/complete."""
+        led = self.p.ledger
+        for g in self.group_tag:
+            state = led.groups[g].state.name
+            if self.consumed[g]:
+                ok = state == "CONSUMED"
+            elif g in self.dropped:
+                ok = state == "DROPPED"
+            else:
+                g_size = self.p.cfg.group_size
+                trajs = range(g * g_size, (g + 1) * g_size)
+                live_or_done = all(t in self.where or t in self.finished or t in self.p.view.trajs for t in trajs)
+                ok = state in ("PENDING", "COMPLETE") and live_or_done
+            if not ok:
+                raise InvariantBroken(f"group {g} lost: ledger says {state}")

@@ -1,0 +1,125 @@
+import pytest
+
+from dora_hpc.core.cluster import ClusterView
+from dora_hpc.core.events import AssignVersion, Migrate
+from dora_hpc.core.ledger import GroupState, Ledger, LedgerError
+from dora_hpc.core.planner import VersionLoad, plan, target_counts
+from dora_hpc.core.window import StalenessViolation, VersionWindow
+
+
+def test_window_admission_and_gate_k1():
+    w = VersionWindow(k=1, tbs=2)
+    assert w.room(0) == 4  # v0 groups may be consumed by steps 0 and 1
+    for _ in range(4):
+        w.admit(0)
+    assert w.room(0) == 0
+    with pytest.raises(StalenessViolation):
+        w.admit(0)
+    assert not w.can_train({0: 1})
+    assert w.can_train({0: 2})
+    assert w.consume([0, 0]) == 0
+    # step 1 must take the last two v0 groups: two v1 groups alone cannot start it
+    w.publish(1)
+    w.admit(1)
+    w.admit(1)
+    assert not w.can_train({1: 2})
+    assert not w.can_train({0: 1, 1: 2})
+    assert w.can_train({0: 2, 1: 2})
+    assert w.oldest == 0
+    w.consume([0, 0])
+    assert w.oldest == 1  # the window slid only once v0 was fully consumed
+    with pytest.raises(StalenessViolation):
+        w.consume([0])
+
+
+def test_window_legacy_slack_and_roundtrip():
+    w = VersionWindow(k=2, tbs=1)
+    w.admit(0)
+    w.consume([0])
+    w.publish(1)
+    # v0 may still be consumed by steps 1 and 2; with slack 2 it is out of the window
+    assert w.room(0) == 2 and w.room(0, slack=1) == 2 and w.room(0, slack=2) == 0
+    assert w.room(1) == 3
+    w.admit(1)
+    w2 = VersionWindow.from_dict(w.to_dict())
+    assert w2 == w
+    with pytest.raises(ValueError):
+        w.publish(3)
+
+
+def test_ledger_exactly_once():
+    led = Ledger(group_size=2)
+    g = led.new_group(version=0)
+    assert not led.finish(0)
+    with pytest.raises(LedgerError):
+        led.finish(0)
+    assert led.finish(1)
+    led.consume(g, step=0)
+    with pytest.raises(LedgerError):
+        led.consume(g, step=1)
+    with pytest.raises(LedgerError):
+        led.drop(g, "late")
+    g2 = led.new_group(version=1)
+    led.drop(g2, "oversample")
+    with pytest.raises(LedgerError):
+        led.consume(g2, 1)
+    with pytest.raises(LedgerError):
+        led.finish(99)
+    back = Ledger.from_dict(led.to_dict())
+    assert back.totals() == led.totals() == {
+        "dispatched": 2, "pending": 0, "complete": 0, "consumed": 1, "dropped": 1}
+    assert back.groups[g2].state is GroupState.DROPPED and back.next_group == 2
+
+
+def test_target_counts_proportional_with_bounds():
+    loads = {0: VersionLoad(active=3, queued=0), 1: VersionLoad(active=0, queued=40)}
+    t = target_counts(n=8, slots=4, loads=loads, latest=1)
+    assert t == {0: 1, 1: 7}  # legacy keeps what its 3 live requests need, latest gets the rest
+    loads = {0: VersionLoad(active=20, queued=0), 1: VersionLoad(active=0, queued=20)}
+    assert target_counts(n=10, slots=4, loads=loads, latest=1) == {0: 5, 1: 5}
+    # a version with live requests never gets 0
+    loads = {0: VersionLoad(1, 0), 1: VersionLoad(1, 0), 2: VersionLoad(0, 100)}
+    t = target_counts(n=3, slots=4, loads=loads, latest=2)
+    assert t[0] >= 1 and t[1] >= 1 and sum(t.values()) == 3
+
+
+def _view_with(versions, active_per_instance, slots=4):
+    view = ClusterView(len(versions), slots, group_size=1)
+    for i, v in enumerate(versions):
+        view.assign(AssignVersion(i, v))
+        view.ready(i, v)
+    gid = 0
+    for i, n in enumerate(active_per_instance):
+        for _ in range(n):
+            view.enqueue_group(gid, versions[i])
+            view._put(gid, i)
+            view.queues[versions[i]].remove(gid)
+            gid += 1
+    return view, gid
+
+
+def test_plan_consolidates_legacy_and_hands_instances_to_latest():
+    # 4 instances on v0, each with one residual request; v1 has 12 queued requests.
+    view, gid = _view_with([0, 0, 0, 0], [1, 1, 1, 1])
+    for g in range(gid, gid + 12):
+        view.enqueue_group(g, 1)
+    cmds = plan(view, latest=1)
+    migrates = [c for c in cmds if isinstance(c, Migrate)]
+    assigns = [c for c in cmds if isinstance(c, AssignVersion)]
+    assert len(assigns) == 3 and all(a.version == 1 for a in assigns)
+    assert assigns[0].source == -1  # nobody holds v1 yet: from the trainer
+    assert len(migrates) == 3 and len({m.dst for m in migrates}) == 1
+    assert all(m.carry_kv for m in migrates)
+    kept = migrates[0].dst
+    assert len(view.instances[kept].active) == 4 and view.instances[kept].version == 0
+    # nothing starved -> no moves (hysteresis)
+    view2, _ = _view_with([0, 1], [1, 0])
+    assert plan(view2, latest=1) == []
+
+
+def test_plan_uses_peer_weights_when_a_peer_holds_the_version():
+    view, gid = _view_with([0, 0, 1], [0, 0, 4])
+    for g in range(gid, gid + 8):
+        view.enqueue_group(g, 1)
+    cmds = plan(view, latest=1)
+    assert {c.source for c in cmds if isinstance(c, AssignVersion)} == {2}

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root and install dora_hpc with its dev extras (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+echo "setup done: $(.venv/bin/dora-hpc --version)"
