@@ -6,8 +6,8 @@ Invariants:
   gives a legacy version more instances than its requests could fill; leftovers go to the latest.
 * ``plan`` is minimal: an instance is reassigned only when its version has a surplus *and* another
   version is starved (queued requests beyond its free slots). Requests on a released instance
-  migrate to kept instances of the same version (with their KV unless told otherwise), never to
-  another version. Weights come peer-to-peer from a ready instance of the version when one exists.
+  migrate to kept instances of the same version (best fit: the fullest peer with room, so legacy
+  requests consolidate), with their KV unless told otherwise, never to another version. Weights come peer-to-peer from a ready instance of the version when one exists.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]
             if len(view.instances[i].active) > sum(view.instances[j].free for j in peers):
                 continue
             for tid in sorted(view.instances[i].active):
-                dst = max(peers, key=lambda j: (view.instances[j].free, -j))
+                dst = min((j for j in peers if view.instances[j].free), key=lambda j: (view.instances[j].free, j))
                 m = Migrate(tid, i, dst, carry_kv)
                 view.migrate(m)
                 out.append(m)
