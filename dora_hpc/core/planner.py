@@ -7,7 +7,8 @@ Invariants:
 * ``plan`` is minimal: an instance is reassigned only when its version has a surplus *and* another
   version is starved (queued requests beyond its free slots). Requests on a released instance
   migrate to kept instances of the same version (best fit: the fullest peer with room, so legacy
-  requests consolidate), with their KV unless told otherwise, never to another version. Weights come peer-to-peer from a ready instance of the version when one exists.
+  requests consolidate), with their KV unless told otherwise, never to another version. An
+  instance still loading weights is never released (its InstanceReady is outstanding). Weights come peer-to-peer from a ready instance of the version when one exists.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]
         surplus = min(current[v] - target[v], need - len(donors))
         receivers: set[int] = set()
         released = 0
-        for i in sorted(view.hosts(v), key=lambda j: (len(view.instances[j].active), -j)):
+        for i in sorted(view.hosts(v, ready_only=True), key=lambda j: (len(view.instances[j].active), -j)):
             if released >= surplus:
                 break
             if i in receivers:

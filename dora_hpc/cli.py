@@ -1,0 +1,82 @@
+"""The one entry point: ``dora-hpc <command>``.
+
+Exit codes: 0 success, 1 a failure while running, 2 bad usage or a bad config (the message names
+the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from . import __version__
+from .config import ConfigError, load_config
+from .core.policies import MODES
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set dora.k=3 (repeatable)")
+
+
+def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    from .sim.report import render_table, simulate_modes, suggest_split, write_outputs
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    if args.suggest_split:
+        result = suggest_split(cfg, console)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "split.json").write_text(json.dumps(result, indent=2) + "\n")
+        b = result["best"]
+        console.print(f"best split for DORA: {b['rollout_instances']} rollout instances "
+                      f"({b['rollout_accelerators']} accelerators) + {b['train_accelerators']} for training "
+                      f"-> {b['throughput_tokens_per_s']:,.0f} tokens/s;  "
+                      f"set cluster.rollout_instances={b['rollout_instances']}")
+        return 0
+    modes = tuple(args.modes.split(",")) if args.modes else MODES
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    summary, sims = simulate_modes(cfg, modes, timeline=not args.no_plots, console=console)
+    console.print(render_table(summary, f"{args.config}: {cfg.cluster.accelerators} accelerators"))
+    if "dora_over_sync" in summary:
+        console.print(f"DORA / sync throughput: {summary['dora_over_sync']:.2f}x; zero-bubble limit "
+                      f"{summary['limit_tokens_per_s']:,.0f} tokens/s")
+    paths = write_outputs(summary, sims, out, plots=not args.no_plots)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("simulate", help="run every policy through the cluster simulator")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="output directory (summary.json, timelines)")
+    p.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--suggest-split", action="store_true",
+                   help="sweep the rollout/train split for DORA and print the best one")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
+    p.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        return args.func(args, console)
+    except ConfigError as e:
+        Console(stderr=True).print(f"[bold red]config error[/]: {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

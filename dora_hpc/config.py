@@ -1,0 +1,226 @@
+"""RunConfig: the one validated configuration (YAML in configs/, dotted ``--set`` overrides).
+
+Invariant: a RunConfig that constructs is internally consistent (RBS >= TBS, the rollout/train split
+fits the cluster, lengths are positive, ...). Anything else raises ConfigError with a message that
+names the offending key (``batch.rbs: ...``); the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
+Placement = Literal["colocated", "disaggregated"]
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchConfig(Section):
+    tbs: int = Field(8, ge=1, description="prompt groups consumed per train step")
+    rbs: int = Field(12, ge=1, description="prompt groups in flight (RBS >= TBS)")
+    group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
+
+    @model_validator(mode="after")
+    def _rbs_covers_tbs(self) -> BatchConfig:
+        if self.rbs < self.tbs:
+            raise ValueError(f"rbs ({self.rbs}) must be >= tbs ({self.tbs})")
+        return self
+
+
+class DoraConfig(Section):
+    k: int = Field(2, ge=0, description="staleness bound K")
+    kv_migration: bool = Field(True, description="migrate requests with their KV (False: re-prefill)")
+    legacy_topup: bool = True
+    kv_threshold: float = Field(0.9, gt=0, le=1)
+    rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
+
+
+class LengthDist(Section):
+    """Lognormal token lengths: median * exp(sigma * N(0,1)), clipped to [min, max]."""
+
+    median: float = Field(gt=0)
+    sigma: float = Field(0.0, ge=0)
+    max: int = Field(gt=0)
+    min: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthDist:
+        if not self.min <= self.median <= self.max:
+            raise ValueError(f"need min <= median <= max, got {self.min}, {self.median}, {self.max}")
+        return self
+
+
+class WorkloadConfig(Section):
+    prompt_len: LengthDist = LengthDist(median=128, sigma=0.3, max=512)
+    response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
+
+
+DEFAULT_PLACEMENT: dict[str, str] = {
+    "sync": "colocated", "one_step": "disaggregated", "partial": "colocated",
+    "oversample": "colocated", "dora": "disaggregated",
+}
+
+
+class ClusterConfig(Section):
+    accelerators: int = Field(8, ge=2, description="total accelerators, shared by rollout and training")
+    accelerators_per_instance: int = Field(1, ge=1, description="accelerators per rollout instance (TP)")
+    rollout_instances: int = Field(4, ge=1, description="disaggregated: rollout instances; trainer gets the rest")
+    max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per rollout instance")
+    placement: dict[Mode, Placement] = Field(default_factory=lambda: dict(DEFAULT_PLACEMENT))
+    trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks")
+    rollout_ranks: int = Field(2, ge=1, description="runtime: rollout MPI ranks")
+
+    @model_validator(mode="after")
+    def _split_fits(self) -> ClusterConfig:
+        if self.accelerators % self.accelerators_per_instance:
+            raise ValueError("accelerators must be a multiple of accelerators_per_instance")
+        if self.rollout_instances * self.accelerators_per_instance >= self.accelerators:
+            raise ValueError(f"rollout_instances ({self.rollout_instances}) x accelerators_per_instance "
+                             f"({self.accelerators_per_instance}) leaves no accelerator for training "
+                             f"out of {self.accelerators}")
+        return self
+
+    def placement_of(self, mode: str) -> str:
+        return self.placement.get(mode, DEFAULT_PLACEMENT[mode])  # type: ignore[arg-type]
+
+    def split(self, placement: str) -> tuple[int, int]:
+        """(rollout instances, train accelerators) under ``placement``."""
+        if placement == "colocated":
+            return self.accelerators // self.accelerators_per_instance, self.accelerators
+        return self.rollout_instances, self.accelerators - self.rollout_instances * self.accelerators_per_instance
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(20, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
+
+
+class EngineConfig(Section):
+    backend: Literal["builtin", "vllm"] = "builtin"
+    pacing: bool = False
+
+
+class ModelSpec(Section):
+    """The policy model as the simulator's cost model sees it."""
+
+    params_b: float = Field(0.5, gt=0, description="parameters, billions")
+    layers: int = Field(24, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=1)
+    bytes_per_param: int = Field(2, ge=1)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+
+class HardwareSpec(Section):
+    """One accelerator and its links (the simulator's roofline)."""
+
+    hbm_gbps: float = Field(3350, gt=0, description="HBM bandwidth per accelerator, GB/s")
+    peak_tflops: float = Field(989, gt=0, description="dense bf16 peak per accelerator, TFLOP/s")
+    hbm_gb: float = Field(80, gt=0, description="memory per accelerator, GB")
+    decode_bw_efficiency: float = Field(0.7, gt=0, le=1)
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    train_mfu: float = Field(0.3, gt=0, le=1)
+    step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
+    kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
+    weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per instance, GB/s")
+    colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
+
+
+class SimConfig(Section):
+    steps: int = Field(20, ge=2, description="train steps to simulate")
+    warmup_steps: int = Field(2, ge=1, description="steps excluded from the measured window")
+    tick_s: float = Field(10.0, gt=0, description="temporal rebalancing trigger period, seconds")
+    model: ModelSpec = ModelSpec()
+    hardware: HardwareSpec = HardwareSpec()
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> SimConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        return self
+
+
+class RunConfig(Section):
+    seed: int = 0
+    mode: Mode = "dora"
+    batch: BatchConfig = BatchConfig()
+    dora: DoraConfig = DoraConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    train: TrainConfig = TrainConfig()
+    engine: EngineConfig = EngineConfig()
+    sim: SimConfig = SimConfig()
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: '{p}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        out.append((key.strip(), yaml.safe_load(raw)))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    return validate(tree)
+
+
+def validate(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"{key}: {err['msg']}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def with_overrides(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """A validated copy of ``cfg`` with dotted keys replaced (used by sweeps)."""
+    tree = cfg.model_dump()
+    for key, value in values.items():
+        _set_dotted(tree, key, value)
+    return validate(tree)

@@ -1,0 +1,382 @@
+"""Simulator: a discrete-event cluster that executes a core policy's commands in simulated time.
+
+Invariants:
+* the simulator keeps its own record of every trajectory (segment versions, migrations, re-prefill)
+  and of every consumed group; the invariant counts in the summary come from that record, never
+  from the policy's bookkeeping;
+* an instance advances in macro steps -- from one batch change to the next -- with the exact closed
+  form of CostModel.decode_time, so a run costs O(events), not O(decode steps);
+* simulated time only; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ..config import RunConfig
+from ..core.events import (
+    Abort, AssignVersion, Dispatch, Drop, InstanceReady, KvPressure, Migrate, Offload, RequestFinished,
+    Restore, Start, StartTrain, Tick, VersionPublished,
+)
+from ..core.policies import PolicyConfig, make_policy
+from .costs import CostModel
+from .workload import Workload
+
+
+class SimError(RuntimeError):
+    """The policy asked for something physically impossible (a policy bug)."""
+
+
+@dataclass
+class Req:
+    traj: int
+    prompt: int
+    target: int
+    gen_at_join: int
+    join_step: int
+
+
+@dataclass
+class Instance:
+    idx: int
+    version: int | None = None
+    loading: bool = False
+    paused: bool = False
+    reqs: dict[int, Req] = field(default_factory=dict)
+    heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj)
+    steps: int = 0
+    kv_base: float = 0.0            # sum(prompt + gen_at_join - join_step): kv = kv_base + n * steps
+    offset: float = 0.0             # >0: time already spent into the next step; <0: prefill owed
+    t_run: float | None = None
+    epoch: int = 0
+    busy: float = 0.0               # seconds with work on the device
+    slot_seconds: float = 0.0       # integral of batch size over time
+    state: tuple[str, int | None] = ("idle", None)
+    since: float = 0.0
+
+    def generated(self, r: Req) -> int:
+        return r.gen_at_join + self.steps - r.join_step
+
+    def kv_tokens(self) -> float:
+        return self.kv_base + len(self.reqs) * self.steps
+
+
+@dataclass
+class TrajRecord:
+    group: int
+    segments: list[int]
+    migrations: int = 0
+    reprefill: int = 0
+    finished: bool = False
+
+
+class Simulator:
+    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True) -> None:
+        self.cfg, self.mode = cfg, mode
+        self.colocated = cfg.cluster.placement_of(mode) == "colocated"
+        n_inst, self.train_accels = cfg.cluster.split(cfg.cluster.placement_of(mode))
+        self.cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
+        b = cfg.batch
+        rbs = b.tbs if mode in ("sync", "one_step") else b.rbs
+        self.policy = make_policy(mode, PolicyConfig(
+            tbs=b.tbs, rbs=rbs, group_size=b.group_size, n_instances=n_inst, slots=cfg.cluster.max_num_seqs,
+            k=cfg.dora.k, kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
+            carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup))
+        self.work = Workload(cfg.workload, cfg.seed)
+        self.inst = [Instance(i) for i in range(n_inst)]
+        self.now = 0.0
+        self._q: list[tuple[float, int, tuple]] = []
+        self._seq = itertools.count()
+        self.timeline_on = timeline
+        self.timeline: list[tuple[int, float, float, str, int | None]] = []
+        # the simulator's own record
+        self.trajs: dict[int, TrajRecord] = {}
+        self.in_transit: dict[int, list] = {}
+        self.consumed: Counter[int] = Counter()
+        self.dropped: set[int] = set()
+        self.steps: list[dict] = []
+        self.ops: Counter[str] = Counter()        # seconds by overhead kind
+        self.counts: Counter[str] = Counter()     # migrations, reprefill tokens, ...
+        self.trainer_busy = False
+        self.running = 0
+        self._last_mark, self.rollout_only_s = 0.0, 0.0
+        self.kv_peak = 0.0
+        self._kv_hot: set[int] = set()
+        self.busy_marks: list[list[float]] = []   # per StartTrain: each instance's busy seconds so far
+        self.slot_seconds_at_t0 = self.rollout_only_at_t0 = 0.0  # snapshots at the measured window start
+
+    # -- event loop --------------------------------------------------------------------------------
+    def _at(self, t: float, *ev) -> None:
+        heapq.heappush(self._q, (t, next(self._seq), ev))
+
+    def run(self, max_events: int = 50_000_000) -> Simulator:
+        self._feed(Start())
+        self._at(self.cfg.sim.tick_s, "tick")
+        for _ in range(max_events):
+            n = self.cfg.sim.steps
+            if len(self.steps) >= n and self.steps[n - 1]["t_end"] is not None:
+                del self.steps[n:]  # a step started after the last measured one is not counted
+                self._close_timeline()
+                return self
+            if not self._q:
+                raise SimError(f"{self.mode}: deadlock at t={self.now:.1f}s after {len(self.steps)} steps")
+            t, _, ev = heapq.heappop(self._q)
+            self.now = t
+            getattr(self, "_ev_" + ev[0])(*ev[1:])
+        raise SimError(f"{self.mode}: no end after {max_events} events")
+
+    def _feed(self, event) -> None:
+        for cmd in self.policy.on(event):
+            self._execute(cmd)
+
+    def _ev_tick(self) -> None:
+        self._feed(Tick())
+        self._at(self.now + self.cfg.sim.tick_s, "tick")
+
+    def _ev_ready(self, i: int, v: int) -> None:
+        inst = self.inst[i]
+        inst.loading, inst.version = False, v
+        self._start(inst)
+        self._feed(InstanceReady(i, v))
+
+    def _ev_run(self, i: int, epoch: int) -> None:
+        inst = self.inst[i]
+        if epoch != inst.epoch:
+            return
+        self._stop(inst)
+        done = []
+        while (top := self._peek(inst)) is not None and top[0] <= inst.steps:
+            _, t = heapq.heappop(inst.heap)
+            done.append(t)
+            self._remove(inst, t)
+            self.trajs[t].finished = True
+        self._start(inst)
+        for t in done:
+            self._feed(RequestFinished(t, i))
+        self._check_kv(inst)
+
+    def _ev_arrive(self, t: int) -> None:
+        dst, req, reprefill = self.in_transit.pop(t)
+        inst = self.inst[dst]
+        if inst.version != self.trajs[t].segments[-1] or inst.loading:
+            raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
+        self._stop(inst)
+        inst.offset -= self.cost.prefill_time(reprefill)
+        self._add(inst, req)
+        self._start(inst)
+
+    def _ev_trained(self, step: int) -> None:
+        self._mark()
+        self.trainer_busy = False
+        self.steps[step]["t_end"] = self.now
+        if step == self.cfg.sim.warmup_steps - 1:
+            self.slot_seconds_at_t0 = sum(self.slot_seconds_now(i) for i in self.inst)
+            self.rollout_only_at_t0 = self.rollout_only_s
+        if self.colocated:
+            for inst in self.inst:
+                inst.paused = False
+                self._start(inst)
+        self._feed(VersionPublished(step + 1))
+
+    # -- instance mechanics ------------------------------------------------------------------------
+    def _stop(self, inst: Instance) -> None:
+        """Advance ``inst`` to now; it stops running until _start."""
+        if inst.t_run is None:
+            return
+        self._mark()
+        dt = self.now - inst.t_run
+        avail = inst.offset + dt
+        n = len(inst.reqs)
+        if avail > 0:
+            k = self.cost.decode_steps_within(avail, n, inst.kv_tokens())
+            inst.offset = avail - self.cost.decode_time(k, n, inst.kv_tokens())
+            inst.steps += k
+        else:
+            inst.offset = avail
+        inst.busy += dt
+        inst.slot_seconds += n * dt
+        inst.t_run = None
+        inst.epoch += 1
+        self.running -= 1
+
+    def _start(self, inst: Instance) -> None:
+        self._stop(inst)
+        state = ("loading" if inst.loading else "paused" if inst.paused else "busy" if inst.reqs else "idle")
+        self._set_state(inst, state)
+        if state != "busy":
+            return
+        self._mark()
+        k = self._peek(inst)[0] - inst.steps
+        dur = self.cost.decode_time(k, len(inst.reqs), inst.kv_tokens()) - inst.offset
+        inst.t_run = self.now
+        self.running += 1
+        self._at(self.now + max(dur, 0.0), "run", inst.idx, inst.epoch)
+
+    def _add(self, inst: Instance, r: Req) -> None:
+        r.join_step = inst.steps
+        inst.reqs[r.traj] = r
+        inst.kv_base += r.prompt + r.gen_at_join - r.join_step
+        heapq.heappush(inst.heap, (inst.steps + r.target - r.gen_at_join, r.traj))
+
+    def _remove(self, inst: Instance, t: int) -> Req:
+        r = inst.reqs.pop(t)
+        r.gen_at_join = inst.generated(r)
+        inst.kv_base -= r.prompt + r.gen_at_join - inst.steps
+        return r  # its heap entry goes stale and is skipped by _peek
+
+    @staticmethod
+    def _peek(inst: Instance) -> tuple[int, int] | None:
+        """The next (finish step, traj) of a live request, dropping stale heap entries."""
+        while inst.heap:
+            step, t = inst.heap[0]
+            r = inst.reqs.get(t)
+            if r is not None and r.join_step + r.target - r.gen_at_join == step:
+                return inst.heap[0]
+            heapq.heappop(inst.heap)
+        return None
+
+    def _set_state(self, inst: Instance, state: str) -> None:
+        key = (state, inst.version)
+        if key != inst.state:
+            if self.timeline_on and self.now > inst.since:
+                self.timeline.append((inst.idx, inst.since, self.now, *inst.state))
+            inst.state, inst.since = key, self.now
+
+    def _close_timeline(self) -> None:
+        for inst in self.inst:
+            self._stop(inst)
+            self._set_state(inst, "end")
+
+    def _mark(self) -> None:
+        if not self.trainer_busy and self.running > 0:
+            self.rollout_only_s += self.now - self._last_mark
+        self._last_mark = self.now
+
+    def _check_kv(self, inst: Instance) -> None:
+        frac = inst.kv_tokens() / max(self.cost.kv_capacity_tokens, 1.0)
+        self.kv_peak = max(self.kv_peak, frac)
+        hot = frac >= self.cfg.dora.kv_threshold
+        if hot and inst.idx not in self._kv_hot:
+            self._kv_hot.add(inst.idx)
+            self._feed(KvPressure(inst.idx, frac))
+        elif not hot:
+            self._kv_hot.discard(inst.idx)
+
+    # -- commands ----------------------------------------------------------------------------------
+    def _execute(self, cmd) -> None:
+        match cmd:
+            case AssignVersion(i, v, _src, keep):
+                inst = self.inst[i]
+                self._stop(inst)
+                if inst.reqs and not keep:
+                    raise SimError(f"{cmd} on an instance with live requests")
+                for r in inst.reqs.values():
+                    tokens = r.prompt + inst.generated(r)
+                    inst.offset -= self.cost.prefill_time(tokens)
+                    self.trajs[r.traj].segments.append(v)
+                    self.trajs[r.traj].reprefill += tokens
+                    self.counts["reprefill_tokens"] += tokens
+                    self.ops["reprefill"] += self.cost.prefill_time(tokens)
+                inst.loading, inst.version = True, None
+                self.ops["weight_sync"] += self.cost.weight_load_s
+                self.counts["weight_syncs"] += 1
+                self._start(inst)
+                self._at(self.now + self.cost.weight_load_s, "ready", i, v)
+            case Dispatch(t, g, _s, v, i):
+                inst = self.inst[i]
+                if inst.loading or inst.version != v:
+                    raise SimError(f"{cmd}: instance {i} does not host v{v}")
+                if t in self.trajs:
+                    raise SimError(f"trajectory {t} dispatched twice")
+                self.trajs[t] = TrajRecord(g, [v])
+                self._stop(inst)
+                prompt = self.work.prompt_len(g)
+                inst.offset -= self.cost.prefill_time(prompt)
+                self._add(inst, Req(t, prompt, self.work.response_len(t), 0, 0))
+                self._start(inst)
+                self._check_kv(inst)
+            case Migrate(t, src, dst, carry_kv):
+                self._migrate(t, src, dst, carry_kv)
+            case Abort(t, i):
+                inst = self.inst[i]
+                self._stop(inst)
+                self._remove(inst, t)
+                self._start(inst)
+            case Drop(g, _):
+                self.dropped.add(g)
+            case StartTrain(step, groups):
+                self._train(step, groups)
+            case Offload() | Restore():
+                raise SimError(f"{cmd}: the simulator models no host offload yet")
+            case _:
+                raise SimError(f"unknown command {cmd!r}")
+
+    def _migrate(self, t: int, src: int, dst: int, carry_kv: bool) -> None:
+        if t in self.in_transit:  # re-routed while still moving: it lands on the new destination
+            self.in_transit[t][0] = dst
+            return
+        inst = self.inst[src]
+        self._stop(inst)
+        req = self._remove(inst, t)
+        self._start(inst)
+        tokens = req.prompt + req.gen_at_join
+        rec = self.trajs[t]
+        rec.migrations += 1
+        self.counts["migrations"] += 1
+        if carry_kv:
+            dt = self.cost.kv_transfer_time(tokens)
+            self.ops["migration"] += dt
+            self.counts["kv_bytes"] += tokens * self.cost.kv_bytes_per_token
+            self.in_transit[t] = [dst, req, 0]
+        else:
+            dt = 0.0
+            rec.reprefill += tokens
+            self.counts["reprefill_tokens"] += tokens
+            self.ops["reprefill"] += self.cost.prefill_time(tokens)
+            self.in_transit[t] = [dst, req, tokens]
+        self._at(self.now + dt, "arrive", t)
+
+    def _train(self, step: int, groups: tuple[int, ...]) -> None:
+        if self.trainer_busy or step != len(self.steps):
+            raise SimError(f"StartTrain({step}) while the trainer is busy or out of order")
+        g_size = self.cfg.batch.group_size
+        tokens = 0
+        stale = []
+        for g in groups:
+            self.consumed[g] += 1
+            versions = set()
+            for t in range(g * g_size, (g + 1) * g_size):
+                rec = self.trajs[t]
+                if not rec.finished:
+                    raise SimError(f"step {step} consumes unfinished trajectory {t}")
+                versions.update(rec.segments)
+                tokens += self.work.prompt_len(g) + self.work.response_len(t)
+            stale.append(step - min(versions))
+        self._mark()
+        self.trainer_busy = True
+        self.busy_marks.append([self._busy_now(i) for i in self.inst])
+        dur = self.cost.train_time(tokens, self.train_accels)
+        if self.colocated:
+            dur += self.cost.colocated_switch_s
+            for inst in self.inst:
+                self._stop(inst)
+                inst.paused = True
+                self._start(inst)
+        self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
+                           "train_s": dur, "staleness": stale})
+        self._at(self.now + dur, "trained", step)
+
+    def _busy_now(self, inst: Instance) -> float:
+        return inst.busy + (self.now - inst.t_run if inst.t_run is not None else 0.0)
+
+    def slot_seconds_now(self, inst: Instance) -> float:
+        return inst.slot_seconds + (len(inst.reqs) * (self.now - inst.t_run) if inst.t_run is not None else 0.0)
+
+    def group_versions(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = defaultdict(set)
+        for rec in self.trajs.values():
+            out[rec.group].add(rec.segments[0])
+        return out

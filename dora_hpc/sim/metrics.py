@@ -1,0 +1,93 @@
+"""Figures of a finished simulation, computed from the simulator's own record.
+
+Definitions (also in results/sim/README.md):
+* measured window: from the end of train step ``warmup_steps - 1`` to the end of the last step;
+* throughput_tokens_per_s: prompt + response tokens of the steps started in the window / its length;
+* rollout_only_fraction: share of the window in which some instance generates while the trainer
+  is idle (the paper's "rollout-only phase");
+* slot_utilization: integral of live sequences / (instances x max_num_seqs x window);
+* bubble_fraction: the C.3 inter-node bubble, mean over instances of (max_i L_i - L_i) / max_i L_i,
+  where L_i is instance i's busy time between consecutive train-step starts, averaged over steps;
+* limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
+  full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices.
+"""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from .cluster import Simulator
+from .costs import CostModel
+from .workload import Workload
+
+
+def summarize(sim: Simulator) -> dict:
+    cfg = sim.cfg
+    w = cfg.sim.warmup_steps
+    t0, t1 = sim.steps[w - 1]["t_end"], sim.steps[-1]["t_end"]
+    span = t1 - t0
+    tokens = sum(s["tokens"] for s in sim.steps[w:])
+    # slot utilization and rollout-only come from running totals; subtract what happened before t0
+    slots = len(sim.inst) * cfg.cluster.max_num_seqs
+    slot_util = (sum(sim.slot_seconds_now(i) for i in sim.inst) - sim.slot_seconds_at_t0) / (slots * span)
+    bubbles = []
+    marks = sim.busy_marks[w - 1:] + [[sim._busy_now(i) for i in sim.inst]]
+    for a, b in zip(marks, marks[1:], strict=False):
+        busy = [y - x for x, y in zip(a, b, strict=True)]
+        top = max(busy)
+        if top > 0:
+            bubbles.append(sum((top - x) / top for x in busy) / len(busy))
+    mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
+    g_size = cfg.batch.group_size
+    split = sum(1 for vs in sim.group_versions().values() if len(vs) > 1)
+    lost = 0
+    for g in {r.group for r in sim.trajs.values()}:
+        if sim.consumed[g] or g in sim.dropped:
+            continue
+        for t in range(g * g_size, (g + 1) * g_size):
+            rec = sim.trajs.get(t)
+            alive = t in sim.policy.view.trajs or t in sim.in_transit
+            if not (alive or (rec is not None and rec.finished)):
+                lost += 1
+                break
+    wall = t1
+    return {
+        "throughput_tokens_per_s": tokens / span,
+        "mean_step_time_s": span / (len(sim.steps) - w),
+        "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,
+        "slot_utilization": slot_util,
+        "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else 0.0,
+        "max_staleness": max((x for s in sim.steps for x in s["staleness"]), default=0),
+        "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
+        "lost_groups": lost,
+        "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
+        "mixed_version_trajectories": mixed,
+        "split_groups": split,
+        "reprefill_tokens": int(sim.counts["reprefill_tokens"]),
+        "dropped_groups": len(sim.dropped),
+        "migrations": int(sim.counts["migrations"]),
+        "weight_syncs": int(sim.counts["weight_syncs"]),
+        "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(sim.ops.items())},
+        "kv_peak_fraction": sim.kv_peak,
+        "rollout_instances": len(sim.inst),
+        "train_accelerators": sim.train_accels,
+        "placement": "colocated" if sim.colocated else "disaggregated",
+        "steps": len(sim.steps),
+        "sim_time_s": t1,
+    }
+
+
+def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = None) -> float:
+    """Consumed tokens/s with every rollout instance always decoding a full batch (no bubbles)."""
+    n_inst, train_accels = cfg.cluster.split(placement)
+    cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
+    m = moments or Workload(cfg.workload, cfg.seed).moments()
+    slots = cfg.cluster.max_num_seqs
+    mean_kv = (m["PL"] + m["L2"] / 2) / m["L"]           # KV context seen by an average decode step
+    step = cost.a + cost.b * slots * mean_kv             # one full-batch step
+    per_traj = m["L"] * step / slots + cost.prefill_time(m["P"])  # instance-seconds per trajectory
+    tokens_per_traj = m["P"] + m["L"]
+    rollout_rate = n_inst * tokens_per_traj / per_traj
+    train_rate = tokens_per_traj / cost.train_time(tokens_per_traj, train_accels)
+    if placement == "colocated":
+        return 1.0 / (1.0 / rollout_rate + 1.0 / train_rate)
+    return min(rollout_rate, train_rate)
