@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         return args.func(args, console)
     except ConfigError as e:

@@ -40,6 +40,7 @@ class BatchConfig(Section):
 class DoraConfig(Section):
     k: int = Field(2, ge=0, description="staleness bound K")
     kv_migration: bool = Field(True, description="migrate requests with their KV (False: re-prefill)")
+    kv_offload: bool = Field(True, description="park preempted KV in host memory (False: recompute)")
     legacy_topup: bool = True
     kv_threshold: float = Field(0.9, gt=0, le=1)
     rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
@@ -115,6 +116,7 @@ class ModelSpec(Section):
 
     params_b: float = Field(0.5, gt=0, description="parameters, billions")
     layers: int = Field(24, ge=1)
+    hidden: int = Field(896, ge=1, description="hidden size (attention FLOPs of prefill)")
     kv_heads: int = Field(2, ge=1)
     head_dim: int = Field(64, ge=1)
     bytes_per_param: int = Field(2, ge=1)
@@ -139,7 +141,8 @@ class HardwareSpec(Section):
     train_mfu: float = Field(0.3, gt=0, le=1)
     step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
     kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
-    weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per instance, GB/s")
+    weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
+    host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")
     colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
 
 

@@ -11,8 +11,18 @@ import random
 from collections import Counter, defaultdict
 
 from dora_hpc.core.events import (
-    Abort, AssignVersion, Dispatch, Drop, InstanceReady, KvPressure, Migrate, RequestFinished, Start,
-    StartTrain, Tick, VersionPublished,
+    Abort,
+    AssignVersion,
+    Dispatch,
+    Drop,
+    InstanceReady,
+    KvPressure,
+    Migrate,
+    RequestFinished,
+    Start,
+    StartTrain,
+    Tick,
+    VersionPublished,
 )
 from dora_hpc.core.policies import Policy
 
@@ -62,7 +72,7 @@ class RandomDriver:
                     self.reprefills += 1
                 self.version[i] = None
                 self.loading[i] = v
-            case Dispatch(t, g, s, v, i):
+            case Dispatch(t, g, _, v, i):
                 if self.version[i] != v:
                     raise InvariantBroken(f"{cmd}: instance {i} holds v{self.version[i]}")
                 if self.group_tag.setdefault(g, v) != v and self.p.name != "partial":
@@ -71,7 +81,7 @@ class RandomDriver:
                     raise InvariantBroken(f"trajectory {t} dispatched twice")
                 self.where[t] = i
                 self.segments[t].append(v)
-            case Migrate(t, src, dst, carry_kv):
+            case Migrate(t, src, dst, _):
                 if self.where.get(t) != src or self.version[dst] != self.segments[t][-1]:
                     raise InvariantBroken(f"{cmd}: bad source or destination version")
                 self.where[t] = dst

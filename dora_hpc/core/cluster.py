@@ -12,6 +12,7 @@ trajectories into Dispatch commands on the least-loaded ready instance of that v
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,6 +57,9 @@ class ClusterView:
         self.trajs: dict[int, TrajView] = {}
         self.queues: dict[int, deque[int]] = {}
         self._has_free: dict[int, set[int]] = {}  # version -> ready instances with a free slot
+        self._free: dict[int, int] = {}            # version -> free slots on its ready instances
+        self._contrib: list[tuple[int | None, int]] = [(None, 0)] * n_instances  # (version, free)
+        self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (load, instance)
 
     # -- queries -----------------------------------------------------------------------------------
     def hosts(self, version: int, ready_only: bool = False) -> list[int]:
@@ -70,11 +74,7 @@ class ClusterView:
         return len(q) if q else 0
 
     def free_slots(self, version: int) -> int:
-        return sum(self.instances[i].free for i in self._has_free.get(version, ()))
-
-    def versions_with_work(self) -> set[int]:
-        live = {t.version for t in self.trajs.values()}
-        return live
+        return self._free.get(version, 0)
 
     # -- admission and placement -------------------------------------------------------------------
     def enqueue_group(self, group_id: int, version: int) -> None:
@@ -86,10 +86,12 @@ class ClusterView:
 
     def place(self, version: int) -> list[Dispatch]:
         """Dispatch queued trajectories of ``version`` onto its ready instances, least loaded first."""
-        q, free = self.queues.get(version), self._has_free.get(version)
+        q, free, heap = self.queues.get(version), self._has_free.get(version), self._by_load.get(version)
         out: list[Dispatch] = []
         while q and free:
-            i = min(free, key=lambda j: (len(self.instances[j].active), j))
+            load, i = heapq.heappop(heap)
+            if i not in free or len(self.instances[i].active) != load:
+                continue  # stale entry
             tid = q.popleft()
             t = self.trajs[tid]
             self._put(tid, i)
@@ -154,8 +156,22 @@ class ClusterView:
         self._refresh(instance)
 
     def _refresh(self, i: int) -> None:
-        for s in self._has_free.values():
-            s.discard(i)
+        """Re-index instance i after any change: free-slot sets, counters and the load heap."""
+        old_v, old_free = self._contrib[i]
+        if old_v is not None:
+            self._free[old_v] -= old_free
+            self._has_free.get(old_v, set()).discard(i)
         inst = self.instances[i]
-        if inst.ready and inst.free > 0:
-            self._has_free.setdefault(inst.version, set()).add(i)
+        v, free = (inst.version, inst.free) if inst.ready else (None, 0)
+        self._contrib[i] = (v, free)
+        if v is None:
+            return
+        self._free[v] = self._free.get(v, 0) + free
+        if free > 0:
+            self._has_free.setdefault(v, set()).add(i)
+            heap = self._by_load.setdefault(v, [])
+            if len(heap) > 4 * len(self.instances) + 64:  # drop stale entries now and then
+                heap[:] = [(len(self.instances[j].active), j) for j in self._has_free[v]]
+                heapq.heapify(heap)
+            else:
+                heapq.heappush(heap, (len(inst.active), i))

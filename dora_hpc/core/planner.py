@@ -8,11 +8,13 @@ Invariants:
   version is starved (queued requests beyond its free slots). Requests on a released instance
   migrate to kept instances of the same version (best fit: the fullest peer with room, so legacy
   requests consolidate), with their KV unless told otherwise, never to another version. An
-  instance still loading weights is never released (its InstanceReady is outstanding). Weights come peer-to-peer from a ready instance of the version when one exists.
+  instance still loading weights is never released (its InstanceReady is outstanding). Weights
+  come peer-to-peer from a ready instance of the version when one exists.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -68,24 +70,30 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]
     out: list[Command] = []
     for v in sorted(target):  # oldest versions give instances back first
         surplus = min(current[v] - target[v], need - len(donors))
-        receivers: set[int] = set()
-        released = 0
-        for i in sorted(view.hosts(v, ready_only=True), key=lambda j: (len(view.instances[j].active), -j)):
-            if released >= surplus:
+        if surplus <= 0:
+            continue
+        mine = view.hosts(v, ready_only=True)
+        free = {j: view.instances[j].free for j in mine}
+        room, moving, released = sum(free.values()), 0, []
+        for i in sorted(mine, key=lambda j: (len(view.instances[j].active), -j)):
+            if len(released) == surplus:
                 break
-            if i in receivers:
-                continue
-            peers = [j for j in view.hosts(v, ready_only=True) if j != i and j not in donors]
-            if len(view.instances[i].active) > sum(view.instances[j].free for j in peers):
-                continue
+            n = len(view.instances[i].active)
+            if moving + n <= room - free[i]:  # its requests still fit on the instances kept
+                released.append(i)
+                room -= free[i]
+                moving += n
+        kept = [(free[j], j) for j in mine if j not in set(released) and free[j] > 0]
+        heapq.heapify(kept)  # best fit: the fullest kept peer with room takes the next request
+        for i in released:
             for tid in sorted(view.instances[i].active):
-                dst = min((j for j in peers if view.instances[j].free), key=lambda j: (view.instances[j].free, j))
-                m = Migrate(tid, i, dst, carry_kv)
+                room_j, j = heapq.heappop(kept)
+                m = Migrate(tid, i, j, carry_kv)
                 view.migrate(m)
                 out.append(m)
-                receivers.add(dst)
-            donors.append(i)
-            released += 1
+                if room_j > 1:
+                    heapq.heappush(kept, (room_j - 1, j))
+        donors += released
     for v in sorted(starved, reverse=True):  # latest first
         for _ in range(starved[v]):
             if not donors:

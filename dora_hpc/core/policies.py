@@ -21,8 +21,19 @@ from dataclasses import dataclass
 from . import planner
 from .cluster import ClusterView
 from .events import (
-    TRAINER, Abort, AssignVersion, Command, Drop, Event, InstanceReady, KvPressure, RequestFinished,
-    Start, StartTrain, Tick, VersionPublished,
+    TRAINER,
+    Abort,
+    AssignVersion,
+    Command,
+    Drop,
+    Event,
+    InstanceReady,
+    KvPressure,
+    RequestFinished,
+    Start,
+    StartTrain,
+    Tick,
+    VersionPublished,
 )
 from .ledger import GroupState, Ledger
 from .window import VersionWindow

@@ -14,54 +14,33 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import RunConfig
 from ..core.events import (
-    Abort, AssignVersion, Dispatch, Drop, InstanceReady, KvPressure, Migrate, Offload, RequestFinished,
-    Restore, Start, StartTrain, Tick, VersionPublished,
+    Abort,
+    AssignVersion,
+    Dispatch,
+    Drop,
+    InstanceReady,
+    KvPressure,
+    Migrate,
+    Offload,
+    RequestFinished,
+    Restore,
+    Start,
+    StartTrain,
+    Tick,
+    VersionPublished,
 )
 from ..core.policies import PolicyConfig, make_policy
 from .costs import CostModel
+from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req
 from .workload import Workload
 
 
 class SimError(RuntimeError):
     """The policy asked for something physically impossible (a policy bug)."""
-
-
-@dataclass
-class Req:
-    traj: int
-    prompt: int
-    target: int
-    gen_at_join: int
-    join_step: int
-
-
-@dataclass
-class Instance:
-    idx: int
-    version: int | None = None
-    loading: bool = False
-    paused: bool = False
-    reqs: dict[int, Req] = field(default_factory=dict)
-    heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj)
-    steps: int = 0
-    kv_base: float = 0.0            # sum(prompt + gen_at_join - join_step): kv = kv_base + n * steps
-    offset: float = 0.0             # >0: time already spent into the next step; <0: prefill owed
-    t_run: float | None = None
-    epoch: int = 0
-    busy: float = 0.0               # seconds with work on the device
-    slot_seconds: float = 0.0       # integral of batch size over time
-    state: tuple[str, int | None] = ("idle", None)
-    since: float = 0.0
-
-    def generated(self, r: Req) -> int:
-        return r.gen_at_join + self.steps - r.join_step
-
-    def kv_tokens(self) -> float:
-        return self.kv_base + len(self.reqs) * self.steps
 
 
 @dataclass
@@ -86,7 +65,8 @@ class Simulator:
             k=cfg.dora.k, kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
             carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup))
         self.work = Workload(cfg.workload, cfg.seed)
-        self.inst = [Instance(i) for i in range(n_inst)]
+        offload = mode == "dora" and cfg.dora.kv_offload
+        self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
         self.now = 0.0
         self._q: list[tuple[float, int, tuple]] = []
         self._seq = itertools.count()
@@ -98,8 +78,8 @@ class Simulator:
         self.consumed: Counter[int] = Counter()
         self.dropped: set[int] = set()
         self.steps: list[dict] = []
-        self.ops: Counter[str] = Counter()        # seconds by overhead kind
-        self.counts: Counter[str] = Counter()     # migrations, reprefill tokens, ...
+        self.ops: Counter[str] = Counter()        # seconds by overhead kind (plus each instance's own)
+        self.counts: Counter[str] = Counter()     # migrations, reprefill tokens, ... (likewise)
         self.trainer_busy = False
         self.running = 0
         self._last_mark, self.rollout_only_s = 0.0, 0.0
@@ -147,11 +127,8 @@ class Simulator:
         if epoch != inst.epoch:
             return
         self._stop(inst)
-        done = []
-        while (top := self._peek(inst)) is not None and top[0] <= inst.steps:
-            _, t = heapq.heappop(inst.heap)
-            done.append(t)
-            self._remove(inst, t)
+        done = inst.pop_finished()
+        for t in done:
             self.trajs[t].finished = True
         self._start(inst)
         for t in done:
@@ -159,13 +136,12 @@ class Simulator:
         self._check_kv(inst)
 
     def _ev_arrive(self, t: int) -> None:
-        dst, req, reprefill = self.in_transit.pop(t)
+        dst, req = self.in_transit.pop(t)
         inst = self.inst[dst]
         if inst.version != self.trajs[t].segments[-1] or inst.loading:
             raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
         self._stop(inst)
-        inst.offset -= self.cost.prefill_time(reprefill)
-        self._add(inst, req)
+        inst.admit(req, front=True)
         self._start(inst)
 
     def _ev_trained(self, step: int) -> None:
@@ -187,56 +163,23 @@ class Simulator:
         if inst.t_run is None:
             return
         self._mark()
-        dt = self.now - inst.t_run
-        avail = inst.offset + dt
-        n = len(inst.reqs)
-        if avail > 0:
-            k = self.cost.decode_steps_within(avail, n, inst.kv_tokens())
-            inst.offset = avail - self.cost.decode_time(k, n, inst.kv_tokens())
-            inst.steps += k
-        else:
-            inst.offset = avail
-        inst.busy += dt
-        inst.slot_seconds += n * dt
-        inst.t_run = None
-        inst.epoch += 1
+        inst.advance(self.now)
         self.running -= 1
 
     def _start(self, inst: Instance) -> None:
         self._stop(inst)
-        state = ("loading" if inst.loading else "paused" if inst.paused else "busy" if inst.reqs else "idle")
+        runnable = not (inst.loading or inst.paused)
+        if runnable:
+            inst.fill()
+            inst.preempt()
+        state = "loading" if inst.loading else "paused" if inst.paused else "busy" if inst.reqs else "idle"
         self._set_state(inst, state)
         if state != "busy":
             return
         self._mark()
-        k = self._peek(inst)[0] - inst.steps
-        dur = self.cost.decode_time(k, len(inst.reqs), inst.kv_tokens()) - inst.offset
         inst.t_run = self.now
         self.running += 1
-        self._at(self.now + max(dur, 0.0), "run", inst.idx, inst.epoch)
-
-    def _add(self, inst: Instance, r: Req) -> None:
-        r.join_step = inst.steps
-        inst.reqs[r.traj] = r
-        inst.kv_base += r.prompt + r.gen_at_join - r.join_step
-        heapq.heappush(inst.heap, (inst.steps + r.target - r.gen_at_join, r.traj))
-
-    def _remove(self, inst: Instance, t: int) -> Req:
-        r = inst.reqs.pop(t)
-        r.gen_at_join = inst.generated(r)
-        inst.kv_base -= r.prompt + r.gen_at_join - inst.steps
-        return r  # its heap entry goes stale and is skipped by _peek
-
-    @staticmethod
-    def _peek(inst: Instance) -> tuple[int, int] | None:
-        """The next (finish step, traj) of a live request, dropping stale heap entries."""
-        while inst.heap:
-            step, t = inst.heap[0]
-            r = inst.reqs.get(t)
-            if r is not None and r.join_step + r.target - r.gen_at_join == step:
-                return inst.heap[0]
-            heapq.heappop(inst.heap)
-        return None
+        self._at(self.now + inst.run_length(), "run", inst.idx, inst.epoch)
 
     def _set_state(self, inst: Instance, state: str) -> None:
         key = (state, inst.version)
@@ -269,17 +212,19 @@ class Simulator:
     def _execute(self, cmd) -> None:
         match cmd:
             case AssignVersion(i, v, _src, keep):
-                inst = self.inst[i]
-                self._stop(inst)
-                if inst.reqs and not keep:
+                inst = self._stopped(i)
+                if inst.has_work() and not keep:
                     raise SimError(f"{cmd} on an instance with live requests")
-                for r in inst.reqs.values():
-                    tokens = r.prompt + inst.generated(r)
-                    inst.offset -= self.cost.prefill_time(tokens)
-                    self.trajs[r.traj].segments.append(v)
+                for r in inst.invalidate_kv() if keep else []:
+                    tokens = r.prompt + r.gen_at_join
                     self.trajs[r.traj].reprefill += tokens
                     self.counts["reprefill_tokens"] += tokens
-                    self.ops["reprefill"] += self.cost.prefill_time(tokens)
+                for r in list(inst.reqs.values()) + list(inst.waiting):
+                    seg = self.trajs[r.traj].segments
+                    if r.gen_at_join or r.owes != "prompt":
+                        seg.append(v)
+                    else:  # not started: no token was sampled under the old version
+                        seg[-1] = v
                 inst.loading, inst.version = True, None
                 self.ops["weight_sync"] += self.cost.weight_load_s
                 self.counts["weight_syncs"] += 1
@@ -292,19 +237,14 @@ class Simulator:
                 if t in self.trajs:
                     raise SimError(f"trajectory {t} dispatched twice")
                 self.trajs[t] = TrajRecord(g, [v])
-                self._stop(inst)
-                prompt = self.work.prompt_len(g)
-                inst.offset -= self.cost.prefill_time(prompt)
-                self._add(inst, Req(t, prompt, self.work.response_len(t), 0, 0))
+                self._stopped(i).admit(Req(t, self.work.prompt_len(g), self.work.response_len(t)))
                 self._start(inst)
                 self._check_kv(inst)
             case Migrate(t, src, dst, carry_kv):
                 self._migrate(t, src, dst, carry_kv)
             case Abort(t, i):
-                inst = self.inst[i]
-                self._stop(inst)
-                self._remove(inst, t)
-                self._start(inst)
+                self._stopped(i).remove(t)
+                self._start(self.inst[i])
             case Drop(g, _):
                 self.dropped.add(g)
             case StartTrain(step, groups):
@@ -314,29 +254,32 @@ class Simulator:
             case _:
                 raise SimError(f"unknown command {cmd!r}")
 
+    def _stopped(self, i: int) -> Instance:
+        self._stop(self.inst[i])
+        return self.inst[i]
+
     def _migrate(self, t: int, src: int, dst: int, carry_kv: bool) -> None:
         if t in self.in_transit:  # re-routed while still moving: it lands on the new destination
             self.in_transit[t][0] = dst
             return
-        inst = self.inst[src]
-        self._stop(inst)
-        req = self._remove(inst, t)
-        self._start(inst)
+        req = self._stopped(src).remove(t)
+        self._start(self.inst[src])
         tokens = req.prompt + req.gen_at_join
         rec = self.trajs[t]
         rec.migrations += 1
         self.counts["migrations"] += 1
-        if carry_kv:
-            dt = self.cost.kv_transfer_time(tokens)
-            self.ops["migration"] += dt
-            self.counts["kv_bytes"] += tokens * self.cost.kv_bytes_per_token
-            self.in_transit[t] = [dst, req, 0]
-        else:
-            dt = 0.0
-            rec.reprefill += tokens
-            self.counts["reprefill_tokens"] += tokens
-            self.ops["reprefill"] += self.cost.prefill_time(tokens)
-            self.in_transit[t] = [dst, req, tokens]
+        dt = 0.0
+        if req.owes == OWES_HOST or req.owes == OWES_NOTHING:  # it has KV somewhere
+            if carry_kv:
+                dt = self.cost.kv_transfer_time(tokens)
+                self.ops["migration"] += dt
+                self.counts["kv_bytes"] += tokens * self.cost.kv_bytes_per_token
+                req.owes = OWES_NOTHING
+            else:
+                rec.reprefill += tokens
+                self.counts["reprefill_tokens"] += tokens
+                req.owes = OWES_REPREFILL
+        self.in_transit[t] = [dst, req]
         self._at(self.now + dt, "arrive", t)
 
     def _train(self, step: int, groups: tuple[int, ...]) -> None:
@@ -362,8 +305,7 @@ class Simulator:
         if self.colocated:
             dur += self.cost.colocated_switch_s
             for inst in self.inst:
-                self._stop(inst)
-                inst.paused = True
+                self._stopped(inst.idx).paused = True
                 self._start(inst)
         self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
                            "train_s": dur, "staleness": stale})
@@ -374,6 +316,13 @@ class Simulator:
 
     def slot_seconds_now(self, inst: Instance) -> float:
         return inst.slot_seconds + (len(inst.reqs) * (self.now - inst.t_run) if inst.t_run is not None else 0.0)
+
+    def total(self, what: str) -> Counter:
+        """Simulator-level plus per-instance ``ops`` (seconds) or ``counts``."""
+        out = Counter(getattr(self, what))
+        for inst in self.inst:
+            out.update(getattr(inst, what))
+        return out
 
     def group_versions(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = defaultdict(set)

@@ -4,11 +4,12 @@ Rules (every constant comes from SimConfig; see configs/sim/*.yaml for sources):
 * decode is memory-bound: one engine step reads all weights once plus the KV of every sequence in
   the batch, so step(n, kv) = overhead + (weights/TP + kv * bytes_per_token/TP) / (HBM bw * eff);
   nearly flat in batch size until the KV term dominates;
-* prefill is compute-bound: 2 * params * tokens / (TP * peak * prefill_mfu);
+* prefill is compute-bound: (2 * params * T + 2 * layers * hidden * T^2) FLOPs for a context of T
+  tokens (linear layers + causal attention) / (TP * peak * prefill_mfu);
 * training costs 8 * params * tokens FLOPs (forward + backward = 6, plus 2 for recomputing
   old-policy logprobs) on the trainer's accelerators at train_mfu: time scales as 1/accelerators,
   i.e. perfect data-parallel scaling at a constant MFU (documented in results/sim/README.md);
-* KV and weight transfers cost bytes / link bandwidth.
+* KV transfers (instance to instance, device to host) and weight loads cost bytes / link bandwidth.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ class CostModel:
     a: float              # seconds per decode step, fixed part (weights + overhead)
     b: float              # seconds per decode step per KV token in the batch
     prefill_per_token: float
+    prefill_per_token2: float
     train_flops_per_token: float
     train_flops_per_accel: float
     kv_bytes_per_token: float
     kv_link: float
+    host_link: float
     weight_load_s: float
     colocated_switch_s: float
     kv_capacity_tokens: float
@@ -40,10 +43,12 @@ class CostModel:
             a=h.step_overhead_ms / 1e3 + m.weight_bytes / bw,
             b=m.kv_bytes_per_token / bw,
             prefill_per_token=2 * m.params_b * 1e9 / (tp * h.peak_tflops * 1e12 * h.prefill_mfu),
+            prefill_per_token2=2 * m.layers * m.hidden / (tp * h.peak_tflops * 1e12 * h.prefill_mfu),
             train_flops_per_token=8 * m.params_b * 1e9,
             train_flops_per_accel=h.peak_tflops * 1e12 * h.train_mfu,
             kv_bytes_per_token=m.kv_bytes_per_token,
             kv_link=h.kv_link_gbps * 1e9,
+            host_link=tp * h.host_link_gbps * 1e9,
             weight_load_s=m.weight_bytes / tp / (h.weight_link_gbps * 1e9),
             colocated_switch_s=h.colocated_switch_s,
             kv_capacity_tokens=free_hbm / m.kv_bytes_per_token,
@@ -67,10 +72,14 @@ class CostModel:
         return k
 
     def prefill_time(self, tokens: float) -> float:
-        return tokens * self.prefill_per_token
+        return tokens * self.prefill_per_token + tokens * tokens * self.prefill_per_token2
 
     def train_time(self, tokens: float, accelerators: int) -> float:
         return tokens * self.train_flops_per_token / (accelerators * self.train_flops_per_accel)
+
+    def host_copy_time(self, tokens: float) -> float:
+        """Copy a request's KV between device and host memory (offload or restore)."""
+        return tokens * self.kv_bytes_per_token / self.host_link
 
     def kv_transfer_time(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / self.kv_link

@@ -6,8 +6,11 @@ Definitions (also in results/sim/README.md):
 * rollout_only_fraction: share of the window in which some instance generates while the trainer
   is idle (the paper's "rollout-only phase");
 * slot_utilization: integral of live sequences / (instances x max_num_seqs x window);
-* bubble_fraction: the C.3 inter-node bubble, mean over instances of (max_i L_i - L_i) / max_i L_i,
-  where L_i is instance i's busy time between consecutive train-step starts, averaged over steps;
+* bubble_fraction: the C.3 bubble, (max_i L_i - L_i) / max_i L_i averaged over decode slots, in
+  time form: the idle share of all decode slots while the rollout side may run (colocated: outside
+  training). Under one-wave static batching it is exactly C.3 with L_i the sequence lengths;
+* inter_instance_bubble: the same formula over instances, L_i = busy time of instance i between
+  consecutive train-step starts (an instance with one straggler counts as busy), averaged over steps;
 * limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
   full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices.
 """
@@ -29,6 +32,8 @@ def summarize(sim: Simulator) -> dict:
     # slot utilization and rollout-only come from running totals; subtract what happened before t0
     slots = len(sim.inst) * cfg.cluster.max_num_seqs
     slot_util = (sum(sim.slot_seconds_now(i) for i in sim.inst) - sim.slot_seconds_at_t0) / (slots * span)
+    rollout_span = span - (sum(s["train_s"] for s in sim.steps[w:]) if sim.colocated else 0.0)
+    slot_bubble = 1.0 - slot_util * span / rollout_span
     bubbles = []
     marks = sim.busy_marks[w - 1:] + [[sim._busy_now(i) for i in sim.inst]]
     for a, b in zip(marks, marks[1:], strict=False):
@@ -50,23 +55,28 @@ def summarize(sim: Simulator) -> dict:
                 lost += 1
                 break
     wall = t1
+    counts, ops = sim.total("counts"), sim.total("ops")
     return {
         "throughput_tokens_per_s": tokens / span,
         "mean_step_time_s": span / (len(sim.steps) - w),
         "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,
         "slot_utilization": slot_util,
-        "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else 0.0,
+        "bubble_fraction": slot_bubble,
+        "inter_instance_bubble": sum(bubbles) / len(bubbles) if bubbles else 0.0,
         "max_staleness": max((x for s in sim.steps for x in s["staleness"]), default=0),
         "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
         "lost_groups": lost,
         "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
         "mixed_version_trajectories": mixed,
         "split_groups": split,
-        "reprefill_tokens": int(sim.counts["reprefill_tokens"]),
+        "reprefill_tokens": int(counts["reprefill_tokens"]),
+        "preemptions": int(counts["preemptions"]),
+        "preempt_recompute_tokens": int(counts["preempt_recompute_tokens"]),
         "dropped_groups": len(sim.dropped),
-        "migrations": int(sim.counts["migrations"]),
-        "weight_syncs": int(sim.counts["weight_syncs"]),
-        "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(sim.ops.items())},
+        "migrations": int(counts["migrations"]),
+        "migrated_kv_bytes": float(counts["kv_bytes"]),
+        "weight_syncs": int(counts["weight_syncs"]),
+        "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(ops.items())},
         "kv_peak_fraction": sim.kv_peak,
         "rollout_instances": len(sim.inst),
         "train_accelerators": sim.train_accels,

@@ -21,7 +21,7 @@ def timeline_png(sim: Simulator, path: Path, max_rows: int = 64) -> None:
     row_of = {inst: r for r, inst in enumerate(rows)}
     cmap = plt.get_cmap("viridis")
     n_versions = max(len(sim.steps), 1) + 1
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.22 * len(rows)))
+    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.22 * len(rows)))
     for inst, t0, t1, state, version in sim.timeline:
         if inst not in row_of or t1 <= t0:
             continue
@@ -40,7 +40,8 @@ def timeline_png(sim: Simulator, path: Path, max_rows: int = 64) -> None:
                  "coloured by policy version; red lines = train-step starts")
     handles = [Patch(color=cmap(v / n_versions), label=f"busy v{v}") for v in (0, n_versions // 2, n_versions - 1)]
     handles += [Patch(color=c, label=s) for s, c in STATE_STYLE.items()]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 2.5 / (6 + len(rows))),
+              fontsize=8, ncol=len(handles), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,184 @@
+"""One simulated rollout instance: continuous batching under a KV-cache budget, in macro steps.
+
+Invariants:
+* the running batch's KV never exceeds the instance's capacity at a step boundary: when the next
+  step would overflow, the most recently joined request is preempted (vLLM's policy) -- its KV is
+  dropped and later recomputed, or, with ``kv_offload`` (DORA's hierarchical memory), parked in
+  host memory and copied back;
+* waiting requests (new, preempted, or arrived without room) are admitted FIFO as KV frees up, each
+  paying what it owes first: a prompt prefill, a recompute/re-prefill of prompt + generated tokens,
+  or a host->device copy;
+* time advances by the closed form of CostModel.decode_time between batch changes, so the cost of a
+  simulation is O(batch changes), not O(decode steps).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .costs import CostModel
+
+# what a request must rebuild before it decodes again
+OWES_PROMPT, OWES_RECOMPUTE, OWES_REPREFILL, OWES_HOST, OWES_NOTHING = "prompt", "recompute", "reprefill", "host", ""
+
+
+@dataclass(eq=False)
+class Req:
+    traj: int
+    prompt: int
+    target: int
+    gen_at_join: int = 0
+    join_step: int = 0
+    owes: str = OWES_PROMPT
+
+    @property
+    def finish_step(self) -> int:
+        return self.join_step + self.target - self.gen_at_join
+
+
+@dataclass
+class Instance:
+    idx: int
+    cost: CostModel
+    kv_offload: bool = False
+    version: int | None = None
+    loading: bool = False
+    paused: bool = False
+    reqs: dict[int, Req] = field(default_factory=dict)      # running, in join order
+    waiting: deque[Req] = field(default_factory=deque)
+    heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj), lazily cleaned
+    steps: int = 0
+    kv_base: float = 0.0            # sum(prompt + gen_at_join - join_step): kv = kv_base + n * steps
+    offset: float = 0.0             # >0: time already spent into the next step; <0: prefill owed
+    t_run: float | None = None
+    epoch: int = 0
+    busy: float = 0.0               # seconds with a running batch (including prefill)
+    slot_seconds: float = 0.0       # integral of running batch size over time
+    counts: Counter = field(default_factory=Counter)
+    ops: Counter = field(default_factory=Counter)  # seconds by kind
+    state: tuple[str, int | None] = ("idle", None)
+    since: float = 0.0
+
+    # -- queries -----------------------------------------------------------------------------------
+    def generated(self, r: Req) -> int:
+        return r.gen_at_join + self.steps - r.join_step if r.traj in self.reqs else r.gen_at_join
+
+    def kv_tokens(self) -> float:
+        return self.kv_base + len(self.reqs) * self.steps
+
+    def peek(self) -> tuple[int, int] | None:
+        """The next (finish step, traj) of a running request, dropping stale heap entries."""
+        while self.heap:
+            step, t = self.heap[0]
+            r = self.reqs.get(t)
+            if r is not None and r.finish_step == step:
+                return self.heap[0]
+            heapq.heappop(self.heap)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.reqs or self.waiting)
+
+    # -- time --------------------------------------------------------------------------------------
+    def advance(self, now: float) -> None:
+        """Account for the decode steps done since the batch started running at ``t_run``."""
+        dt = now - self.t_run
+        avail = self.offset + dt
+        n = len(self.reqs)
+        if avail > 0 and n:
+            kv0 = self.kv_tokens()
+            k = self.cost.decode_steps_within(avail, n, kv0)
+            self.offset = avail - self.cost.decode_time(k, n, kv0)
+            self.steps += k
+        else:
+            self.offset = avail
+        self.busy += dt
+        self.slot_seconds += n * dt
+        self.t_run = None
+        self.epoch += 1
+
+    def run_length(self) -> float:
+        """Seconds until the next batch change: a finish, or the step where KV would overflow."""
+        n = len(self.reqs)
+        k = self.peek()[0] - self.steps
+        room = self.cost.kv_capacity_tokens - self.kv_tokens()
+        if n > 1 and room < k * n:
+            k = max(1, int(room // n))
+        return max(self.cost.decode_time(k, n, self.kv_tokens()) - self.offset, 0.0)
+
+    # -- batch changes (the instance is stopped: t_run is None) ------------------------------------
+    def admit(self, r: Req, front: bool = False) -> None:
+        """Queue a request; it runs as soon as its KV fits."""
+        (self.waiting.appendleft if front else self.waiting.append)(r)
+        self.fill()
+
+    def fill(self) -> None:
+        while self.waiting and self._fits(self.waiting[0]):
+            self._run(self.waiting.popleft())
+
+    def _fits(self, r: Req) -> bool:
+        need = r.prompt + r.gen_at_join + 1
+        return not self.reqs or self.kv_tokens() + need + len(self.reqs) <= self.cost.kv_capacity_tokens
+
+    def _run(self, r: Req) -> None:
+        ctx = r.prompt + r.gen_at_join
+        if r.owes == OWES_PROMPT:
+            self.offset -= self.cost.prefill_time(r.prompt)
+        elif r.owes in (OWES_RECOMPUTE, OWES_REPREFILL):
+            self.offset -= self.cost.prefill_time(ctx)
+            self.ops[r.owes] += self.cost.prefill_time(ctx)
+            if r.owes == OWES_RECOMPUTE:
+                self.counts["preempt_recompute_tokens"] += ctx
+        elif r.owes == OWES_HOST:
+            self.offset -= self.cost.host_copy_time(ctx)
+            self.ops["offload"] += self.cost.host_copy_time(ctx)
+        r.owes = OWES_NOTHING
+        r.join_step = self.steps
+        self.reqs[r.traj] = r
+        self.kv_base += r.prompt + r.gen_at_join - r.join_step
+        heapq.heappush(self.heap, (r.finish_step, r.traj))
+
+    def remove(self, t: int) -> Req:
+        """Take a request off the instance, running or waiting; its heap entry goes stale."""
+        r = self.reqs.pop(t, None)
+        if r is None:
+            r = next(x for x in self.waiting if x.traj == t)
+            self.waiting.remove(r)
+            return r
+        r.gen_at_join = r.gen_at_join + self.steps - r.join_step
+        self.kv_base -= r.prompt + r.gen_at_join - self.steps
+        return r
+
+    def pop_finished(self) -> list[int]:
+        done = []
+        while (top := self.peek()) is not None and top[0] <= self.steps:
+            heapq.heappop(self.heap)
+            done.append(top[1])
+            self.remove(top[1])
+        return done
+
+    def preempt(self) -> None:
+        """Preempt the newest running requests until the next decode step fits in KV."""
+        while len(self.reqs) > 1 and self.kv_tokens() + len(self.reqs) > self.cost.kv_capacity_tokens:
+            r = self.remove(next(reversed(self.reqs)))
+            ctx = r.prompt + r.gen_at_join
+            self.counts["preemptions"] += 1
+            if self.kv_offload:
+                r.owes = OWES_HOST
+                self.offset -= self.cost.host_copy_time(ctx)
+                self.ops["offload"] += self.cost.host_copy_time(ctx)
+            else:
+                r.owes = OWES_RECOMPUTE
+            self.waiting.appendleft(r)
+
+    def invalidate_kv(self) -> list[Req]:
+        """New weights under live requests (partial rollout): every resident or parked KV is stale
+        and must be re-prefilled; returns the requests that now owe a re-prefill."""
+        running = [self.remove(t) for t in list(self.reqs)]
+        parked = [r for r in self.waiting if r.owes in (OWES_HOST, OWES_RECOMPUTE)]
+        for r in running + parked:
+            r.owes = OWES_REPREFILL
+        self.waiting.extendleft(reversed(running))
+        return running + parked

@@ -1,0 +1,53 @@
+import pytest
+
+from dora_hpc.cli import main
+from dora_hpc.config import ConfigError, load_config, with_overrides
+
+
+def test_defaults_and_repo_configs_validate():
+    cfg = load_config()
+    assert cfg.batch.rbs >= cfg.batch.tbs
+    for path in ("configs/sim/small.yaml", "configs/sim/paper-64.yaml", "configs/sim/paper-128.yaml"):
+        load_config(path)
+
+
+def test_overrides_parse_values_and_reach_nested_keys():
+    cfg = load_config("configs/sim/small.yaml", ["dora.k=3", "workload.response_len.sigma=1.5", "mode=sync"])
+    assert cfg.dora.k == 3 and cfg.workload.response_len.sigma == 1.5 and cfg.mode == "sync"
+    assert with_overrides(cfg, {"cluster.rollout_instances": 3}).cluster.rollout_instances == 3
+
+
+@pytest.mark.parametrize("override, key", [
+    ("batch.rbs=1", "batch"),                       # rbs < tbs
+    ("dora.kk=1", "dora.kk"),                       # unknown key
+    ("dora.k=-1", "dora.k"),
+    ("workload.response_len.median=0", "workload.response_len.median"),
+    ("cluster.rollout_instances=100", "cluster"),   # no accelerator left for training
+    ("mode=fast", "mode"),
+    ("cluster.placement.dora=everywhere", "cluster.placement.dora"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/sim/small.yaml", [override])
+    assert key in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(None, ["novalue"])
+
+
+def test_cli_exits_2_naming_the_key(tmp_path, capsys):
+    code = main(["simulate", "configs/sim/small.yaml", "--set", "batch.tbs=0", "--out", str(tmp_path)])
+    assert code == 2
+    assert "batch.tbs" in capsys.readouterr().err
+    assert main(["simulate", "configs/sim/small.yaml", "--modes", "dora,warp", "--out", str(tmp_path)]) == 2

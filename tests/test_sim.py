@@ -1,0 +1,138 @@
+"""The simulator: cost-model algebra, instance mechanics, and whole runs checked from its own record."""
+
+import json
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dora_hpc.cli import main
+from dora_hpc.config import load_config
+from dora_hpc.core.policies import MODES
+from dora_hpc.sim.cluster import Simulator
+from dora_hpc.sim.costs import CostModel
+from dora_hpc.sim.instance import Instance, Req
+from dora_hpc.sim.metrics import summarize
+
+SMALL = "configs/sim/small.yaml"
+
+
+def cost(**kw):
+    base = dict(a=0.01, b=1e-6, prefill_per_token=1e-5, prefill_per_token2=0.0, train_flops_per_token=1.0,
+                train_flops_per_accel=1.0, kv_bytes_per_token=1.0, kv_link=1.0, host_link=1.0,
+                weight_load_s=1.0, colocated_switch_s=0.0, kv_capacity_tokens=1e9)
+    base.update(kw)
+    return CostModel(**base)
+
+
+@given(k=st.integers(0, 5000), n=st.integers(1, 300), kv0=st.floats(0, 1e6))
+def test_decode_time_is_the_sum_of_steps_and_its_inverse_is_exact(k, n, kv0):
+    c = cost()
+    if k <= 50:
+        stepwise = sum(c.a + c.b * (kv0 + n * s) for s in range(k))
+        assert c.decode_time(k, n, kv0) == pytest.approx(stepwise, rel=1e-9, abs=1e-12)
+    t = c.decode_time(k, n, kv0)
+    assert c.decode_steps_within(t, n, kv0) == k
+    assert c.decode_steps_within(t + c.a * 0.5, n, kv0) == k
+
+
+def test_instance_preempts_newest_and_readmits_fifo():
+    c = cost(kv_capacity_tokens=1000)
+    inst = Instance(0, c, kv_offload=False, version=0)
+    for t in range(3):
+        inst.admit(Req(t, prompt=300, target=500))
+    assert list(inst.reqs) == [0, 1, 2]  # 900 tokens + 3 < 1000
+    inst.t_run = 0.0
+    assert inst.offset == pytest.approx(-c.prefill_time(900))  # three prompt prefills owed first
+    # prefill, then 33 steps -> 999 tokens: the next step (3 more) would overflow 1000
+    inst.advance(-inst.offset + c.decode_time(33, 3, inst.kv_tokens()))
+    assert inst.steps == 33
+    inst.preempt()
+    assert list(inst.reqs) == [0, 1] and inst.waiting[0].traj == 2 and inst.waiting[0].owes == "recompute"
+    assert inst.counts["preemptions"] == 1
+    assert inst.generated(inst.waiting[0]) == 33
+
+
+def test_offload_parks_kv_on_host_instead_of_recomputing():
+    c = cost(kv_capacity_tokens=1000)
+    inst = Instance(0, c, kv_offload=True, version=0)
+    for t in range(3):
+        inst.admit(Req(t, prompt=300, target=500))
+    inst.t_run = 0.0
+    inst.advance(-inst.offset + c.decode_time(33, 3, inst.kv_tokens()))
+    inst.preempt()
+    assert inst.waiting[0].owes == "host" and inst.ops["offload"] > 0
+
+
+@pytest.fixture(scope="module")
+def small_runs():
+    cfg = load_config(SMALL)
+    return {m: summarize(Simulator(cfg, m).run()) for m in MODES}
+
+
+def test_every_mode_keeps_the_invariants(small_runs):
+    for mode, s in small_runs.items():
+        assert s["lost_groups"] == 0 and s["duplicate_groups"] == 0 and s["split_groups"] == 0, mode
+        assert s["steps"] == 12
+        if mode != "partial":
+            assert s["mixed_version_trajectories"] == 0, mode
+    assert small_runs["sync"]["max_staleness"] == 0
+    assert small_runs["oversample"]["max_staleness"] == 0
+    assert small_runs["one_step"]["max_staleness"] == 1
+    assert small_runs["dora"]["max_staleness"] <= 2
+
+
+def test_each_mode_shows_its_mechanism(small_runs):
+    dora, partial, over = small_runs["dora"], small_runs["partial"], small_runs["oversample"]
+    assert dora["migrations"] > 0 and dora["reprefill_tokens"] == 0
+    assert partial["reprefill_tokens"] > 0 and partial["mixed_version_trajectories"] > 0
+    assert over["dropped_groups"] > 0
+    assert dora["throughput_tokens_per_s"] > small_runs["sync"]["throughput_tokens_per_s"]
+    assert small_runs["sync"]["rollout_only_fraction"] > dora["rollout_only_fraction"]
+
+
+def test_dora_keeps_several_versions_on_the_instances():
+    sim = Simulator(load_config(SMALL), "dora").run()
+    t_mid = sim.steps[6]["t_start"]
+    live = {v for (_, t0, t1, state, v) in sim.timeline if state == "busy" and t0 <= t_mid < t1}
+    assert len(live) >= 2
+
+
+def test_same_seed_same_result_and_kv_ablation_reprefills():
+    cfg = load_config(SMALL)
+    a = summarize(Simulator(cfg, "dora", timeline=False).run())
+    b = summarize(Simulator(cfg, "dora", timeline=False).run())
+    assert a == b
+    no_kv = load_config(SMALL, ["dora.kv_migration=false"])
+    c = summarize(Simulator(no_kv, "dora", timeline=False).run())
+    assert c["reprefill_tokens"] > 0 and c["migrations"] > 0
+
+
+def test_kv_pressure_causes_preemption_when_memory_is_short():
+    cfg = load_config(SMALL, ["sim.hardware.hbm_gb=17"])  # 7.6B weights leave ~0.1M KV tokens
+    s = summarize(Simulator(cfg, "sync", timeline=False).run())
+    assert s["preemptions"] > 0 and s["preempt_recompute_tokens"] > 0 and s["kv_peak_fraction"] <= 1.0
+    assert s["lost_groups"] == 0
+
+
+def test_cli_writes_summary_and_timelines(tmp_path):
+    assert main(["simulate", SMALL, "--modes", "sync,dora", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    keys = {"throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
+            "bubble_fraction", "max_staleness", "lost_groups", "duplicate_groups",
+            "mixed_version_trajectories", "reprefill_tokens", "dropped_groups"}
+    assert set(summary["modes"]) == {"sync", "dora"}
+    assert keys <= set(summary["modes"]["dora"])
+    assert summary["limit_tokens_per_s"] > summary["modes"]["dora"]["throughput_tokens_per_s"]
+    assert (tmp_path / "timeline-dora.png").stat().st_size > 10_000
+
+
+def test_512_instances_simulate_well_under_a_minute():
+    cfg = load_config("configs/sim/scale-4096.yaml")
+    t = time.perf_counter()
+    sim = Simulator(cfg, "dora", timeline=False).run()
+    elapsed = time.perf_counter() - t
+    s = summarize(sim)
+    assert len(sim.inst) == 512 and s["lost_groups"] == 0
+    assert elapsed < 45, f"{elapsed:.1f}s"
