@@ -39,6 +39,16 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                       f"-> {b['throughput_tokens_per_s']:,.0f} tokens/s;  "
                       f"set cluster.rollout_instances={b['rollout_instances']}")
         return 0
+    if args.sensitivity:
+        from .sim.sweeps import markdown_table, sensitivity
+
+        rows = sensitivity(cfg, console)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sensitivity.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (out / "sensitivity.md").write_text(markdown_table(rows))
+        console.print(markdown_table(rows))
+        console.print(f"wrote {out / 'sensitivity.json'}, {out / 'sensitivity.md'}")
+        return 0
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -63,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--suggest-split", action="store_true",
                    help="sweep the rollout/train split for DORA and print the best one")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="sweep tail weight, length cap, K, RBS, train and prefill speed (sync, partial, dora)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.set_defaults(func=cmd_simulate)
     return parser

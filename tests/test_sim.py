@@ -95,7 +95,7 @@ def test_each_mode_shows_its_mechanism(small_runs):
 def test_dora_keeps_several_versions_on_the_instances():
     sim = Simulator(load_config(SMALL), "dora").run()
     t_mid = sim.steps[6]["t_start"]
-    live = {v for (_, t0, t1, state, v) in sim.timeline if state == "busy" and t0 <= t_mid < t1}
+    live = {v for (_, t0, t1, state, v, _) in sim.timeline if state == "busy" and t0 <= t_mid < t1}
     assert len(live) >= 2
 
 

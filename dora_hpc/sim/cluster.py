@@ -71,7 +71,8 @@ class Simulator:
         self._q: list[tuple[float, int, tuple]] = []
         self._seq = itertools.count()
         self.timeline_on = timeline
-        self.timeline: list[tuple[int, float, float, str, int | None]] = []
+        # (instance, t0, t1, state, version, fill quartile 1-4 of max_num_seqs while busy)
+        self.timeline: list[tuple[int, float, float, str, int | None, int]] = []
         # the simulator's own record
         self.trajs: dict[int, TrajRecord] = {}
         self.in_transit: dict[int, list] = {}
@@ -182,7 +183,8 @@ class Simulator:
         self._at(self.now + inst.run_length(), "run", inst.idx, inst.epoch)
 
     def _set_state(self, inst: Instance, state: str) -> None:
-        key = (state, inst.version)
+        fill = -(-4 * len(inst.reqs) // self.policy.cfg.slots) if state == "busy" else 0
+        key = (state, inst.version, fill)
         if key != inst.state:
             if self.timeline_on and self.now > inst.since:
                 self.timeline.append((inst.idx, inst.since, self.now, *inst.state))

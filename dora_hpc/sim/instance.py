@@ -58,7 +58,7 @@ class Instance:
     slot_seconds: float = 0.0       # integral of running batch size over time
     counts: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)  # seconds by kind
-    state: tuple[str, int | None] = ("idle", None)
+    state: tuple[str, int | None, int] = ("idle", None, 0)
     since: float = 0.0
 
     # -- queries -----------------------------------------------------------------------------------

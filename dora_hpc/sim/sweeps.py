@@ -1,0 +1,77 @@
+"""Sensitivity of DORA's gain: one knob at a time around a base config, plus a few joint changes.
+
+Each variant runs sync, partial and dora on the same seed and workload (the modes compared in the
+paper's Fig. 10); the table reports DORA / sync, DORA / partial and DORA's share of the zero-bubble
+limit for its placement.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import Progress
+
+from ..config import RunConfig, with_overrides
+from .cluster import Simulator
+from .metrics import summarize, zero_bubble_limit
+
+KNOBS: dict[str, list] = {
+    "workload.response_len.sigma": [0.6, 0.8, 1.0, 1.2, 1.5],
+    "workload.response_len.max": [8192, 20480, 32768, 65536],
+    "dora.k": [0, 1, 2, 3, 4],
+    "batch.rbs": [512, 640, 768, 1024],
+    "sim.hardware.train_mfu": [0.15, 0.3, 0.45],
+    "sim.hardware.prefill_mfu": [0.5, 0.2, 0.1],
+}
+JOINT: dict[str, dict] = {
+    "agentic tail: sigma 1.5, cap 64k, K 3": {
+        "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 3},
+    "agentic tail: sigma 1.5, cap 64k, K 1": {
+        "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 1},
+    "light tail: sigma 0.6, cap 8k, K 3": {
+        "workload.response_len.sigma": 0.6, "workload.response_len.max": 8192, "dora.k": 3},
+}
+MODES = ("sync", "partial", "dora")
+
+
+def _variant(cfg: RunConfig, label: str, changes: dict) -> dict:
+    c = with_overrides(cfg, changes)
+    rows = {m: summarize(Simulator(c, m, timeline=False).run()) for m in MODES}
+    tput = {m: r["throughput_tokens_per_s"] for m, r in rows.items()}
+    limit = zero_bubble_limit(c, rows["dora"]["placement"])
+    return {"variant": label, "changes": changes, "throughput_tokens_per_s": tput,
+            "dora_over_sync": tput["dora"] / tput["sync"], "dora_over_partial": tput["dora"] / tput["partial"],
+            "dora_limit_share": tput["dora"] / limit,
+            "sync_rollout_only_fraction": rows["sync"]["rollout_only_fraction"],
+            "dora_rollout_only_fraction": rows["dora"]["rollout_only_fraction"],
+            "dora_max_staleness": rows["dora"]["max_staleness"],
+            "partial_reprefill_share": rows["partial"]["overheads"].get("reprefill", 0.0)}
+
+
+def sensitivity(cfg: RunConfig, console: Console | None = None) -> list[dict]:
+    variants = [("base", {})]
+    for key, values in KNOBS.items():
+        base_value = cfg.model_dump()
+        for part in key.split("."):
+            base_value = base_value[part]
+        variants += [(f"{key}={v}", {key: v}) for v in values if v != base_value]
+    variants += list(JOINT.items())
+    out = []
+    with Progress(console=console or Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sensitivity", total=len(variants))
+        for label, changes in variants:
+            progress.update(task, description=f"sensitivity: {label}")
+            out.append(_variant(cfg, label, changes))
+            progress.advance(task)
+    return out
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| variant | DORA / sync | DORA / partial | DORA share of limit | sync rollout-only | "
+             "DORA rollout-only | DORA max staleness | partial re-prefill share |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['dora_over_sync']:.2f}x | {r['dora_over_partial']:.2f}x | "
+                     f"{r['dora_limit_share']:.0%} | {r['sync_rollout_only_fraction']:.0%} | "
+                     f"{r['dora_rollout_only_fraction']:.0%} | {r['dora_max_staleness']} | "
+                     f"{r['partial_reprefill_share']:.1%} |")
+    return "\n".join(lines) + "\n"
