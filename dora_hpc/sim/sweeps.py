@@ -27,6 +27,15 @@ JOINT: dict[str, dict] = {
         "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 3},
     "agentic tail: sigma 1.5, cap 64k, K 1": {
         "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 1},
+    "agentic tail, re-split: sigma 1.5, cap 64k, K 3, 10 rollout instances": {
+        "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 3,
+        "cluster.rollout_instances": 10},
+    "agentic tail, re-split: sigma 1.5, cap 64k, K 6, 10 rollout instances": {
+        "workload.response_len.sigma": 1.5, "workload.response_len.max": 65536, "dora.k": 6,
+        "cluster.rollout_instances": 10},
+    "heavier tail, re-split: sigma 1.5, K 3, 10 rollout instances": {
+        "workload.response_len.sigma": 1.5, "dora.k": 3, "cluster.rollout_instances": 10},
+    "long cap, K 6: cap 64k, K 6": {"workload.response_len.max": 65536, "dora.k": 6},
     "light tail: sigma 0.6, cap 8k, K 3": {
         "workload.response_len.sigma": 0.6, "workload.response_len.max": 8192, "dora.k": 3},
 }
