@@ -5,5 +5,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
+# the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build); GPU clusters bring their own
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e '.[dev]'
 echo "setup done: $(.venv/bin/dora-hpc --version)"

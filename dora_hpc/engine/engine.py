@@ -1,0 +1,274 @@
+"""The built-in rollout engine: one instance (DP group) hosting exactly one policy version.
+
+Continuous batching with chunked prefill over a paged KV pool; per-token logprobs; KV export/import
+for zero-re-prefill migration; host offload/restore; versioned weights.
+
+Invariants:
+* the engine hosts one version; ``add``/``import_`` refuse a request tagged with any other, so
+  every token of a trajectory is sampled under its tag;
+* a step schedules each running sequence at most once: a decode (1 token) or a prefill chunk;
+  ``max_num_seqs`` sequences run at most, ``max_batched_tokens`` tokens per step at most;
+* when KV blocks run out the newest running sequence is preempted: its blocks are freed and its
+  KV is recomputed when it resumes (counted in ``stats()['recompute_tokens']``);
+* a migrated (exported then imported) sequence continues exactly as it would have in place, with
+  zero re-prefilled tokens; sampling noise depends on (seed, request id, position) only;
+* a bad request (unknown version, too long for the pool) raises before touching engine state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from .kv import KVFull, KVPool
+from .model import Batch, DecoderLM, check_state, load_model
+from .sampling import SamplingParams, sample, uniform
+
+
+class RequestError(ValueError):
+    """A request this engine refuses (wrong version, too long, duplicate or unknown id)."""
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    OFFLOADED = "offloaded"
+
+
+@dataclass
+class Sequence:
+    req_id: int
+    version: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)
+    n_cached: int = 0                 # tokens whose KV is in the pool
+    status: Status = Status.WAITING
+    host_kv: torch.Tensor | None = None
+    auto_restore: bool = False        # imported without room yet: restore as soon as KV frees up
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass(frozen=True)
+class Finished:
+    req_id: int
+    version: int
+    prompt: list[int]
+    output: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Engine:
+    def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
+                 max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
+                 min_step_time_s: float = 0.0) -> None:
+        self.model = load_model(model) if isinstance(model, str | Path) else model
+        s = self.model.spec
+        self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size,
+                         dtype=next(self.model.parameters()).dtype)
+        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
+        self.seed, self.version, self.min_step_time_s = seed, version, min_step_time_s
+        self.seqs: dict[int, Sequence] = {}
+        self.counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "recompute_tokens": 0,
+                       "reprefill_tokens": 0, "preemptions": 0}
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
+        self._check_new(req_id, version, len(prompt) + params.max_tokens)
+        if not prompt:
+            raise RequestError(f"request {req_id}: empty prompt")
+        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params)
+
+    def abort(self, req_id: int) -> None:
+        seq = self._get(req_id)
+        self.kv.release(seq.table)
+        del self.seqs[req_id]
+
+    def _check_new(self, req_id: int, version: int, max_len: int) -> None:
+        if version != self.version:
+            raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts v{self.version}")
+        if req_id in self.seqs:
+            raise RequestError(f"request {req_id} is already on this engine")
+        if self.kv.blocks_for(max_len) > self.kv.num_blocks:
+            raise RequestError(f"request {req_id} may reach {max_len} tokens; the KV pool holds "
+                               f"{self.kv.num_blocks * self.kv.block_size}")
+
+    def _get(self, req_id: int) -> Sequence:
+        try:
+            return self.seqs[req_id]
+        except KeyError:
+            raise RequestError(f"request {req_id} is not on this engine") from None
+
+    # -- migration and offload ---------------------------------------------------------------------
+    def export(self, req_id: int) -> tuple[dict, torch.Tensor]:
+        """Remove a request and return (metadata, KV [layers, 2, tokens, kvh, d]) for import_."""
+        seq = self._get(req_id)
+        kv = seq.host_kv if seq.status is Status.OFFLOADED else self.kv.export(seq.table, seq.n_cached)
+        meta = {"req_id": seq.req_id, "version": seq.version, "prompt": seq.prompt, "output": seq.output,
+                "logprobs": seq.logprobs, "n_cached": seq.n_cached, "params": seq.params.__dict__}
+        self.kv.release(seq.table)
+        del self.seqs[req_id]
+        return meta, kv
+
+    def import_(self, meta: dict, kv: torch.Tensor) -> None:
+        params = SamplingParams(**meta["params"])
+        self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
+        if kv.shape[2] != meta["n_cached"]:
+            raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "
+                               f"{meta['n_cached']}")
+        seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["output"]),
+                       list(meta["logprobs"]), status=Status.OFFLOADED, host_kv=kv, n_cached=meta["n_cached"],
+                       auto_restore=True)
+        self.seqs[seq.req_id] = seq
+        self._try_restore(seq)
+
+    def offload(self, req_id: int) -> None:
+        """Copy a request's KV to host memory and free its blocks; it waits until restore()."""
+        seq = self._get(req_id)
+        if seq.status is Status.OFFLOADED:
+            return
+        seq.host_kv = self.kv.export(seq.table, seq.n_cached).to("cpu", copy=True)
+        self.kv.release(seq.table)
+        seq.table, seq.status = [], Status.OFFLOADED
+
+    def restore(self, req_id: int) -> None:
+        seq = self._get(req_id)
+        if seq.status is Status.OFFLOADED and not self._try_restore(seq):
+            raise KVFull(f"request {req_id}: not enough free KV blocks to restore {seq.n_cached} tokens")
+
+    def _try_restore(self, seq: Sequence) -> bool:
+        if self.kv.blocks_for(seq.n_cached) > self.kv.free_blocks:
+            return False
+        seq.table = self.kv.import_(seq.host_kv) if seq.n_cached else []
+        seq.host_kv, seq.status, seq.auto_restore = None, Status.RUNNING, False
+        return True
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
+        """Swap in the weights of ``version``. Live requests must be gone unless ``keep_requests``
+        (partial rollout), in which case their KV is dropped and re-prefilled under the new weights."""
+        if self.seqs and not keep_requests:
+            raise RequestError(f"cannot load v{version}: {len(self.seqs)} live requests of v{self.version}")
+        state = check_state(self.model, state, f"weights of v{version}")
+        self.model.load_state_dict(state, strict=False)
+        for seq in self.seqs.values():
+            self.counts["reprefill_tokens"] += seq.n_cached
+            self.kv.release(seq.table)
+            seq.table, seq.n_cached, seq.host_kv = [], 0, None
+            seq.status, seq.version = Status.WAITING, version
+        self.version = version
+
+    # -- stepping ----------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(s.status is not Status.OFFLOADED or s.auto_restore for s in self.seqs.values())
+
+    def step(self) -> list[Finished]:
+        t0 = time.perf_counter()
+        plan = self._schedule()
+        finished = self._run(plan) if plan else []
+        self.counts["steps"] += 1
+        if self.min_step_time_s > 0:  # pacing: a step lasts at least the roofline step time
+            time.sleep(max(0.0, self.min_step_time_s - (time.perf_counter() - t0)))
+        return finished
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) for this step: decodes first, then prefill chunks, FIFO."""
+        for seq in self.seqs.values():
+            if seq.status is Status.OFFLOADED and seq.auto_restore:
+                self._try_restore(seq)
+        running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        plan: list[tuple[Sequence, int]] = []
+        budget = self.max_batched_tokens
+        for seq in running:
+            n = min(len(seq) - seq.n_cached, budget)
+            if n <= 0 or not self._reserve(seq, n, running):
+                continue
+            plan.append((seq, n))
+            budget -= n
+        for seq in [s for s in self.seqs.values() if s.status is Status.WAITING]:
+            if budget <= 0 or len(plan) >= self.max_num_seqs:
+                break
+            n = min(len(seq) - seq.n_cached, budget)
+            try:
+                self.kv.grow(seq.table, seq.n_cached + n)
+            except KVFull:
+                break
+            seq.status = Status.RUNNING
+            plan.append((seq, n))
+            budget -= n
+        return [(s, n) for s, n in plan if s.status is Status.RUNNING]
+
+    def _reserve(self, seq: Sequence, n: int, running: list[Sequence]) -> bool:
+        """Grow ``seq``'s blocks by n tokens, preempting the newest running sequences if needed."""
+        while True:
+            try:
+                self.kv.grow(seq.table, seq.n_cached + n)
+                return True
+            except KVFull:
+                victim = next((s for s in reversed(running) if s.status is Status.RUNNING and s is not seq), None)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.release(seq.table)
+        self.counts["preemptions"] += 1
+        self.counts["recompute_tokens"] += seq.n_cached
+        seq.table, seq.n_cached, seq.status = [], 0, Status.WAITING
+
+    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Finished]:
+        ids, pos, write, ctx = [], [], [], []
+        for seq, n in plan:
+            toks = seq.tokens
+            start, end = seq.n_cached, seq.n_cached + n
+            ids.extend(toks[start:end])
+            pos.extend(range(start, end))
+            write.append(self.kv.slots(seq.table, start, end))
+            ctx.append(self.kv.slots(seq.table, 0, end))
+        batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], write, ctx)
+        logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv)
+        finished = []
+        for (seq, n), row in zip(plan, logits, strict=True):
+            seq.n_cached += n
+            if seq.n_cached < len(seq):  # a prefill chunk that did not reach the end yet
+                self.counts["prefill_tokens"] += n
+                continue
+            self.counts["prefill_tokens" if n > 1 else "decode_tokens"] += n
+            tok, lp = sample(row, seq.params, uniform(self.seed, seq.req_id, len(seq.output)))
+            seq.output.append(tok)
+            seq.logprobs.append(lp)
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                finished.append(Finished(seq.req_id, seq.version, seq.prompt, seq.output, seq.logprobs, reason))
+                self.kv.release(seq.table)
+                del self.seqs[seq.req_id]
+        return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model.spec.eos_token_id):
+            return "stop"
+        if len(seq.output) >= p.max_tokens:
+            return "length"
+        return None
+
+    # -- introspection -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        by = {st: sum(1 for s in self.seqs.values() if s.status is st) for st in Status}
+        used = self.kv.num_blocks - self.kv.free_blocks
+        return {"version": self.version, "running": by[Status.RUNNING], "waiting": by[Status.WAITING],
+                "offloaded": by[Status.OFFLOADED], "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
+                "kv_used_fraction": used / self.kv.num_blocks, **self.counts}

@@ -1,0 +1,253 @@
+"""A Qwen2/Llama-family decoder that reads a Hugging Face folder (config.json + *.safetensors) and
+runs over a paged KV cache.
+
+Invariants:
+* parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so a
+  checkpoint loads with ``load_state_dict`` and published weights are plain HF state dicts;
+* ``forward`` computes exactly the HF forward for every token (checked to <= 1e-4 against
+  transformers in tests); attention for a token sees its own sequence's cached keys only;
+* a malformed folder (no config, missing or mis-shaped tensor) raises ModelLoadError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv import KVPool
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint folder that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool
+    tie_word_embeddings: bool
+    eos_token_id: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg) -> ModelSpec:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ModelLoadError(f"rope_type {rope['rope_type']!r} is not supported (only default RoPE)")
+        bias = getattr(cfg, "attention_bias", None)
+        if bias is None:
+            bias = cfg.model_type == "qwen2"
+        eos = cfg.eos_token_id
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta), attention_bias=bool(bias),
+            tie_word_embeddings=bool(cfg.tie_word_embeddings), eos_token_id=eos,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.layer, self.spec = layer, spec
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kvh * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kvh * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv: KVPool):
+        n = x.shape[0]
+        h, kvh, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        q = self.q_proj(x).view(n, h, d)
+        k = self.k_proj(x).view(n, kvh, d)
+        v = self.v_proj(x).view(n, kvh, d)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv.write(self.layer, batch.write_slots, k, v)
+        # padded batch attention: [B, H, q_max, D] against [B, KVH, ctx_max, D]
+        qp = q.new_zeros(batch.size, batch.q_max, h, d)
+        qp[batch.q_rows, batch.q_cols] = q
+        kp, vp = kv.gather(self.layer, batch.ctx_slots)  # [B, ctx_max, KVH, D]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=batch.mask, enable_gqa=True)
+        out = out.transpose(1, 2)[batch.q_rows, batch.q_cols].reshape(n, h * d)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, kv):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+@dataclass
+class Batch:
+    """One engine step's token layout. Sequence b contributes q_len[b] new tokens at the end of its
+    context of ctx_len[b] tokens; ``ctx_slots`` [B, ctx_max] are the KV slots of its whole context."""
+
+    size: int
+    q_max: int
+    q_rows: torch.Tensor      # [N] sequence index of each new token
+    q_cols: torch.Tensor      # [N] position of each new token within its sequence's new tokens
+    write_slots: torch.Tensor  # [N] KV slot each new token's K/V is written to
+    ctx_slots: torch.Tensor   # [B, ctx_max] (padding -> slot 0, masked)
+    mask: torch.Tensor        # [B, 1, q_max, ctx_max] True = attend
+    last_index: torch.Tensor  # [B] row in the flat token list of each sequence's last new token
+
+    @classmethod
+    def build(cls, q_lens: list[int], ctx_lens: list[int], write_slots: list[list[int]],
+              ctx_slots: list[list[int]]) -> Batch:
+        b, q_max, ctx_max = len(q_lens), max(q_lens), max(ctx_lens)
+        rows = torch.repeat_interleave(torch.arange(b), torch.tensor(q_lens))
+        cols = torch.cat([torch.arange(q) for q in q_lens])
+        slots = torch.zeros(b, ctx_max, dtype=torch.long)
+        mask = torch.zeros(b, 1, q_max, ctx_max, dtype=torch.bool)
+        for i, (q, c, s) in enumerate(zip(q_lens, ctx_lens, ctx_slots, strict=True)):
+            slots[i, :c] = torch.tensor(s, dtype=torch.long)
+            # query j (absolute position c - q + j) sees keys 0 .. c - q + j
+            mask[i, 0, :q, :c] = torch.arange(c)[None, :] <= (c - q + torch.arange(q))[:, None]
+        mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]  # padded query rows attend to something (discarded)
+        flat = torch.tensor([s for w in write_slots for s in w], dtype=torch.long)
+        last = torch.cumsum(torch.tensor(q_lens), 0) - 1
+        return cls(b, q_max, rows, cols, flat, slots, mask, last)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        d = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch, kv: KVPool) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) at each sequence's last new token."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, kv)
+        x = self.model.norm(x[batch.last_index])
+        return self.lm_head(x).float()
+
+
+def load_hf_config(folder: str | Path):
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: {e}") from None
+
+
+def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{f}: unreadable safetensors file ({e})") from None
+    return state
+
+
+def check_state(model: DecoderLM, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The subset of ``state`` the model needs, checked for presence and shape."""
+    expected = model.state_dict()
+    out = {}
+    for name, t in expected.items():
+        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+            continue
+        if name not in state:
+            raise ModelLoadError(f"{where}: missing tensor {name}")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(state[name].shape)}, "
+                                 f"expected {tuple(t.shape)}")
+        out[name] = state[name]
+    return out
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
+    spec = ModelSpec.from_hf(load_hf_config(folder))
+    model = DecoderLM(spec)
+    state = check_state(model, read_safetensors(folder), str(folder))
+    model.load_state_dict(state, strict=False)
+    return model.to(dtype=dtype, device=device).eval()
