@@ -1,0 +1,203 @@
+"""The built-in engine against transformers, and its migration / offload / versioning contract."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dora_hpc.engine.engine import Engine, RequestError
+from dora_hpc.engine.kv import KVPool
+from dora_hpc.engine.model import Batch, ModelLoadError, load_model
+from dora_hpc.engine.sampling import SamplingParams, sample, uniform
+from dora_hpc.engine.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+def prompts(vocab, lens=(5, 17, 40), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def run_all(engine):
+    out = {}
+    while engine.has_work():
+        for f in engine.step():
+            out[f.req_id] = f
+    return out
+
+
+def test_logits_match_transformers_in_a_mixed_batch(tiny_dir, hf_model):
+    m = load_model(tiny_dir)
+    s = m.spec
+    kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks=32, block_size=8)
+    ps = prompts(s.vocab_size)
+    tables = [kv.allocate(kv.blocks_for(len(p))) for p in ps]
+    # sequence 0 is prefilled first, then decodes inside a batch with the prefill of 1 and 2
+    first = ps[0][:-1]
+    b = Batch.build([len(first)], [len(first)], [kv.slots(tables[0], 0, len(first))],
+                    [kv.slots(tables[0], 0, len(first))])
+    m(torch.tensor(first), torch.arange(len(first)), b, kv)
+    q = [1, len(ps[1]), len(ps[2])]
+    ctx = [len(ps[0]), len(ps[1]), len(ps[2])]
+    ids = [ps[0][-1]] + ps[1] + ps[2]
+    pos = [len(ps[0]) - 1] + list(range(len(ps[1]))) + list(range(len(ps[2])))
+    write = [kv.slots(tables[0], ctx[0] - 1, ctx[0])] + [kv.slots(t, 0, c) for t, c in zip(tables[1:], ctx[1:])]
+    b = Batch.build(q, ctx, write, [kv.slots(t, 0, c) for t, c in zip(tables, ctx)])
+    logits = m(torch.tensor(ids), torch.tensor(pos), b, kv)
+    for p, row in zip(ps, logits):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p])).logits[0, -1]
+        assert (row - ref).abs().max().item() <= 1e-4
+
+
+def test_greedy_generation_matches_transformers(tiny_dir, hf_model):
+    engine = Engine(tiny_dir, kv_blocks=64, max_num_seqs=8, max_batched_tokens=24)  # chunked prefill
+    ps = prompts(engine.model.spec.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i, p in enumerate(ps):
+        engine.add(i, p, params, version=0)
+    out = run_all(engine)
+    for i, p in enumerate(ps):
+        ref = hf_model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert out[i].output == ref and out[i].finish_reason == "length"
+    # the logprobs are those of transformers' distribution at each sampled token
+    with torch.no_grad():
+        full = torch.tensor([ps[0] + out[0].output])
+        ref_lp = torch.log_softmax(hf_model(full).logits[0, len(ps[0]) - 1:-1], -1)
+    expect = ref_lp.gather(1, torch.tensor(out[0].output)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out[0].logprobs), expect, atol=1e-4)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_sampling_noise_is_a_function_of_seed_request_position():
+    assert uniform(1, 2, 3) == uniform(1, 2, 3) != uniform(1, 2, 4)
+    assert len({uniform(0, r, p) for r in range(50) for p in range(50)}) == 2500
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    counts = torch.zeros(4)
+    for p in range(4000):
+        tok, lp = sample(logits, SamplingParams(), uniform(7, 0, p))
+        counts[tok] += 1
+    assert torch.allclose(counts / counts.sum(), torch.softmax(logits, 0), atol=0.03)
+    tok, _ = sample(logits, SamplingParams(top_p=0.5), 0.999)
+    assert tok == 3  # top-p keeps only the most likely token here
+
+
+def _engine(tiny_dir, **kw):
+    kw.setdefault("kv_blocks", 64)
+    return Engine(tiny_dir, seed=11, **kw)
+
+
+def test_migration_continues_identically_with_zero_reprefill(tiny_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    ps = prompts(512, lens=(9, 21, 14), seed=3)
+    ref = _engine(tiny_dir)
+    for i, p in enumerate(ps):
+        ref.add(i, p, params, 0)
+    expected = run_all(ref)
+
+    a, b = _engine(tiny_dir), _engine(tiny_dir)
+    for i, p in enumerate(ps):
+        a.add(i, p, params, 0)
+    b.add(99, ps[2][:5], params, 0)  # b is busy with something else too
+    for _ in range(12):
+        a.step()
+        b.step()
+    meta, kv = a.export(1)
+    assert len(meta["output"]) == 12 and kv.shape[2] == meta["n_cached"]
+    json.dumps(meta)  # the control-plane part is plain data
+    b.import_(meta, kv)
+    got = {**run_all(a), **run_all(b)}
+    for i in range(3):
+        assert got[i].output == expected[i].output
+        assert torch.allclose(torch.tensor(got[i].logprobs), torch.tensor(expected[i].logprobs), atol=1e-5)
+    assert b.stats()["reprefill_tokens"] == 0 and b.stats()["recompute_tokens"] == 0
+    assert b.stats()["prefill_tokens"] == 5  # only request 99's prompt was ever prefilled on b
+
+
+def test_offload_restore_round_trips_bit_exactly(tiny_dir):
+    e = _engine(tiny_dir)
+    e.add(0, prompts(512, lens=(30,))[0], SamplingParams(max_tokens=20, ignore_eos=True), 0)
+    for _ in range(5):
+        e.step()
+    seq = e.seqs[0]
+    before = e.kv.export(seq.table, seq.n_cached).clone()
+    e.offload(0)
+    assert e.stats()["offloaded"] == 1 and e.stats()["kv_blocks_used"] == 0
+    e.step()  # an offloaded request does not advance
+    assert len(e.seqs[0].output) == 5
+    e.restore(0)
+    assert torch.equal(e.kv.export(e.seqs[0].table, e.seqs[0].n_cached), before)
+
+
+def test_weight_swap_changes_outputs_and_old_version_is_refused(tiny_dir):
+    e = _engine(tiny_dir)
+    p = prompts(512, lens=(12,))[0]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    e.add(0, p, greedy, 0)
+    before = run_all(e)[0].output
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in e.model.state_dict().items()}
+    e.load_weights(state, version=1)
+    with pytest.raises(RequestError, match="v0"):
+        e.add(1, p, greedy, version=0)
+    e.add(1, p, greedy, version=1)
+    assert run_all(e)[1].output != before
+    e.add(2, p, greedy, version=1)
+    with pytest.raises(RequestError, match="live requests"):
+        e.load_weights(state, version=2)
+
+
+def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_dir):
+    e = _engine(tiny_dir, kv_blocks=8, block_size=8)  # 64 tokens of KV
+    p = prompts(512, lens=(10,))[0]
+    e.add(0, p, SamplingParams(max_tokens=20, ignore_eos=True), 0)
+    with pytest.raises(RequestError, match="KV pool holds 64"):
+        e.add(1, p, SamplingParams(max_tokens=100), 0)
+    with pytest.raises(RequestError, match="v3"):
+        e.add(2, p, SamplingParams(), 3)
+    with pytest.raises(RequestError, match="already"):
+        e.add(0, p, SamplingParams(), 0)
+    with pytest.raises(RequestError, match="not on this engine"):
+        e.export(42)
+    assert len(run_all(e)[0].output) == 20
+
+
+def test_kv_pressure_preempts_and_recomputes_without_changing_results(tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ps = prompts(512, lens=(20, 20, 20, 20), seed=5)
+    roomy, tight = _engine(tiny_dir, kv_blocks=64, block_size=8), _engine(tiny_dir, kv_blocks=22, block_size=8)
+    for e in (roomy, tight):
+        for i, p in enumerate(ps):
+            e.add(i, p, params, 0)
+    a, b = run_all(roomy), run_all(tight)
+    assert tight.stats()["preemptions"] > 0 and tight.stats()["recompute_tokens"] > 0
+    assert all(a[i].output == b[i].output for i in range(4))
+
+
+def test_malformed_checkpoint_folders(tiny_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="unreadable"):
+        load_model(broken)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny_dir / "model.safetensors")
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(state, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
+        load_model(broken)
