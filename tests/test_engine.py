@@ -53,10 +53,11 @@ def test_logits_match_transformers_in_a_mixed_batch(tiny_dir, hf_model):
     ctx = [len(ps[0]), len(ps[1]), len(ps[2])]
     ids = [ps[0][-1]] + ps[1] + ps[2]
     pos = [len(ps[0]) - 1] + list(range(len(ps[1]))) + list(range(len(ps[2])))
-    write = [kv.slots(tables[0], ctx[0] - 1, ctx[0])] + [kv.slots(t, 0, c) for t, c in zip(tables[1:], ctx[1:], strict=False)]
-    b = Batch.build(q, ctx, write, [kv.slots(t, 0, c) for t, c in zip(tables, ctx, strict=False)])
+    write = [kv.slots(tables[0], ctx[0] - 1, ctx[0])]
+    write += [kv.slots(t, 0, c) for t, c in zip(tables[1:], ctx[1:], strict=True)]
+    b = Batch.build(q, ctx, write, [kv.slots(t, 0, c) for t, c in zip(tables, ctx, strict=True)])
     logits = m(torch.tensor(ids), torch.tensor(pos), b, kv)
-    for p, row in zip(ps, logits, strict=False):
+    for p, row in zip(ps, logits, strict=True):
         with torch.no_grad():
             ref = hf_model(torch.tensor([p])).logits[0, -1]
         assert (row - ref).abs().max().item() <= 1e-4
