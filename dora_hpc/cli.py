@@ -63,6 +63,20 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    if args.what == "engine":
+        from .bench.engine_bench import bench_engine
+        from .engine.local_models import build_tiny_model, convert_smollm2
+
+        models = {"tiny-qwen2": build_tiny_model()}
+        if not args.tiny_only:
+            models["smollm2-135m"] = convert_smollm2()
+        bench_engine(models, Path(args.out), repeats=args.repeats, console=console)
+        console.print(f"wrote {args.out}/summary.json and {args.out}/engine.png")
+        return 0
+    raise ConfigError(f"bench: unknown benchmark {args.what!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
@@ -77,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep tail weight, length cap, K, RBS, train and prefill speed (sync, partial, dora)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.set_defaults(func=cmd_simulate)
+    b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
+    b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")
+    b.add_argument("--out", default="results/engine", help="output directory")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
+    b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -46,17 +46,11 @@ def test_logits_match_transformers_in_a_mixed_batch(tiny_dir, hf_model):
     tables = [kv.allocate(kv.blocks_for(len(p))) for p in ps]
     # sequence 0 is prefilled first, then decodes inside a batch with the prefill of 1 and 2
     first = ps[0][:-1]
-    b = Batch.build([len(first)], [len(first)], [kv.slots(tables[0], 0, len(first))],
-                    [kv.slots(tables[0], 0, len(first))])
-    m(torch.tensor(first), torch.arange(len(first)), b, kv)
+    m(torch.tensor(first), Batch.build([len(first)], [len(first)], [tables[0]], kv.block_size), kv)
     q = [1, len(ps[1]), len(ps[2])]
-    ctx = [len(ps[0]), len(ps[1]), len(ps[2])]
+    ctx = [len(p) for p in ps]
     ids = [ps[0][-1]] + ps[1] + ps[2]
-    pos = [len(ps[0]) - 1] + list(range(len(ps[1]))) + list(range(len(ps[2])))
-    write = [kv.slots(tables[0], ctx[0] - 1, ctx[0])]
-    write += [kv.slots(t, 0, c) for t, c in zip(tables[1:], ctx[1:], strict=True)]
-    b = Batch.build(q, ctx, write, [kv.slots(t, 0, c) for t, c in zip(tables, ctx, strict=True)])
-    logits = m(torch.tensor(ids), torch.tensor(pos), b, kv)
+    logits = m(torch.tensor(ids), Batch.build(q, ctx, tables, kv.block_size), kv)
     for p, row in zip(ps, logits, strict=True):
         with torch.no_grad():
             ref = hf_model(torch.tensor([p])).logits[0, -1]
@@ -233,6 +227,5 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
     m = engine.model
     kv = KVPool(m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim, num_blocks=8, block_size=16)
     table = kv.allocate(kv.blocks_for(len(ids)))
-    slots = kv.slots(table, 0, len(ids))
-    logits = m(torch.tensor(ids), torch.arange(len(ids)), Batch.build([len(ids)], [len(ids)], [slots], [slots]), kv)
+    logits = m(torch.tensor(ids), Batch.build([len(ids)], [len(ids)], [table], kv.block_size), kv)
     assert (logits[0] - ref[0]).abs().max().item() <= 1e-4

@@ -26,7 +26,7 @@ import torch
 
 from .kv import KVFull, KVPool
 from .model import Batch, DecoderLM, check_state, load_model
-from .sampling import SamplingParams, sample, uniform
+from .sampling import SamplingParams, sample_batch, uniform
 
 
 class RequestError(ValueError):
@@ -230,24 +230,25 @@ class Engine:
         seq.table, seq.n_cached, seq.status = [], 0, Status.WAITING
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Finished]:
-        ids, pos, write, ctx = [], [], [], []
+        ids: list[int] = []
         for seq, n in plan:
-            toks = seq.tokens
-            start, end = seq.n_cached, seq.n_cached + n
-            ids.extend(toks[start:end])
-            pos.extend(range(start, end))
-            write.append(self.kv.slots(seq.table, start, end))
-            ctx.append(self.kv.slots(seq.table, 0, end))
-        batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], write, ctx)
-        logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv)
-        finished = []
-        for (seq, n), row in zip(plan, logits, strict=True):
+            ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
+        batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], [s.table for s, _ in plan],
+                            self.kv.block_size)
+        logits = self.model(torch.tensor(ids), batch, self.kv)
+        done = []
+        for i, (seq, n) in enumerate(plan):
             seq.n_cached += n
-            if seq.n_cached < len(seq):  # a prefill chunk that did not reach the end yet
-                self.counts["prefill_tokens"] += n
-                continue
-            self.counts["prefill_tokens" if n > 1 else "decode_tokens"] += n
-            tok, lp = sample(row, seq.params, uniform(self.seed, seq.req_id, len(seq.output)))
+            if seq.n_cached == len(seq):  # its last token was computed: sample the next one
+                done.append(i)
+            self.counts["prefill_tokens" if n > 1 or seq.n_cached < len(seq) else "decode_tokens"] += n
+        if not done:
+            return []
+        seqs = [plan[i][0] for i in done]
+        toks, lps = sample_batch(logits[done], [s.params for s in seqs],
+                                 [uniform(self.seed, s.req_id, len(s.output)) for s in seqs])
+        finished = []
+        for seq, tok, lp in zip(seqs, toks, lps, strict=True):
             seq.output.append(tok)
             seq.logprobs.append(lp)
             reason = self._finish_reason(seq, tok)

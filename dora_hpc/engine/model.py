@@ -144,33 +144,36 @@ class Backbone(nn.Module):
 @dataclass
 class Batch:
     """One engine step's token layout. Sequence b contributes q_len[b] new tokens at the end of its
-    context of ctx_len[b] tokens; ``ctx_slots`` [B, ctx_max] are the KV slots of its whole context."""
+    context of ctx_len[b] tokens, whose KV lives in the blocks of ``tables[b]``."""
 
     size: int
     q_max: int
+    positions: torch.Tensor   # [N] absolute position of each new token
     q_rows: torch.Tensor      # [N] sequence index of each new token
-    q_cols: torch.Tensor      # [N] position of each new token within its sequence's new tokens
+    q_cols: torch.Tensor      # [N] index of each new token among its sequence's new tokens
     write_slots: torch.Tensor  # [N] KV slot each new token's K/V is written to
-    ctx_slots: torch.Tensor   # [B, ctx_max] (padding -> slot 0, masked)
+    ctx_slots: torch.Tensor   # [B, ctx_max] KV slots of each whole context (padding masked)
     mask: torch.Tensor        # [B, 1, q_max, ctx_max] True = attend
     last_index: torch.Tensor  # [B] row in the flat token list of each sequence's last new token
 
     @classmethod
-    def build(cls, q_lens: list[int], ctx_lens: list[int], write_slots: list[list[int]],
-              ctx_slots: list[list[int]]) -> Batch:
-        b, q_max, ctx_max = len(q_lens), max(q_lens), max(ctx_lens)
-        rows = torch.repeat_interleave(torch.arange(b), torch.tensor(q_lens))
-        cols = torch.cat([torch.arange(q) for q in q_lens])
-        slots = torch.zeros(b, ctx_max, dtype=torch.long)
-        mask = torch.zeros(b, 1, q_max, ctx_max, dtype=torch.bool)
-        for i, (q, c, s) in enumerate(zip(q_lens, ctx_lens, ctx_slots, strict=True)):
-            slots[i, :c] = torch.tensor(s, dtype=torch.long)
-            # query j (absolute position c - q + j) sees keys 0 .. c - q + j
-            mask[i, 0, :q, :c] = torch.arange(c)[None, :] <= (c - q + torch.arange(q))[:, None]
-        mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]  # padded query rows attend to something (discarded)
-        flat = torch.tensor([s for w in write_slots for s in w], dtype=torch.long)
-        last = torch.cumsum(torch.tensor(q_lens), 0) - 1
-        return cls(b, q_max, rows, cols, flat, slots, mask, last)
+    def build(cls, q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int) -> Batch:
+        b = len(q_lens)
+        q, c = torch.tensor(q_lens), torch.tensor(ctx_lens)
+        q_max, ctx_max = max(q_lens), max(ctx_lens)
+        nb = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long)
+        grid = (bt[:, :, None] * block_size + torch.arange(block_size)).view(b, nb * block_size)
+        rows = torch.repeat_interleave(torch.arange(b), q)
+        starts = torch.cumsum(q, 0) - q
+        cols = torch.arange(int(q.sum())) - starts[rows]
+        pos = (c - q)[rows] + cols
+        k, j = torch.arange(ctx_max), torch.arange(q_max)
+        # query j of sequence i sits at position c - q + j and sees keys 0 .. c - q + j
+        mask = k[None, None, :] <= ((c - q)[:, None] + j[None, :])[:, :, None]
+        mask[:, :, 0] |= j[None, :] >= q[:, None]  # padded query rows attend to key 0 (discarded)
+        return cls(b, q_max, pos, rows, cols, grid[rows, pos], grid[:, :ctx_max], mask[:, None],
+                   torch.cumsum(q, 0) - 1)
 
 
 class DecoderLM(nn.Module):
@@ -191,10 +194,10 @@ class DecoderLM(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch, kv: KVPool) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: Batch, kv: KVPool) -> torch.Tensor:
         """Logits [B, vocab] (fp32) at each sequence's last new token."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = self.rope(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv)
         x = self.model.norm(x[batch.last_index])

@@ -40,22 +40,37 @@ def uniform(seed: int, req_id: int, pos: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, u: float) -> tuple[int, float]:
-    """Sample one token from fp32 ``logits`` [vocab] by inverse CDF with uniform ``u``.
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], us: list[float]) -> tuple[list[int], list[float]]:
+    """Sample one token per row of fp32 ``logits`` [B, vocab] by inverse CDF with uniforms ``us``.
 
-    Returns (token, logprob), the logprob under the temperature-scaled distribution before top-p
-    (the behaviour policy a PPO/GRPO ratio divides by). Temperature 0 is greedy.
+    Returns (tokens, logprobs), each logprob under that row's temperature-scaled distribution
+    before top-p (the behaviour policy a PPO/GRPO ratio divides by). Temperature 0 is greedy.
+    Every operation is row-wise, so a row's result does not depend on the other rows.
     """
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs, order = torch.sort(logp.exp(), descending=True)
-    cdf = torch.cumsum(probs, dim=0)
-    if params.top_p < 1.0:
-        keep = int(torch.searchsorted(cdf, torch.tensor(params.top_p, dtype=cdf.dtype))) + 1
-        cdf = cdf[:keep]
-    idx = int(torch.searchsorted(cdf, torch.tensor(u * float(cdf[-1]), dtype=cdf.dtype), right=True))
-    tok = int(order[min(idx, cdf.numel() - 1)])
-    return tok, float(logp[tok])
+    temp = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)[:, None]
+    logp = torch.log_softmax(logits / temp, dim=-1)
+    probs = logp.exp()
+    # rows without top-p sample over the vocabulary in token order (no sort needed); rows with
+    # top-p over tokens sorted by probability. Either way a row's order depends on that row only.
+    order = torch.arange(probs.shape[1]).expand_as(probs).clone()
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        probs[nucleus], order[nucleus] = torch.sort(probs[nucleus], dim=-1, descending=True)
+    cdf = torch.cumsum(probs, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=cdf.dtype)[:, None]
+    keep = torch.full((len(params), 1), cdf.shape[1])
+    if nucleus:
+        keep[nucleus] = (torch.searchsorted(cdf[nucleus], top_p[nucleus]) + 1).clamp(max=cdf.shape[1])
+    total = cdf.gather(1, keep - 1)
+    u = torch.tensor(us, dtype=cdf.dtype)[:, None]
+    idx = torch.minimum(torch.searchsorted(cdf, u * total, right=True), keep - 1)
+    toks = order.gather(1, idx)[:, 0]
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    toks = torch.where(greedy, logits.argmax(-1), toks)
+    return toks.tolist(), logp.gather(1, toks[:, None])[:, 0].tolist()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, u: float) -> tuple[int, float]:
+    """One row of sample_batch."""
+    toks, lps = sample_batch(logits[None], [params], [u])
+    return toks[0], lps[0]

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``dora-hpc bench``: long-running measurements, never part of the tests."""
