@@ -1,0 +1,1 @@
+"""Run storage: HDF5 shards (trajectories, engine events, training) and checkpoints."""

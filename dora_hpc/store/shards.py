@@ -1,0 +1,190 @@
+"""HDF5 shards: the contract between the runtime (writers) and analysis (readers). DESIGN.md, "HDF5 logs".
+
+Invariants:
+* one writer per rank and file prefix; a shard is written to ``*.h5.tmp``, flushed, fsync'd and
+  renamed to ``*.h5`` -- a file named ``*.h5`` is always complete, a crash leaves only a ``.tmp``;
+* every file carries attrs schema_version, run_id, rank, role, config_json;
+* tables are column-oriented: ``/<table>/<column>``, one dataset per column, all the same length;
+  variable-length columns (tokens, logprobs, segment_versions) are vlen int32/float32;
+* readers skip ``.tmp`` files (and say how many), and name every shard they cannot read or whose
+  schema_version differs, reading all the others.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
+TRAJECTORIES = {
+    "traj_id": "i8", "prompt_id": "i8", "group_id": "i8", "sample_idx": "i8", "version": "i8",
+    "dispatch_step": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
+    "t_dispatch": "f8", "t_first_token": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
+    "instance_path": "str", "reward_error": "str", "tokens": "vlen_i4", "logprobs": "vlen_f4",
+    "segment_versions": "vlen_i4",
+}
+ENGINE_STEPS = {"t_start": "f8", "t_end": "f8", "batch_size": "i8", "capacity": "i8", "new_tokens": "i8",
+                "kv_blocks_used": "i8", "version": "i8"}
+OPS = {"t_start": "f8", "t_end": "f8", "kind": "str", "traj_id": "i8", "peer": "i8", "bytes": "i8",
+       "version": "i8", "detail": "str"}
+CONSUMED = {"traj_id": "i8", "group_id": "i8", "consume_step": "i8", "version": "i8", "staleness": "i8",
+            "advantage": "f8", "reward": "f8"}
+TRAIN_STEPS = {"step": "i8", "t_start": "f8", "t_end": "f8", "loss": "f8", "reward_mean": "f8",
+               "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str"}
+
+FILE_KINDS = {  # file prefix -> its tables
+    "traj": {"trajectories": TRAJECTORIES},
+    "events": {"steps": ENGINE_STEPS, "ops": OPS},
+    "train": {"consumed": CONSUMED, "steps": TRAIN_STEPS},
+}
+
+
+class ShardError(RuntimeError):
+    """A shard that cannot be read; the message names the file."""
+
+
+def _dtype(kind: str):
+    return {"i8": np.int64, "f8": np.float64, "str": h5py.string_dtype(),
+            "vlen_i4": h5py.vlen_dtype(np.int32), "vlen_f4": h5py.vlen_dtype(np.float32)}[kind]
+
+
+def _default(kind: str):
+    return {"i8": -1, "f8": float("nan"), "str": "", "vlen_i4": [], "vlen_f4": []}[kind]
+
+
+def _column(kind: str, values: list) -> np.ndarray:
+    if kind.startswith("vlen"):
+        arr = np.empty(len(values), dtype=object)
+        base = np.int32 if kind == "vlen_i4" else np.float32
+        for i, v in enumerate(values):
+            arr[i] = np.asarray(v, dtype=base)
+        return arr
+    if kind == "str":
+        return np.array([str(v) for v in values], dtype=object)
+    return np.asarray(values, dtype=_dtype(kind))
+
+
+@dataclass
+class ShardWriter:
+    """Buffers rows per table; ``flush`` writes one complete shard; rotates every ``rows_per_shard``."""
+
+    run_dir: Path
+    kind: str                 # traj | events | train
+    rank: int
+    role: str
+    run_id: str
+    config_json: str = "{}"
+    rows_per_shard: int = 4096
+    seq: int = 0
+    _rows: dict[str, list[dict]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tables = FILE_KINDS[self.kind]
+        self._rows = {t: [] for t in self.tables}
+        # continue numbering after existing shards (resume never overwrites a complete file)
+        pattern = re.compile(rf"{re.escape(self._stem())}-(\d{{5}})\.h5$")
+        seqs = [int(m.group(1)) for p in self.run_dir.iterdir() if (m := pattern.match(p.name))]
+        self.seq = max(seqs, default=-1) + 1
+
+    def _stem(self) -> str:
+        return self.kind if self.kind == "train" else f"{self.kind}-r{self.rank}"
+
+    def append(self, table: str, row: dict) -> None:
+        unknown = set(row) - set(self.tables[table])
+        if unknown:
+            raise KeyError(f"{self.kind}/{table}: unknown columns {sorted(unknown)}")
+        self._rows[table].append(row)
+        if sum(len(r) for r in self._rows.values()) >= self.rows_per_shard:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        if not any(self._rows.values()):
+            return None
+        final = self.run_dir / f"{self._stem()}-{self.seq:05d}.h5"
+        tmp = final.with_suffix(".h5.tmp")
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "rank": self.rank,
+                            "role": self.role, "config_json": self.config_json})
+            for table, schema in self.tables.items():
+                g = f.create_group(table)
+                rows = self._rows[table]
+                for col, kind in schema.items():
+                    g.create_dataset(col, data=_column(kind, [r.get(col, _default(kind)) for r in rows]),
+                                     dtype=_dtype(kind))
+            f.flush()
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        self._rows = {t: [] for t in self.tables}
+        self.seq += 1
+        return final
+
+
+@dataclass
+class ShardScan:
+    """What a reader found: complete shards, skipped .tmp files, and unreadable shards with reasons."""
+
+    files: list[Path]
+    tmp_skipped: int
+    bad: dict[str, str]
+
+
+def scan(run_dir: Path, kind: str) -> ShardScan:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ShardError(f"run directory {run_dir} does not exist")
+    prefix = "train" if kind == "train" else f"{kind}-r"
+    files, bad = [], {}
+    for p in sorted(run_dir.glob(f"{prefix}*.h5")):
+        try:
+            with h5py.File(p, "r") as f:
+                version = int(f.attrs.get("schema_version", -1))
+                if version != SCHEMA_VERSION:
+                    bad[str(p)] = f"schema_version {version}, expected {SCHEMA_VERSION}"
+                    continue
+        except OSError as e:
+            bad[str(p)] = f"unreadable HDF5 ({e})"
+            continue
+        files.append(p)
+    tmp = len(list(run_dir.glob(f"{prefix}*.h5.tmp")))
+    for name, why in bad.items():
+        warnings.warn(f"skipping shard {name}: {why}", stacklevel=2)
+    return ShardScan(files, tmp, bad)
+
+
+def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None = None,
+               scan_result: ShardScan | None = None) -> dict[str, np.ndarray]:
+    """Concatenate ``table`` across all complete shards of ``kind``; vlen columns stay object arrays."""
+    found = scan_result or scan(run_dir, kind)
+    schema = FILE_KINDS[kind][table]
+    cols = columns or list(schema)
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
+    for p in found.files:
+        for c, arr in iter_shard_columns(p, table, cols):
+            parts[c].append(arr)
+    return {c: (np.concatenate(v) if v else np.empty(0, dtype=object if schema[c] in ("str", "vlen_i4", "vlen_f4")
+                                                     else _dtype(schema[c]))) for c, v in parts.items()}
+
+
+def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        with h5py.File(path, "r") as f:
+            g = f[table]
+            for c in cols:
+                arr = g[c][()]
+                if arr.dtype.kind == "O" and len(arr) and isinstance(arr[0], bytes):
+                    arr = np.array([x.decode() for x in arr], dtype=object)
+                yield c, arr
+    except (OSError, KeyError) as e:
+        raise ShardError(f"{path}: cannot read /{table} ({e})") from None

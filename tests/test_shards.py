@@ -1,0 +1,54 @@
+import h5py
+import numpy as np
+import pytest
+
+from dora_hpc.store.shards import ShardError, ShardWriter, read_table, scan
+
+
+def writer(tmp_path, **kw):
+    return ShardWriter(tmp_path, "traj", rank=3, role="rollout", run_id="r1", config_json='{"seed": 0}', **kw)
+
+
+def test_rows_round_trip_with_vlen_columns_and_rotation(tmp_path):
+    w = writer(tmp_path, rows_per_shard=3)
+    for i in range(7):
+        w.append("trajectories", {"traj_id": i, "version": i % 2, "tokens": list(range(i)),
+                                  "logprobs": [-0.5] * i, "finish_reason": "stop", "reward": 1.0 * i})
+    w.flush()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["traj-r3-00000.h5", "traj-r3-00001.h5", "traj-r3-00002.h5"]
+    t = read_table(tmp_path, "traj", "trajectories")
+    assert t["traj_id"].tolist() == list(range(7))
+    assert [len(x) for x in t["tokens"]] == list(range(7)) and t["tokens"][4].tolist() == [0, 1, 2, 3]
+    assert t["logprobs"][3].dtype == np.float32 and t["finish_reason"][6] == "stop"
+    assert t["n_migrations"][0] == -1  # unset columns get their documented default
+    with h5py.File(tmp_path / "traj-r3-00000.h5") as f:
+        assert dict(f.attrs) == {"schema_version": 1, "run_id": "r1", "rank": 3, "role": "rollout",
+                                 "config_json": '{"seed": 0}'}
+    # a new writer (after a restart) continues the numbering instead of overwriting
+    assert writer(tmp_path).seq == 3
+
+
+def test_readers_skip_tmp_corrupt_and_foreign_schema_naming_the_file(tmp_path):
+    w = writer(tmp_path)
+    w.append("trajectories", {"traj_id": 1})
+    w.flush()
+    (tmp_path / "traj-r3-00001.h5.tmp").write_bytes(b"half a file")
+    (tmp_path / "traj-r3-00002.h5").write_bytes(b"garbage")
+    w2 = ShardWriter(tmp_path, "traj", rank=4, role="rollout", run_id="r1")
+    w2.append("trajectories", {"traj_id": 2})
+    p = w2.flush()
+    with h5py.File(p, "a") as f:
+        f.attrs["schema_version"] = 99
+    with pytest.warns(UserWarning, match="traj-r3-00002.h5"):
+        found = scan(tmp_path, "traj")
+    assert found.tmp_skipped == 1 and len(found.files) == 1
+    assert "schema_version 99" in found.bad[str(p)]
+    assert read_table(tmp_path, "traj", "trajectories", ["traj_id"], found)["traj_id"].tolist() == [1]
+    with pytest.raises(ShardError, match="does not exist"):
+        scan(tmp_path / "missing", "traj")
+
+
+def test_unknown_columns_are_refused(tmp_path):
+    with pytest.raises(KeyError, match="trajectory_id"):
+        writer(tmp_path).append("trajectories", {"trajectory_id": 1})
