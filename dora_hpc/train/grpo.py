@@ -1,0 +1,149 @@
+"""GRPO: group-relative advantages and the PPO-clip objective against each trajectory's own
+behaviour logprobs (the version it was sampled under), on a transformers causal LM.
+
+Invariants:
+* advantages are computed within a GRPO group only (all samples of one prompt, one version);
+* the importance ratio of a token is pi_theta(token) / pi_behaviour(token) with the behaviour
+  logprob recorded at sampling time -- a well-defined single-policy ratio because a trajectory is
+  generated under one version (DORA) -- so no cross-version correction is needed;
+* ``train_step`` computes a real gradient and takes one optimizer step; ``state_dict`` returns
+  Hugging Face parameter names, ready for ``Engine.load_weights``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    lr: float = 1e-5
+    clip_low: float = 0.2
+    clip_high: float = 0.28          # DAPO's clip-higher
+    kl_coef: float = 0.0             # > 0: k3 KL penalty to the initial (reference) weights
+    loss_agg: Literal["token", "sequence"] = "token"  # token: DAPO token-level mean; sequence: GRPO
+    adv_std_norm: bool = True
+    temperature: float = 1.0         # must equal the sampling temperature
+    max_grad_norm: float = 1.0
+    micro_batch: int = 8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]   # behaviour logprob of each response token
+    reward: float
+    group_id: int
+
+
+def group_advantages(samples: list[Sample], std_norm: bool = True, eps: float = 1e-6) -> list[float]:
+    by_group: dict[int, list[float]] = defaultdict(list)
+    for s in samples:
+        by_group[s.group_id].append(s.reward)
+    stats = {}
+    for g, rs in by_group.items():
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / max(len(rs) - 1, 1))
+        stats[g] = (mean, std)
+    return [(s.reward - stats[s.group_id][0]) / ((stats[s.group_id][1] + eps) if std_norm else 1.0)
+            for s in samples]
+
+
+def weights_checksum(state: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor's bytes (name order), to prove published weights arrive bit-exactly."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class GRPOTrainer:
+    def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            self.ref.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+
+    def _token_logprobs(self, model, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token logprobs [B, Lr] under ``model`` (temperature-scaled) and their mask."""
+        lens = [len(s.prompt) + len(s.response) for s in batch]
+        width = max(lens)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attn = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, s in enumerate(batch):
+            ids[i, : lens[i]] = torch.tensor(s.prompt + s.response)
+            attn[i, : lens[i]] = 1
+        logits = model(input_ids=ids, attention_mask=attn).logits.float() / self.cfg.temperature
+        r_max = max(len(s.response) for s in batch)
+        out = torch.zeros(len(batch), r_max)
+        mask = torch.zeros(len(batch), r_max)
+        for i, s in enumerate(batch):
+            p, r = len(s.prompt), len(s.response)
+            lp = torch.log_softmax(logits[i, p - 1 : p + r - 1], dim=-1)
+            out[i, :r] = lp.gather(1, torch.tensor(s.response)[:, None])[:, 0]
+            mask[i, :r] = 1
+        return out, mask
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        """One optimizer step on ``samples`` (a whole train batch, micro-batched); returns metrics."""
+        if not samples or any(not s.response or len(s.response) != len(s.logprobs) for s in samples):
+            raise ValueError("every sample needs a non-empty response with one behaviour logprob per token")
+        cfg = self.cfg
+        adv_all = group_advantages(samples, cfg.adv_std_norm)
+        n_tokens = sum(len(s.response) for s in samples)
+        self.opt.zero_grad(set_to_none=True)
+        tot = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0}
+        for start in range(0, len(samples), cfg.micro_batch):
+            batch = samples[start : start + cfg.micro_batch]
+            adv = torch.tensor(adv_all[start : start + cfg.micro_batch])[:, None]
+            new_lp, mask = self._token_logprobs(self.model, batch)
+            old_lp = torch.zeros_like(new_lp)
+            for i, s in enumerate(batch):
+                old_lp[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+            ratio = torch.exp(new_lp - old_lp)
+            clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+            per_tok = -torch.minimum(ratio * adv, clipped * adv)
+            kl = torch.zeros_like(per_tok)
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_lp, _ = self._token_logprobs(self.ref, batch)
+                d = ref_lp - new_lp
+                kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+                per_tok = per_tok + cfg.kl_coef * kl
+            if cfg.loss_agg == "token":
+                loss = (per_tok * mask).sum() / n_tokens
+            else:
+                loss = ((per_tok * mask).sum(1) / mask.sum(1)).sum() / len(samples)
+            loss.backward()
+            with torch.no_grad():
+                tot["loss"] += float(loss)
+                tot["clip_frac"] += float(((ratio != clipped).float() * mask).sum()) / n_tokens
+                tot["kl"] += float((kl * mask).sum()) / n_tokens
+                tot["ratio_mean"] += float((ratio * mask).sum()) / n_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.opt.step()
+        self.step += 1
+        return {**tot, "grad_norm": float(grad_norm), "tokens": n_tokens,
+                "reward_mean": sum(s.reward for s in samples) / len(samples)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights with Hugging Face names (detached copies)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
