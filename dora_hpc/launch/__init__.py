@@ -1,0 +1,1 @@
+"""Launchers: local mpiexec (this module's local.py); Slurm comes next."""

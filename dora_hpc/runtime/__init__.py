@@ -1,0 +1,1 @@
+"""The imperative shell: MPI roles and the loops of orchestrator, trainer and rollout ranks."""

@@ -1,0 +1,219 @@
+"""MPI roles, the control-plane messages and the data plane, over one MPI_COMM_WORLD.
+
+Invariants:
+* roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
+  (rollout instance i is rank T+1+i);
+* control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
+* bulk data (weights, KV) goes as flat numpy buffers with ``Send``/``Recv`` on its own tag, never
+  pickled tensors; a buffer is always announced by a control message that carries its shape and
+  dtype, and is sent right after it by the same sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+TAG_CTRL, TAG_WEIGHTS, TAG_KV = 1, 2, 3
+ORCHESTRATOR = 0
+
+
+@dataclass(frozen=True)
+class Roles:
+    size: int
+    trainers: int
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(1 + self.trainers, self.size))
+
+    def role(self, rank: int) -> str:
+        return "orchestrator" if rank == 0 else "trainer" if rank <= self.trainers else "rollout"
+
+    def rank_of_instance(self, i: int) -> int:
+        return 1 + self.trainers + i
+
+    def instance_of_rank(self, rank: int) -> int:
+        return rank - 1 - self.trainers
+
+    @property
+    def lead_trainer(self) -> int:
+        return 1
+
+
+# ---------------------------------------------------------------- control messages (pickled, small)
+@dataclass(frozen=True)
+class Generate:           # orchestrator -> rollout
+    traj_id: int
+    group_id: int
+    sample_idx: int
+    version: int
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadVersion:        # orchestrator -> rollout: weights of `version` come from `source` (a rank)
+    version: int
+    source: int
+    keep_requests: bool
+
+
+@dataclass(frozen=True)
+class SendWeights:        # orchestrator -> trainer or rollout: send `version` to rank `dst`
+    version: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class WeightsHeader:      # sender -> receiver, right before the buffer on TAG_WEIGHTS
+    version: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    checksum: str
+
+
+@dataclass(frozen=True)
+class MigrateOut:         # orchestrator -> source rollout rank
+    traj_id: int
+    dst: int
+    carry_kv: bool
+
+
+@dataclass(frozen=True)
+class MigrateIn:          # source rollout -> destination rollout; KV buffer follows on TAG_KV if any
+    meta: dict
+    kv_shape: tuple[int, ...] | None
+    src_instance: int
+    t_export: float
+
+
+@dataclass(frozen=True)
+class AbortTraj:          # orchestrator -> rollout
+    traj_id: int
+
+
+@dataclass(frozen=True)
+class Train:              # orchestrator -> trainers
+    step: int
+    group_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Trajectory:         # rollout -> lead trainer
+    traj_id: int
+    group_id: int
+    version: int
+    prompt: list[int]
+    output: list[int]
+    logprobs: list[float]
+    reward: float
+
+
+@dataclass(frozen=True)
+class Ready:              # rollout -> orchestrator: loaded `version`
+    instance: int
+    version: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Done:               # rollout -> orchestrator: a trajectory finished
+    traj_id: int
+    instance: int
+    response_len: int
+    reward: float
+    kv_used_fraction: float
+
+
+@dataclass(frozen=True)
+class Published:          # lead trainer -> orchestrator: step version-1 finished
+    version: int
+    checksum: str
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- transport
+class Comm:
+    def __init__(self, trainers: int) -> None:
+        self.world = MPI.COMM_WORLD
+        self.rank = self.world.Get_rank()
+        self.roles = Roles(self.world.Get_size(), trainers)
+        self._pending: list[MPI.Request] = []
+
+    def send(self, obj, dst: int) -> None:
+        self._pending.append(self.world.isend(obj, dest=dst, tag=TAG_CTRL))
+        self._pending = [r for r in self._pending if not r.Test()]
+
+    def poll(self) -> tuple[object, int] | None:
+        """The next control message and its sender, or None when there is none right now."""
+        status = MPI.Status()
+        if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
+            return None
+        src = status.Get_source()
+        return self.world.recv(source=src, tag=TAG_CTRL), src
+
+    def close(self) -> int:
+        """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
+        is addressed to it until its own sends completed, so MPI_Finalize finds no message in flight.
+        Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
+        import time
+
+        self.world.Barrier()
+        dropped = 0
+        while True:
+            while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL):
+                self.world.recv(source=MPI.ANY_SOURCE, tag=TAG_CTRL)
+                dropped += 1
+            self._pending = [r for r in self._pending if not r.Test()]
+            if not self._pending:
+                break
+            time.sleep(0.001)
+        self.world.Barrier()
+        return dropped
+
+    def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
+        self.world.Send(np.ascontiguousarray(arr), dest=dst, tag=tag)
+
+    def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
+        buf = np.empty(shape, dtype=dtype)
+        self.world.Recv(buf, source=src, tag=tag)
+        return buf
+
+    # -- weights: one flat float32 buffer announced by a WeightsHeader --------------------------------
+    def send_weights(self, state: dict[str, torch.Tensor], version: int, checksum: str, dst: int) -> None:
+        names = sorted(state)
+        flat = torch.cat([state[n].detach().float().reshape(-1) for n in names]).numpy()
+        self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum), dst)
+        self.send_array(flat, dst, TAG_WEIGHTS)
+
+    def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor]:
+        total = sum(int(np.prod(s)) for s in header.shapes)
+        flat = torch.from_numpy(self.recv_array((total,), np.float32, src, TAG_WEIGHTS))
+        out, off = {}, 0
+        for name, shape in zip(header.names, header.shapes, strict=True):
+            n = int(np.prod(shape))
+            out[name] = flat[off:off + n].view(shape).clone()
+            off += n
+        return out
+
+    def wait_for(self, kind: type, src: int | None = None, on_other=None):
+        """Block until a control message of ``kind`` (from ``src``) arrives; others go to on_other."""
+        while True:
+            status = MPI.Status()
+            self.world.Probe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status)
+            s = status.Get_source()
+            msg = self.world.recv(source=s, tag=TAG_CTRL)
+            if isinstance(msg, kind):
+                return msg, s
+            if on_other is None:
+                raise RuntimeError(f"rank {self.rank}: expected {kind.__name__} from {src}, got {msg!r}")
+            on_other(msg, s)

@@ -1,0 +1,190 @@
+"""A rollout rank: one engine, hosting one policy version at a time.
+
+Invariants:
+* it generates whenever it has work and polls control messages between engine steps, so messages
+  never stall generation for more than one step;
+* while it waits for the weights of a new version it defers every other message (a Generate for
+  the new version must not reach the engine before the weights);
+* every finished trajectory is rewarded here (a reward function that raises gives reward 0 and a
+  recorded error), written to this rank's HDF5 shard, streamed to the lead trainer, and reported
+  to the orchestrator -- in that order.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine.engine import Engine, RequestError
+from ..engine.sampling import SamplingParams
+from ..store.shards import ShardWriter
+from ..train.grpo import weights_checksum
+from .comm import (
+    TAG_KV,
+    AbortTraj,
+    Comm,
+    Done,
+    Generate,
+    LoadVersion,
+    MigrateIn,
+    MigrateOut,
+    Ready,
+    SendWeights,
+    Shutdown,
+    Trajectory,
+    WeightsHeader,
+)
+
+
+class RolloutRank:
+    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float) -> None:
+        self.comm, self.cfg, self.task, self.t0 = comm, cfg, task, t0
+        self.instance = comm.roles.instance_of_rank(comm.rank)
+        e = cfg.engine
+        self.engine = Engine(model_dir, kv_blocks=e.kv_blocks, block_size=e.block_size,
+                             max_num_seqs=cfg.cluster.max_num_seqs, max_batched_tokens=e.max_batched_tokens,
+                             seed=cfg.seed, version=-1,
+                             min_step_time_s=e.step_time_s if e.pacing else 0.0)
+        cj = cfg.model_dump_json()
+        self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, cfg.store.rows_per_shard)
+        self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, cfg.store.rows_per_shard)
+        self.info: dict[int, dict] = {}
+        self.deferred: list[tuple[object, int]] = []
+        self.running = True
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def run(self) -> None:
+        while self.running:
+            while self.running and (msg := self.deferred.pop(0) if self.deferred else self.comm.poll()):
+                self.handle(*msg)
+            if not self.running:
+                break
+            if self.engine.has_work():
+                self.step()
+            else:
+                time.sleep(0.001)
+        self.traj_log.flush()
+        self.events.flush()
+
+    # -- generation --------------------------------------------------------------------------------
+    def step(self) -> None:
+        t_start = self.now()
+        before = self.engine.stats()
+        finished = self.engine.step()
+        st = self.engine.stats()
+        new = (st["decode_tokens"] - before["decode_tokens"]) + (st["prefill_tokens"] - before["prefill_tokens"])
+        self.events.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
+                                     + before["waiting"], "capacity": self.engine.max_num_seqs, "new_tokens": new,
+                                     "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version})
+        for f in finished:
+            self.finish(f, st["kv_used_fraction"])
+
+    def finish(self, f, kv_frac: float) -> None:
+        info = self.info.pop(f.req_id)
+        reward, error = self.task.safe_reward(info["group_id"], f.output)
+        self.traj_log.append("trajectories", {
+            "traj_id": f.req_id, "prompt_id": info["group_id"], "group_id": info["group_id"],
+            "sample_idx": info["sample_idx"], "version": f.version, "dispatch_step": info["dispatch_version"],
+            "prompt_len": len(f.prompt), "response_len": len(f.output), "reward": reward,
+            "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"], "t_first_token": float("nan"),
+            "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
+            "instance_path": info["path"], "reward_error": error, "tokens": f.output, "logprobs": f.logprobs,
+            "segment_versions": info["segments"]})
+        lead = self.comm.roles.lead_trainer
+        self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward), lead)
+        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac), 0)
+
+    # -- control -----------------------------------------------------------------------------------
+    def handle(self, msg, src: int) -> None:
+        match msg:
+            case Generate():
+                self.engine.add(msg.traj_id, msg.prompt, SamplingParams(
+                    temperature=self.cfg.sampling.temperature, top_p=self.cfg.sampling.top_p,
+                    max_tokens=msg.max_tokens, ignore_eos=self.task.ignore_eos), msg.version)
+                self.info[msg.traj_id] = {"group_id": msg.group_id, "sample_idx": msg.sample_idx,
+                                          "dispatch_version": msg.version, "t_dispatch": self.now(),
+                                          "n_migrations": 0, "reprefill": 0, "path": str(self.instance),
+                                          "segments": [msg.version]}
+            case LoadVersion():
+                self.load(msg)
+            case SendWeights():
+                state = self.engine.model.state_dict()
+                self.comm.send_weights(state, self.engine.version, weights_checksum(state), msg.dst)
+                self.op("weight_send", peer=msg.dst, version=self.engine.version)
+            case MigrateOut():
+                self.migrate_out(msg)
+            case MigrateIn():
+                self.migrate_in(msg, src)
+            case AbortTraj():
+                if msg.traj_id in self.engine.seqs:
+                    self.engine.abort(msg.traj_id)
+                    self.info.pop(msg.traj_id, None)
+            case Shutdown():
+                self.running = False
+            case _:
+                raise RuntimeError(f"rollout rank {self.comm.rank}: unexpected message {msg!r}")
+
+    def load(self, msg: LoadVersion) -> None:
+        t = self.now()
+        header, _ = self.comm.wait_for(WeightsHeader, src=msg.source,
+                                       on_other=lambda m, s: self.deferred.append((m, s)))
+        state = self.comm.recv_weights(header, msg.source)
+        self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
+        got = weights_checksum({k: v for k, v in self.engine.model.state_dict().items() if k in state})
+        if got != header.checksum:
+            raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
+                               f"({got} != {header.checksum})")
+        for tid, info in self.info.items():  # partial rollout: live requests continue under the new version
+            if msg.keep_requests:
+                info["segments"].append(msg.version)
+                info["reprefill"] = len(self.engine.seqs[tid])
+        self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
+                nbytes=sum(v.numel() * 4 for v in state.values()))
+        self.comm.send(Ready(self.instance, msg.version, got), 0)
+
+    def migrate_out(self, msg: MigrateOut) -> None:
+        if msg.traj_id not in self.engine.seqs:
+            return  # it finished first; its Done is on the way
+        t = self.now()
+        meta, kv = self.engine.export(msg.traj_id)
+        info = self.info.pop(msg.traj_id)
+        meta["info"] = info
+        if msg.carry_kv:
+            self.comm.send(MigrateIn(meta, tuple(kv.shape), self.instance, t), msg.dst)
+            self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
+        else:
+            self.comm.send(MigrateIn(meta, None, self.instance, t), msg.dst)
+        self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
+                nbytes=kv.numel() * 4 if msg.carry_kv else 0, version=self.engine.version)
+
+    def migrate_in(self, msg: MigrateIn, src: int) -> None:
+        t = self.now()
+        meta, info = dict(msg.meta), msg.meta["info"]
+        if msg.kv_shape is not None:
+            kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
+        else:  # migration by re-prefill: the KV is rebuilt here from the tokens
+            s = self.engine.model.spec
+            kv = torch.zeros(s.num_layers, 2, 0, s.num_kv_heads, s.head_dim)
+            info["reprefill"] += len(meta["prompt"]) + len(meta["output"])
+            meta["n_cached"] = 0
+        meta.pop("info")
+        try:
+            self.engine.import_(meta, kv)
+        except RequestError as e:
+            raise RuntimeError(f"rank {self.comm.rank}: migration of {meta['req_id']} refused: {e}") from None
+        info["n_migrations"] += 1
+        info["path"] += f">{self.instance}"
+        self.info[meta["req_id"]] = info
+        self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
+                nbytes=kv.numel() * 4, detail=f"reprefill={meta['n_cached'] == 0 and msg.kv_shape is None}")
+
+    def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
+           t_start: float | None = None, nbytes: int = 0) -> None:
+        now = self.now()
+        self.events.append("ops", {"t_start": now if t_start is None else t_start, "t_end": now, "kind": kind,
+                                   "traj_id": traj_id, "peer": peer, "bytes": nbytes, "version": version,
+                                   "detail": detail})

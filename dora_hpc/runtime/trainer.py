@@ -1,0 +1,100 @@
+"""The trainer rank: a TransferQueue of streamed trajectories, GRPO steps, and published versions.
+
+Invariants:
+* a train step consumes exactly the groups the orchestrator named, each complete, each once; it
+  waits (still receiving trajectories) until all their samples have arrived;
+* every consumed trajectory is logged with its staleness = consume_step - version;
+* versions are published in order: after step n the trainer holds v_{n+1} and can serve the weights
+  of every version still live (the last ``keep_versions`` ones).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..store.shards import ShardWriter
+from ..train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
+from .comm import Comm, Published, SendWeights, Shutdown, Train, Trajectory
+
+
+class TrainerRank:
+    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float) -> None:
+        self.comm, self.cfg, self.t0 = comm, cfg, t0
+        t = cfg.train
+        self.trainer = GRPOTrainer(model_dir, GRPOConfig(
+            lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
+            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed)
+        self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
+                               cfg.store.rows_per_shard)
+        state = self.trainer.state_dict()
+        self.versions = {0: (state, weights_checksum(state))}
+        self.keep_versions = cfg.dora.k + 2
+        self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
+        self.consumed: set[int] = set()
+        self.running = True
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def run(self) -> None:
+        while self.running:
+            got = self.comm.poll()
+            if got is None:
+                time.sleep(0.001)
+                continue
+            self.handle(*got)
+        self.log.flush()
+
+    def handle(self, msg, src: int) -> None:
+        match msg:
+            case Trajectory():
+                self.queue.setdefault(msg.group_id, {})[msg.traj_id] = msg
+            case SendWeights():
+                state, checksum = self.versions[msg.version]
+                self.comm.send_weights(state, msg.version, checksum, msg.dst)
+            case Train():
+                self.train(msg)
+            case Shutdown():
+                self.running = False
+            case _:
+                raise RuntimeError(f"trainer: unexpected message {msg!r}")
+
+    def _complete(self, g: int) -> bool:
+        return len(self.queue.get(g, {})) == self.cfg.batch.group_size
+
+    def train(self, msg: Train) -> None:
+        dup = self.consumed.intersection(msg.group_ids)
+        if dup:
+            raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
+        while not all(self._complete(g) for g in msg.group_ids):  # stragglers' messages are in flight
+            got = self.comm.poll()
+            if got is None:
+                time.sleep(0.001)
+            elif isinstance(got[0], Trajectory | SendWeights):
+                self.handle(*got)
+            else:
+                raise RuntimeError(f"trainer: {got[0]!r} while waiting for the groups of step {msg.step}")
+        t_start = self.now()
+        trajs = [t for g in msg.group_ids for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
+        samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id) for t in trajs]
+        metrics = self.trainer.train_step(samples)
+        state = self.trainer.state_dict()
+        version = msg.step + 1
+        checksum = weights_checksum(state)
+        self.versions[version] = (state, checksum)
+        for old in [v for v in self.versions if v <= version - self.keep_versions]:
+            del self.versions[old]
+        self.consumed.update(msg.group_ids)
+        from ..train.grpo import group_advantages
+
+        for t, adv in zip(trajs, group_advantages(samples), strict=True):
+            self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
+                                         "version": t.version, "staleness": msg.step - t.version,
+                                         "advantage": adv, "reward": t.reward})
+        self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
+                                  "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
+                                  "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
+                                  "tokens": metrics["tokens"], "weights_checksum": checksum})
+        self.log.flush()
+        self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}), 0)
