@@ -78,6 +78,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
+    from .analysis.basic import analyze
+    from .store.shards import ShardError
+
+    try:
+        result = analyze(args.run_dir)
+    except ShardError as e:
+        Console(stderr=True).print(f"[bold red]analyze[/]: {e}")
+        return 2
+    inv = result["invariants"]
+    console.print(f"{result['run_dir']}: mode={result['mode']} steps={result['steps']} trajectories="
+                  f"{result['trajectories']} consumed={result['consumed']} migrations={result['migrations']} "
+                  f"reprefill={result['reprefill_tokens']} max live versions={result['max_live_versions']}")
+    console.print(f"staleness: {result['staleness']}")
+    console.print("invariants: " + ", ".join(f"{k}={v}" for k, v in inv.items() if k != "offenders"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.what == "engine":
         from .bench.engine_bench import bench_engine
@@ -110,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(r)
     r.add_argument("--run-dir", required=True, help="where the HDF5 logs go")
     r.set_defaults(func=cmd_run)
+    a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
+    a.add_argument("run_dir")
+    a.add_argument("--json", help="write the figures as JSON here")
+    a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")
     b.add_argument("--out", default="results/engine", help="output directory")

@@ -87,6 +87,8 @@ class Policy:
                 self.view.ready(instance, version)
                 return self.on_ready(instance)
             case RequestFinished(traj_id, _):
+                if traj_id not in self.view.trajs:
+                    return []  # it finished while our Abort was on the way (a dropped group): nothing to do
                 t = self.view.remove(traj_id)
                 if self.ledger.finish(traj_id):
                     self.pending_groups -= 1

@@ -89,6 +89,11 @@ class Orchestrator:
                         self.execute(self.policy.on(VersionPublished(msg.version)))
                 case _:
                     raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
+        from ..core.ledger import GroupState
+
+        open_groups = [g for g, rec in self.policy.ledger.groups.items()
+                       if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
+        self.op("pending_at_end", detail=",".join(map(str, open_groups)))
         for r in range(1, self.roles.size):
             self.comm.send(Shutdown("done"), r)
         self.log.flush()
