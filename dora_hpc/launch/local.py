@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -46,6 +47,67 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
             "run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", "t0": time.time()}
     (run_dir / "launch.json").write_text(json.dumps(meta, indent=2))
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, env=env).returncode
+    # -disable-auto-cleanup: mpiexec leaves the job to us when a rank dies, so DeathWatch sees exactly
+    # which rank died first and then ends the whole job itself (within milliseconds)
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n),
+           sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watcher = DeathWatch(run_dir / "pids", n, on_death=proc.terminate)
+    watcher.start()
+    for line in proc.stdout:  # pass everything through
+        sys.stderr.write(line)
+    code = proc.wait()
+    watcher.stop()
+    if code != 0 and watcher.first_dead is not None:
+        r = watcher.first_dead
+        sys.stderr.write(f"dora-hpc: rank {r} ({cfg_role(cfg, r)}) died first; mpiexec ended the whole job\n")
+    return code
+
+
+class DeathWatch(threading.Thread):
+    """Polls the ranks' processes; the first one to die (or turn zombie) while the job runs is the
+    rank to blame -- mpiexec's own message names only a PID of its choosing. Ranks that raised leave a
+    ``.failed`` marker and ranks torn down by mpiexec a ``.cleanup`` one, so a rank that vanished
+    without either (killed) is preferred when several die within one poll."""
+
+    def __init__(self, pid_dir: Path, n: int, on_death=None) -> None:
+        super().__init__(daemon=True)
+        self.pid_dir, self.n, self.on_death = pid_dir, n, on_death
+        self.first_dead: int | None = None
+        self._halt = threading.Event()
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
+    def run(self) -> None:
+        pids: dict[int, int] = {}
+        while not self._halt.is_set() and self.first_dead is None:
+            for f in self.pid_dir.glob("rank-*"):
+                r = int(f.name.split("-")[1])
+                if r not in pids and f.read_text().strip():
+                    pids[r] = int(f.read_text())
+            if len(pids) == self.n:
+                dead = [r for r, pid in pids.items()
+                        if not self._alive(pid) and not (self.pid_dir / f"rank-{r}.done").exists()]
+                if dead:  # a rank killed by a signal leaves no marker; prefer it over secondary failures
+                    def marked(r: int, kind: str) -> bool:
+                        return (self.pid_dir / f"rank-{r}.{kind}").exists()
+
+                    silent = [r for r in dead if not marked(r, "cleanup") and not marked(r, "failed")]
+                    self.first_dead = min(silent or [r for r in dead if not marked(r, "cleanup")] or dead)
+                    if self.on_death is not None:
+                        self.on_death()
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=1)
+
+
+def cfg_role(cfg: RunConfig, rank: int) -> str:
+    return "orchestrator" if rank == 0 else "trainer" if rank <= cfg.cluster.trainer_ranks else "rollout"

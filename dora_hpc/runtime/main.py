@@ -7,6 +7,8 @@ the rank prints a message naming itself and calls MPI_Abort, so no rank hangs on
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -26,6 +28,15 @@ def main(run_dir: str) -> int:
         from .comm import Comm
 
         run = Path(run_dir)
+        (run / "pids").mkdir(exist_ok=True)
+        (run / "pids" / f"rank-{rank}").write_text(str(os.getpid()))
+
+        def cleaned_up(signum, frame):  # mpiexec tearing the job down: this rank did not fail itself
+            (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, cleaned_up)
+        signal.signal(signal.SIGINT, cleaned_up)
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"])
         comm = Comm(cfg.cluster.trainer_ranks)
@@ -47,8 +58,13 @@ def main(run_dir: str) -> int:
             task = make_task(cfg, meta["vocab_size"])
             RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0).run()
         comm.close()
+        (run / "pids" / f"rank-{rank}.done").write_text("ok")  # a clean exit: the launcher must not blame it
         return 0
     except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
+        try:  # a marker for the launcher: this rank raised (it may be a consequence of a dead peer)
+            (Path(run_dir) / "pids" / f"rank-{rank}.failed").write_text(f"{type(e).__name__}: {e}")
+        except OSError:
+            pass
         sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.flush()
         time.sleep(0.2)
