@@ -74,7 +74,17 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if code != 0:
         Console(stderr=True).print(f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}")
         return 1
-    console.print(f"run finished; HDF5 logs in {run_dir}")
+    from .analysis.basic import analyze
+
+    a = analyze(run_dir)
+    rewards = a["reward_by_step"]
+    inv = ", ".join(f"{k}={v}" for k, v in a["invariants"].items() if k != "offenders")
+    console.print(f"run finished: {a['steps']} steps, {a['consumed']} trajectories trained on; mean reward "
+                  f"{rewards[0]:.3f} (step 0) -> {rewards[-1]:.3f} (step {len(rewards) - 1}); staleness "
+                  f"{a['staleness']['histogram']}; {a['migrations']} migrations, {a['reprefill_tokens']} "
+                  f"re-prefilled tokens; max {a['max_live_versions']} versions live at once")
+    console.print(f"invariants: {inv}")
+    console.print(f"HDF5 logs in {run_dir}; more: dora-hpc analyze {run_dir} --json out.json")
     return 0
 
 
