@@ -126,7 +126,14 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["even_tokens"] = "even_tokens"
+    name: Literal["even_tokens", "reasoning_gym", "jsonl"] = "even_tokens"
+    dataset: str = Field("basic_arithmetic", description="reasoning_gym: the generator's name")
+    size: int = Field(10000, ge=1, description="reasoning_gym: prompts generated (group g uses item g % size)")
+    path: str | None = Field(None, description="jsonl: the prompt file")
+    question_field: str = "question"
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    reward_timeout_s: float = Field(5.0, gt=0, description="a reward slower than this scores 0 (error recorded)")
     reward_fn: str | None = Field(None, description="optional 'module:function(tokens) -> float' replacing the "
                                                     "task's reward; if it raises, the trajectory gets 0 and "
                                                     "the error is recorded")
@@ -135,6 +142,7 @@ class TaskConfig(Section):
 class SamplingConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, ge=1, description="response budget of text tasks (even_tokens uses workload)")
 
 
 class StoreConfig(Section):

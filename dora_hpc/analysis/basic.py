@@ -100,6 +100,7 @@ def analyze(run_dir: str | Path) -> dict:
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,
         "dropped_groups": len(dropped),
         "reward_errors": int(sum(1 for e in traj["reward_error"] if e)),
+        "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": {"published": len(published), "loads": len(loads),
                     "mismatched_loads": sum(1 for v, c in loads if v in published and c != published[v]),
                     "v0_checksums": len({c for v, c in loads if v == 0})},

@@ -64,8 +64,13 @@ def load_reward_fn(spec: str):
         raise ValueError(f"task.reward_fn={spec!r}: cannot import it ({e})") from None
 
 
-TASKS = {"even_tokens": EvenTokensTask}
+def make_task(cfg: RunConfig, vocab_size: int, model_dir=None):
+    """The configured task; text tasks load the model folder's tokenizer."""
+    if cfg.task.name == "even_tokens":
+        return EvenTokensTask(cfg, vocab_size)
+    from transformers import AutoTokenizer
 
+    from .text_tasks import JsonlTask, ReasoningGymTask
 
-def make_task(cfg: RunConfig, vocab_size: int):
-    return TASKS[cfg.task.name](cfg, vocab_size)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return {"reasoning_gym": ReasoningGymTask, "jsonl": JsonlTask}[cfg.task.name](cfg, tok)

@@ -46,7 +46,7 @@ def main(run_dir: str) -> int:
         if role == "orchestrator":
             from .orchestrator import Orchestrator
 
-            task = make_task(cfg, meta["vocab_size"])
+            task = make_task(cfg, meta["vocab_size"], model_dir)
             Orchestrator(comm, cfg, run, task, meta["run_id"], t0).run()
         elif role == "trainer":
             from .trainer import TrainerRank
@@ -55,7 +55,7 @@ def main(run_dir: str) -> int:
         else:
             from .rollout import RolloutRank
 
-            task = make_task(cfg, meta["vocab_size"])
+            task = make_task(cfg, meta["vocab_size"], model_dir)
             RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0).run()
         comm.close()
         (run / "pids" / f"rank-{rank}.done").write_text("ok")  # a clean exit: the launcher must not blame it

@@ -57,6 +57,9 @@ class Orchestrator:
         return time.time() - self.t0
 
     def run(self) -> None:
+        for bad in getattr(self.task, "malformed", []):  # skipped prompt rows: recorded, never fatal
+            self.op("malformed_row", detail=bad)
+            print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
         self.execute(self.policy.on(Start()))
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s

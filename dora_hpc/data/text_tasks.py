@@ -1,0 +1,119 @@
+"""Text tasks for real models: reasoning-gym generators and user jsonl files, scored per response.
+
+Invariants:
+* group g always gets the same prompt: item g % size of a seeded generator (reasoning_gym) or the
+  g-th valid row of the file, cycling (jsonl); a malformed row is skipped at start-up and recorded
+  (``malformed``) -- never a crash, never a silent gap;
+* scoring runs in a worker thread with ``task.reward_timeout_s``; a scorer that raises or hangs
+  yields reward 0 and the error text (math-verify's own timeouts are off in threads, so we enforce it).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from ..config import RunConfig
+
+ANSWER_HINT = "Think briefly, then give the final answer inside <answer></answer>."
+
+
+class TextTask:
+    ignore_eos = False
+
+    def __init__(self, cfg: RunConfig, tokenizer) -> None:
+        self.cfg, self.tok = cfg, tokenizer
+        self.max_new = cfg.sampling.max_tokens
+        self.timeout = cfg.task.reward_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self.malformed: list[str] = []
+
+    def question(self, group_id: int) -> str:
+        raise NotImplementedError
+
+    def score(self, group_id: int, text: str) -> float:
+        raise NotImplementedError
+
+    def prompt(self, group_id: int) -> list[int]:
+        msgs = [{"role": "system", "content": self.cfg.task.system_prompt}] if self.cfg.task.system_prompt else []
+        msgs.append({"role": "user", "content": f"{self.question(group_id)}\n{ANSWER_HINT}"})
+        if getattr(self.tok, "chat_template", None):
+            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tok(msgs[-1]["content"])["input_ids"]
+
+    def max_tokens(self, traj_id: int) -> int:
+        return self.max_new
+
+    def safe_reward(self, group_id: int, output: list[int]) -> tuple[float, str]:
+        text = self.tok.decode(output, skip_special_tokens=True)
+        fut = self._pool.submit(self.score, group_id, text)
+        try:
+            return float(fut.result(timeout=self.timeout)), ""
+        except FutureTimeout:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")  # abandon the stuck one
+            return 0.0, f"reward timed out after {self.timeout}s"
+        except Exception as e:  # noqa: BLE001 - a scorer may raise anything
+            return 0.0, f"{type(e).__name__}: {e}"
+
+
+def extract_answer(text: str) -> str:
+    start, end = text.rfind("<answer>"), text.rfind("</answer>")
+    if start != -1 and end > start:
+        return text[start + len("<answer>"):end].strip()
+    return text.strip().splitlines()[-1].strip() if text.strip() else ""
+
+
+class ReasoningGymTask(TextTask):
+    """A reasoning-gym generator (``task.dataset``), scored by the generator's own score_answer."""
+
+    name = "reasoning_gym"
+
+    def __init__(self, cfg: RunConfig, tokenizer) -> None:
+        super().__init__(cfg, tokenizer)
+        import reasoning_gym
+
+        self.ds = reasoning_gym.create_dataset(cfg.task.dataset, size=cfg.task.size, seed=cfg.seed)
+
+    def question(self, group_id: int) -> str:
+        return self.ds[group_id % len(self.ds)]["question"]
+
+    def score(self, group_id: int, text: str) -> float:
+        entry = self.ds[group_id % len(self.ds)]
+        return float(self.ds.score_answer(answer=extract_answer(text), entry=entry))
+
+
+class JsonlTask(TextTask):
+    """User prompts from a jsonl file with ``question_field``/``answer_field``, scored by math-verify."""
+
+    name = "jsonl"
+
+    def __init__(self, cfg: RunConfig, tokenizer) -> None:
+        super().__init__(cfg, tokenizer)
+        path = Path(cfg.task.path or "")
+        if not path.is_file():
+            raise ValueError(f"task.path: prompt file {path} does not exist")
+        qf, af = cfg.task.question_field, cfg.task.answer_field
+        self.rows: list[tuple[str, str]] = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                self.rows.append((str(row[qf]), str(row[af])))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                self.malformed.append(f"{path}:{n}: {type(e).__name__}: {e}")
+        if not self.rows:
+            raise ValueError(f"task.path: {path} has no valid row with fields {qf!r} and {af!r}")
+
+    def question(self, group_id: int) -> str:
+        return self.rows[group_id % len(self.rows)][0]
+
+    def score(self, group_id: int, text: str) -> float:
+        from math_verify import parse, verify
+
+        gold = parse(self.rows[group_id % len(self.rows)][1], parsing_timeout=None)
+        pred = parse(extract_answer(text), parsing_timeout=None)
+        return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0

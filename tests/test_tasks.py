@@ -1,0 +1,73 @@
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from dora_hpc.config import load_config
+from dora_hpc.data.tasks import EvenTokensTask, make_task
+from dora_hpc.data.text_tasks import JsonlTask, ReasoningGymTask, extract_answer
+from dora_hpc.engine.local_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def test_reasoning_gym_prompts_are_deterministic_and_scored_by_the_generator(tiny):
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.size=50"])
+    task = make_task(cfg, 0, tiny)
+    assert isinstance(task, ReasoningGymTask) and task.prompt(3) == task.prompt(53)
+    tok = task.tok
+    answer = task.ds[3]["answer"]
+    assert task.safe_reward(3, tok(f"so <answer>{answer}</answer>")["input_ids"]) == (1.0, "")
+    assert task.safe_reward(3, tok("<answer>not a number</answer>")["input_ids"])[0] == 0.0
+
+
+def test_jsonl_skips_malformed_rows_naming_them_and_scores_with_math_verify(tiny, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"q": "half of 1?", "a": "0.5"}\nnot json\n{"question": "no q field", "a": "1"}\n'
+                 '{"q": "2+2?", "a": "4"}\n')
+    cfg = load_config(None, ["task.name=jsonl", f"task.path={f}", "task.question_field=q",
+                             "task.answer_field=a"])
+    task = make_task(cfg, 0, tiny)
+    assert isinstance(task, JsonlTask) and len(task.rows) == 2
+    assert len(task.malformed) == 2 and f"{f}:2" in task.malformed[0] and f"{f}:3" in task.malformed[1]
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert task.safe_reward(0, tok("<answer>\\frac{1}{2}</answer>")["input_ids"])[0] == 1.0
+    assert task.safe_reward(1, tok("<answer>5</answer>")["input_ids"])[0] == 0.0
+    assert task.question(2) == task.question(0)  # the stream cycles over valid rows
+    with pytest.raises(ValueError, match="does not exist"):
+        make_task(load_config(None, ["task.name=jsonl", "task.path=/nope.jsonl"]), 0, tiny)
+
+
+def test_slow_and_raising_scorers_give_zero_with_the_error(tiny):
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.size=5", "task.reward_timeout_s=0.2"])
+
+    class Slow(ReasoningGymTask):
+        def score(self, group_id, text):
+            time.sleep(2)
+            return 1.0
+
+    class Raising(ReasoningGymTask):
+        def score(self, group_id, text):
+            raise RuntimeError("scorer crashed")
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    t = time.time()
+    assert Slow(cfg, tok).safe_reward(0, [5, 6]) == (0.0, "reward timed out after 0.2s")
+    assert time.time() - t < 1.5
+    assert Raising(cfg, tok).safe_reward(0, [5]) == (0.0, "RuntimeError: scorer crashed")
+
+
+def test_even_tokens_budgets_follow_the_workload():
+    cfg = load_config("configs/tiny-cpu.yaml")
+    task = EvenTokensTask(cfg, 512)
+    budgets = [task.max_tokens(t) for t in range(2000)]
+    assert max(budgets) <= 160 and sorted(budgets)[1000] in range(8, 17)
+    assert task.prompt(7) == task.prompt(7) and task.reward(0, [2, 4, 5]) == pytest.approx(2 / 3)
+
+
+def test_extract_answer():
+    assert extract_answer("x <answer>1</answer> y <answer> 42 </answer>") == "42"
+    assert extract_answer("the end\n 7 ") == "7" and extract_answer("") == ""
