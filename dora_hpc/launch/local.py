@@ -51,7 +51,8 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
     # which rank died first and then ends the whole job itself (within milliseconds)
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n),
            sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watcher = DeathWatch(run_dir / "pids", n, on_death=proc.terminate)
     watcher.start()
@@ -88,9 +89,9 @@ class DeathWatch(threading.Thread):
         pids: dict[int, int] = {}
         while not self._halt.is_set() and self.first_dead is None:
             for f in self.pid_dir.glob("rank-*"):
-                r = int(f.name.split("-")[1])
-                if r not in pids and f.read_text().strip():
-                    pids[r] = int(f.read_text())
+                name = f.name.removeprefix("rank-")
+                if name.isdigit() and int(name) not in pids and f.read_text().strip():
+                    pids[int(name)] = int(f.read_text())
             if len(pids) == self.n:
                 dead = [r for r, pid in pids.items()
                         if not self._alive(pid) and not (self.pid_dir / f"rank-{r}.done").exists()]

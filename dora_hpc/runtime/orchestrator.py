@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ from ..core.policies import PolicyConfig, make_policy
 from ..store.shards import ShardWriter
 from .comm import AbortTraj, Comm, Done, Generate, LoadVersion, MigrateOut, Published, Ready, SendWeights, Shutdown
 from .comm import Train as TrainMsg
+from .dashboard import Dashboard
 
 
 class Orchestrator:
@@ -50,8 +52,8 @@ class Orchestrator:
         self.steps_done = 0
         self.finished_tokens = 0
         self.stale = Counter()
-        self.last_line = 0.0
         self.rewards: list[float] = []
+        self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1", cfg.train.max_steps)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -97,6 +99,7 @@ class Orchestrator:
         open_groups = [g for g, rec in self.policy.ledger.groups.items()
                        if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
         self.op("pending_at_end", detail=",".join(map(str, open_groups)))
+        self.dashboard.close(self)
         for r in range(1, self.roles.size):
             self.comm.send(Shutdown("done"), r)
         self.log.flush()
@@ -132,16 +135,4 @@ class Orchestrator:
                                 "bytes": 0, "version": version, "detail": detail})
 
     def report(self, force: bool = False) -> None:
-        """One status line (the dashboard for non-TTY runs), at most every 2 s unless forced."""
-        if not force and time.time() - self.last_line < 2.0:
-            return
-        self.last_line = time.time()
-        view = self.policy.view
-        inst = " ".join(f"{'-' if x.target is None else x.target}{'*' if x.loading is not None else ''}"
-                        for x in view.instances)
-        queued = {v: len(q) for v, q in view.queues.items() if q}
-        t = self.now()
-        print(f"[{t:7.1f}s] step {self.steps_done}/{self.cfg.train.max_steps} latest v{self.policy.latest} | "
-              f"instances {inst} | queued {queued or '-'} | {self.finished_tokens / max(t, 1e-9):.0f} tok/s | "
-              f"staleness {dict(sorted(self.stale.items()))} | reward "
-              f"{self.rewards[-1] if self.rewards else float('nan'):.3f}", file=sys.stderr, flush=True)
+        self.dashboard.update(self, force)
