@@ -61,8 +61,9 @@ class Dashboard:
         head.add_row(Text(f"dora-hpc {orch.cfg.mode}", style="bold"), f"step {orch.steps_done}/{self.max_steps}",
                      f"latest v{orch.policy.latest}", f"{orch.finished_tokens / max(t, 1e-9):,.0f} tok/s",
                      f"reward {orch.rewards[-1]:.3f}" if orch.rewards else "reward -", f"{t:,.0f}s")
-        inst = Table(title="instances (version·live requests, … = loading)", show_header=False, box=None)
-        inst.add_row(*[Text(label, style=style) for label, style in self._instances(orch)])
+        inst = Text("instances (version·live requests, … = loading): ")
+        for label, style in self._instances(orch):
+            inst.append(label + " ", style=style)
         queued = {v: len(q) for v, q in orch.policy.view.queues.items() if q}
         stale = ", ".join(f"{s}: {orch.stale[s]}" for s in sorted(orch.stale)) or "-"
         return Group(head, inst, Text(f"queued per version: {queued or '-'}"),
