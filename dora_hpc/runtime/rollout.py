@@ -138,10 +138,14 @@ class RolloutRank:
         if got != header.checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
                                f"({got} != {header.checksum})")
-        for tid, info in self.info.items():  # partial rollout: live requests continue under the new version
-            if msg.keep_requests:
-                info["segments"].append(msg.version)
-                info["reprefill"] = len(self.engine.seqs[tid])
+        if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
+            for tid, info in self.info.items():
+                seq = self.engine.seqs[tid]
+                if seq.output:  # tokens were sampled under the old version: a new segment, all re-prefilled
+                    info["segments"].append(msg.version)
+                    info["reprefill"] += len(seq)
+                else:  # nothing sampled yet: it simply starts under the new version
+                    info["segments"][-1] = msg.version
         self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
                 nbytes=sum(v.numel() * 4 for v in state.values()))
         self.comm.send(Ready(self.instance, msg.version, got), 0)

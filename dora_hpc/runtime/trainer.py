@@ -86,9 +86,7 @@ class TrainerRank:
         for old in [v for v in self.versions if v <= version - self.keep_versions]:
             del self.versions[old]
         self.consumed.update(msg.group_ids)
-        from ..train.grpo import group_advantages
-
-        for t, adv in zip(trajs, group_advantages(samples), strict=True):
+        for t, adv in zip(trajs, metrics["advantages"], strict=True):
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
                                          "version": t.version, "staleness": msg.step - t.version,
                                          "advantage": adv, "reward": t.reward})

@@ -141,7 +141,7 @@ class GRPOTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
-        return {**tot, "grad_norm": float(grad_norm), "tokens": n_tokens,
+        return {**tot, "grad_norm": float(grad_norm), "tokens": n_tokens, "advantages": adv_all,
                 "reward_mean": sum(s.reward for s in samples) / len(samples)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
