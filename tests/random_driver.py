@@ -75,7 +75,9 @@ class RandomDriver:
             case Dispatch(t, g, _, v, i):
                 if self.version[i] != v:
                     raise InvariantBroken(f"{cmd}: instance {i} holds v{self.version[i]}")
-                if self.group_tag.setdefault(g, v) != v and self.p.name != "partial":
+                cfg = self.p.cfg
+                may_split = self.p.name == "partial" and cfg.group_size > cfg.slots * cfg.n_instances
+                if self.group_tag.setdefault(g, v) != v and not may_split:
                     raise InvariantBroken(f"group {g} split across v{self.group_tag[g]} and v{v}")
                 if t in self.where or t in self.finished:
                     raise InvariantBroken(f"trajectory {t} dispatched twice")

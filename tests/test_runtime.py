@@ -28,11 +28,11 @@ def run(tmp_path, mode, *extra, steps=4, env=None, name=None):
 
 @pytest.mark.parametrize("mode", ["sync", "one_step", "partial", "oversample", "dora"])
 def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
-    p, run_dir = run(tmp_path, mode, steps=6 if mode == "dora" else 4)
+    p, run_dir = run(tmp_path, mode, steps=8 if mode == "dora" else 4)
     assert p.returncode == 0, p.stderr[-3000:]
     a = analyze(run_dir)
     inv = a["invariants"]
-    assert a["steps"] == (6 if mode == "dora" else 4) and a["consumed"] == a["steps"] * 4 * 4
+    assert a["steps"] == (8 if mode == "dora" else 4) and a["consumed"] == a["steps"] * 4 * 4
     assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"]) == (0, 0, 0, 0)
     assert inv["mixed_version_trajectories"] == 0
     assert a["weights"]["mismatched_loads"] == 0 and a["weights"]["v0_checksums"] == 1

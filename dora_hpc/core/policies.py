@@ -240,9 +240,9 @@ class Oversample(BarrierPolicy):
 
 
 class PartialRollout(Policy):
-    """Streaming under a single version: keep RBS groups in flight, train on the first TBS complete;
-    at each weight update every instance switches and its live trajectories continue under the new
-    version after a re-prefill (AssignVersion(keep_requests=True)); queued ones are retagged."""
+    """Streaming under a single version: keep up to RBS groups in flight, train on the first TBS
+    complete; at each weight update every instance switches and its live trajectories continue under
+    the new version after a re-prefill (AssignVersion(keep_requests=True))."""
 
     name = "partial"
 
@@ -254,11 +254,15 @@ class PartialRollout(Policy):
 
     def on_published(self) -> list[Command]:
         out = self._assign_all(self.latest, keep_requests=True)
-        self.view.retag_queued(self.latest)
+        self.view.retag_queued(self.latest)  # only when a group is larger than the cluster can anything wait
         return out + self._train() + self._admit()
 
     def _admit(self) -> list[Command]:
-        while self.pending_groups < self.cfg.rbs and self.n_complete() < self.cfg.tbs:
+        """Admit whole groups only when all their samples can start now, so no sample of a group waits
+        in the queue across a weight update: every group keeps one tag (invariant 4)."""
+        g = min(self.cfg.group_size, self.cfg.slots * self.cfg.n_instances)
+        while (self.pending_groups < self.cfg.rbs and self.n_complete() < self.cfg.tbs
+               and self.view.free_slots(self.latest) - self.view.queued_count(self.latest) >= g):
             self.admit(self.latest)
         return self.view.place(self.latest)
 

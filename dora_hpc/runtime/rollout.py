@@ -141,11 +141,9 @@ class RolloutRank:
         if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
             for tid, info in self.info.items():
                 seq = self.engine.seqs[tid]
-                if seq.output:  # tokens were sampled under the old version: a new segment, all re-prefilled
-                    info["segments"].append(msg.version)
+                info["segments"].append(msg.version)  # the first segment stays the group's tag
+                if seq.output:  # tokens exist whose KV must be rebuilt under the new weights
                     info["reprefill"] += len(seq)
-                else:  # nothing sampled yet: it simply starts under the new version
-                    info["segments"][-1] = msg.version
         self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
                 nbytes=sum(v.numel() * 4 for v in state.values()))
         self.comm.send(Ready(self.instance, msg.version, got), 0)

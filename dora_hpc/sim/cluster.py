@@ -222,11 +222,7 @@ class Simulator:
                     self.trajs[r.traj].reprefill += tokens
                     self.counts["reprefill_tokens"] += tokens
                 for r in list(inst.reqs.values()) + list(inst.waiting):
-                    seg = self.trajs[r.traj].segments
-                    if r.gen_at_join or r.owes != "prompt":
-                        seg.append(v)
-                    else:  # not started: no token was sampled under the old version
-                        seg[-1] = v
+                    self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
                 inst.loading, inst.version = True, None
                 self.ops["weight_sync"] += self.cost.weight_load_s
                 self.counts["weight_syncs"] += 1
