@@ -20,7 +20,7 @@ CLI = [sys.executable, "-m", "dora_hpc.cli"]
 def run(tmp_path, mode, *extra, steps=4, env=None, name=None):
     run_dir = tmp_path / (name or mode)
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", f"mode={mode}", "--set", f"train.max_steps={steps}",
-                 "--run-dir", str(run_dir), *extra]
+                 "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir), *extra]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, **(env or {})})
     return p, run_dir
