@@ -89,22 +89,38 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
     from .analysis.basic import analyze
     from .store.shards import ShardError
 
-    try:
-        result = analyze(args.run_dir)
-    except ShardError as e:
-        Console(stderr=True).print(f"[bold red]analyze[/]: {e}")
-        return 2
-    inv = result["invariants"]
-    console.print(f"{result['run_dir']}: mode={result['mode']} steps={result['steps']} trajectories="
-                  f"{result['trajectories']} consumed={result['consumed']} migrations={result['migrations']} "
-                  f"reprefill={result['reprefill_tokens']} max live versions={result['max_live_versions']}")
-    console.print(f"staleness: {result['staleness']}")
-    console.print("invariants: " + ", ".join(f"{k}={v}" for k, v in inv.items() if k != "offenders"))
+    results = []
+    for run_dir in args.run_dirs:
+        try:
+            results.append(analyze(run_dir))
+        except ShardError as e:
+            Console(stderr=True).print(f"[bold red]analyze[/]: {e}")
+            return 2
+    table = Table(title="runs side by side" if len(results) > 1 else "run")
+    table.add_column("figure")
+    for r in results:
+        table.add_column(f"{r['run_dir']} ({r['mode']})", justify="right")
+    rows = [("train steps", "steps"), ("trajectories logged", "trajectories"), ("trajectories trained on", "consumed"),
+            ("max staleness", lambda r: r["staleness"]["max"]),
+            ("mean staleness", lambda r: f"{r['staleness']['mean']:.2f}"),
+            ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
+            ("dropped groups", "dropped_groups"), ("reward errors", "reward_errors"),
+            ("max versions live at once", "max_live_versions"),
+            ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
+             if r["reward_by_step"] else "-")]
+    rows += [(f"invariant: {k}", lambda r, k=k: r["invariants"][k])
+             for k in results[0]["invariants"] if k != "offenders"]
+    for label, key in rows:
+        table.add_row(label, *[str(key(r) if callable(key) else r[key]) for r in results])
+    console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        out = results[0] if len(results) == 1 else {"runs": results}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"wrote {args.json}")
     return 0
 
@@ -142,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir", required=True, help="where the HDF5 logs go")
     r.set_defaults(func=cmd_run)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
-    a.add_argument("run_dir")
-    a.add_argument("--json", help="write the figures as JSON here")
+    a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
+    a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")
     a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")

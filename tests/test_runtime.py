@@ -1,6 +1,7 @@
 """Real runs: mpiexec with 5 ranks (orchestrator, trainer, 3 rollout) on the tiny model, every mode,
 checked from the HDF5 logs alone."""
 
+import json
 import os
 import re
 import signal
@@ -56,6 +57,13 @@ def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     a = analyze(run_dir)
     assert a["reward_errors"] > 0 and a["invariants"]["lost_groups"] == 0
+    # the CLI compares runs side by side and refuses a missing run dir with exit code 2
+    from dora_hpc.cli import main
+
+    out = tmp_path / "cmp.json"
+    assert main(["analyze", str(run_dir), str(run_dir), "--json", str(out)]) == 0
+    assert [r["steps"] for r in json.loads(out.read_text())["runs"]] == [3, 3]
+    assert main(["analyze", str(tmp_path / "missing")]) == 2
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path):
