@@ -69,7 +69,8 @@ def analyze(run_dir: str | Path) -> dict:
     for kind, d in zip(ops["kind"], ops["detail"], strict=True):
         if kind == "pending_at_end" and d:
             pending |= {int(x) for x in d.split(",")}
-    missing_rows = sorted(g for g in steps_of_group if sum(1 for t in group_of if group_of[t] == g) < g_size)
+    rows_per_group = Counter(group_of.values())
+    missing_rows = sorted(g for g in steps_of_group if rows_per_group[g] < g_size)
     lost = sorted(set(missing_rows) | (set(by_group) - set(steps_of_group) - dropped - pending))
 
     published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from ..config import RunConfig
+from ..runtime.roles import Roles
 
 
 def resolve_model(cfg: RunConfig) -> Path:
@@ -62,7 +63,8 @@ def launch(cfg: RunConfig, run_dir: Path) -> int:
     watcher.stop()
     if code != 0 and watcher.first_dead is not None:
         r = watcher.first_dead
-        sys.stderr.write(f"dora-hpc: rank {r} ({cfg_role(cfg, r)}) died first; mpiexec ended the whole job\n")
+        role = Roles(n, cfg.cluster.trainer_ranks).role(r)
+        sys.stderr.write(f"dora-hpc: rank {r} ({role}) died first; mpiexec ended the whole job\n")
     return code
 
 
@@ -109,6 +111,3 @@ class DeathWatch(threading.Thread):
         self._halt.set()
         self.join(timeout=1)
 
-
-def cfg_role(cfg: RunConfig, rank: int) -> str:
-    return "orchestrator" if rank == 0 else "trainer" if rank <= cfg.cluster.trainer_ranks else "rollout"

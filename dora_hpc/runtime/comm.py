@@ -17,31 +17,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .roles import Roles
+
 TAG_CTRL, TAG_WEIGHTS, TAG_KV = 1, 2, 3
 ORCHESTRATOR = 0
-
-
-@dataclass(frozen=True)
-class Roles:
-    size: int
-    trainers: int
-
-    @property
-    def rollout_ranks(self) -> list[int]:
-        return list(range(1 + self.trainers, self.size))
-
-    def role(self, rank: int) -> str:
-        return "orchestrator" if rank == 0 else "trainer" if rank <= self.trainers else "rollout"
-
-    def rank_of_instance(self, i: int) -> int:
-        return 1 + self.trainers + i
-
-    def instance_of_rank(self, rank: int) -> int:
-        return rank - 1 - self.trainers
-
-    @property
-    def lead_trainer(self) -> int:
-        return 1
 
 
 # ---------------------------------------------------------------- control messages (pickled, small)

@@ -1,0 +1,31 @@
+"""Which role each world rank plays: 0 = orchestrator, 1..T = trainers, T+1.. = rollout instances.
+
+Pure (no MPI import), so the launcher can name a rank without initialising MPI itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Roles:
+    size: int
+    trainers: int
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(1 + self.trainers, self.size))
+
+    def role(self, rank: int) -> str:
+        return "orchestrator" if rank == 0 else "trainer" if rank <= self.trainers else "rollout"
+
+    def rank_of_instance(self, i: int) -> int:
+        return 1 + self.trainers + i
+
+    def instance_of_rank(self, rank: int) -> int:
+        return rank - 1 - self.trainers
+
+    @property
+    def lead_trainer(self) -> int:
+        return 1
