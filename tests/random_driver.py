@@ -135,33 +135,60 @@ class RandomDriver:
 
     def run(self, steps: int, max_events: int = 200_000) -> None:
         self.feed(Start())
+        self.advance(steps, max_events)
+
+    def advance(self, steps: int, max_events: int = 200_000) -> None:
+        """Deliver random events until ``steps`` train steps are done (or ``max_events`` if fewer)."""
         for _ in range(max_events):
             if self.steps_done >= steps:
                 return
-            acts = self.actions()
-            if not acts:
-                raise InvariantBroken(f"deadlock after {self.steps_done} steps: nothing can happen")
-            r = self.rng.random()
-            if r < 0.03:
-                self.feed(Tick())
-            elif r < 0.05 and self.version.count(None) < len(self.version):
-                i = self.rng.choice([i for i, v in enumerate(self.version) if v is not None])
-                self.feed(KvPressure(i, self.rng.random()))
-            act = self.rng.choice(acts)
-            if act[0] == "ready":
-                i = act[1]
-                self.version[i] = self.loading.pop(i)
-                self.feed(InstanceReady(i, self.version[i]))
-            elif act[0] == "finish":
-                t = act[1]
-                i = self.where.pop(t)
-                self.finished.add(t)
-                self.feed(RequestFinished(t, i))
-            else:
-                step, self.train_step = self.train_step, None
-                self.steps_done += 1
-                self.feed(VersionPublished(step + 1))
+            self.step_once()
         raise InvariantBroken(f"no progress: {self.steps_done} steps after {max_events} events")
+
+    def step_once(self) -> None:
+        acts = self.actions()
+        if not acts:
+            raise InvariantBroken(f"deadlock after {self.steps_done} steps: nothing can happen")
+        r = self.rng.random()
+        if r < 0.03:
+            self.feed(Tick())
+        elif r < 0.05 and self.version.count(None) < len(self.version):
+            i = self.rng.choice([i for i, v in enumerate(self.version) if v is not None])
+            self.feed(KvPressure(i, self.rng.random()))
+        act = self.rng.choice(acts)
+        if act[0] == "ready":
+            i = act[1]
+            self.version[i] = self.loading.pop(i)
+            self.feed(InstanceReady(i, self.version[i]))
+        elif act[0] == "finish":
+            t = act[1]
+            i = self.where.pop(t)
+            self.finished.add(t)
+            self.feed(RequestFinished(t, i))
+        else:
+            step, self.train_step = self.train_step, None
+            self.steps_done += 1
+            self.feed(VersionPublished(step + 1))
+
+    @classmethod
+    def resumed(cls, policy: Policy, rng: random.Random, snapshot: dict, requeue: tuple[int, ...]) -> RandomDriver:
+        """A driver for a restored policy: what the checkpoint's ledger says happened before it."""
+        d = cls(policy, rng)
+        g_size = policy.cfg.group_size
+        for g, version, state, _finished, step, _reason in snapshot["groups"]:
+            if state == 2:  # consumed by a step before the checkpoint
+                d.consumed[g] += 1
+                d.group_tag[g] = version
+                d.steps_done = max(d.steps_done, step + 1)
+            elif state == 3:
+                d.dropped.add(g)
+        for g in requeue:
+            d.group_tag[g] = policy.ledger.groups[g].version
+            for t in range(g * g_size, (g + 1) * g_size):
+                d.finished.add(t)
+                d.segments[t] = [d.group_tag[g]]
+        d.steps_done = policy.next_step
+        return d
 
     def check_nothing_lost(self) -> None:
         """Every dispatched group is consumed, dropped, or still accounted pending/complete."""

@@ -3,7 +3,8 @@
 Invariant (DESIGN.md, invariant 3): every group taken from the data stream is, at any moment, in
 exactly one state -- pending (dispatched, some samples unfinished), complete (all samples finished,
 waiting for training), consumed (by exactly one train step) or dropped (recorded with a reason).
-Transitions only go forward; anything else raises LedgerError. Group ids are the data cursor: group
+Transitions only go forward (the one exception, ``reopen``, is resume's: an unconsumed group is
+generated again); anything else raises LedgerError. Group ids are the data cursor: group
 ``g`` is the g-th prompt of the stream, so ``next_group`` is all a resume needs to continue the data.
 
 ``to_dict()``/``from_dict()`` round-trip the whole ledger so it can live in a checkpoint.
@@ -87,6 +88,15 @@ class Ledger:
         if rec.state is not GroupState.PENDING:
             raise LedgerError(f"group {group_id} retagged while {rec.state.name}")
         rec.version = version
+
+    def reopen(self, group_id: int, version: int) -> None:
+        """Resume only: an unconsumed group goes back to pending with no finished samples under a new
+        tag -- its earlier tokens were discarded by the preemption (core/resume.py)."""
+        rec = self._get(group_id)
+        if rec.state not in (GroupState.PENDING, GroupState.COMPLETE):
+            raise LedgerError(f"group {group_id} reopened while {rec.state.name}")
+        rec.state, rec.finished, rec.version = GroupState.PENDING, 0, version
+        self.finished_trajs.difference_update(self.traj_ids(group_id))
 
     def _get(self, group_id: int) -> GroupRecord:
         try:

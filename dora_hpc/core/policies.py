@@ -36,6 +36,7 @@ from .events import (
     VersionPublished,
 )
 from .ledger import GroupState, Ledger
+from .resume import ResumeError, ResumePlan
 from .window import VersionWindow
 
 MODES = ("sync", "one_step", "partial", "oversample", "dora")
@@ -82,7 +83,7 @@ class Policy:
     def on(self, event: Event) -> list[Command]:
         match event:
             case Start():
-                return self._assign_all(0)
+                return self._assign_all(self.latest)
             case InstanceReady(instance, version):
                 self.view.ready(instance, version)
                 return self.on_ready(instance)
@@ -102,6 +103,22 @@ class Policy:
             case KvPressure() | Tick():
                 return self.on_pressure(event)
         raise TypeError(f"unknown event {event!r}")
+
+    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+        """Continue a run from a checkpoint (core/resume.py); call on a fresh policy before Start.
+        Stored complete groups wait for the trainer; the others are queued again, whole, under
+        ``plan.version``, which is also the latest version and the next train step."""
+        self.ledger = ledger
+        self.latest = self.next_step = plan.version
+        for g in plan.redispatch:
+            ledger.reopen(g, plan.version)
+            self.pending_groups += 1
+            self._redispatch(g)
+        for g in plan.requeue:
+            self.complete.setdefault(ledger.groups[g].version, deque()).append(g)
+
+    def _redispatch(self, group_id: int) -> None:
+        self.view.enqueue_group(group_id, self.latest)
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_ready(self, instance: int) -> list[Command]:
@@ -167,7 +184,29 @@ class BarrierPolicy(Policy):
         self.ready: deque[list[int]] = deque()  # rolled-out batches waiting for the trainer
 
     def on_ready(self, instance: int) -> list[Command]:
-        return self._maybe_roll() + super().on_ready(instance)
+        return self._maybe_train() + self._maybe_roll() + super().on_ready(instance)
+
+    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+        """Batch b holds groups [b*RBS, (b+1)*RBS): a batch with no group to re-dispatch is closed
+        (waits for the trainer); at most one, the newest, may still be rolling."""
+        super().restore(ledger, plan)
+        self.complete.clear()
+        batches: dict[int, list[int]] = {}
+        for g in sorted(plan.requeue + plan.redispatch):
+            batches.setdefault(g // self.cfg.rbs, []).append(g)
+        again = set(plan.redispatch)
+        rolling = [b for b, gs in batches.items() if again.intersection(gs)]
+        if len(rolling) > 1 or (rolling and rolling[0] != max(batches)):
+            raise ResumeError(f"{self.name}: batches {rolling} lost rows of closed batches; cannot resume")
+        for b in sorted(batches):
+            if b in rolling:
+                self.rolling = set(batches[b])
+                for g in batches[b]:
+                    if g not in again:
+                        self.complete.setdefault(ledger.groups[g].version, deque()).append(g)
+            else:
+                self.ready.append(batches[b])
+        self.batch = rolling[0] if rolling else (max(batches) + 1 if batches else plan.version)
 
     def on_finished(self, instance: int | None) -> list[Command]:
         out: list[Command] = []
@@ -246,8 +285,15 @@ class PartialRollout(Policy):
 
     name = "partial"
 
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__(cfg)
+        self.redo: deque[int] = deque()  # resumed groups waiting to start again, whole
+
+    def _redispatch(self, group_id: int) -> None:
+        self.redo.append(group_id)
+
     def on_ready(self, instance: int) -> list[Command]:
-        return self._admit() + super().on_ready(instance)
+        return self._train() + self._admit() + super().on_ready(instance)
 
     def on_finished(self, instance: int | None) -> list[Command]:
         return self._train() + self._admit()
@@ -261,7 +307,11 @@ class PartialRollout(Policy):
         """Admit whole groups only when all their samples can start now, so no sample of a group waits
         in the queue across a weight update: every group keeps one tag (invariant 4)."""
         g = min(self.cfg.group_size, self.cfg.slots * self.cfg.n_instances)
-        while (self.pending_groups < self.cfg.rbs and self.n_complete() < self.cfg.tbs
+        while self.redo and self.view.free_slots(self.latest) - self.view.queued_count(self.latest) >= g:
+            gid = self.redo.popleft()
+            self.ledger.retag(gid, self.latest)
+            self.view.enqueue_group(gid, self.latest)
+        while not self.redo and (self.pending_groups < self.cfg.rbs and self.n_complete() < self.cfg.tbs
                and self.view.free_slots(self.latest) - self.view.queued_count(self.latest) >= g):
             self.admit(self.latest)
         return self.view.place(self.latest)
@@ -290,6 +340,18 @@ class Dora(Policy):
     def admit(self, version: int) -> int:
         self.window.admit(version)
         return super().admit(version)
+
+    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+        super().restore(ledger, plan)
+        live: dict[int, int] = {}
+        for rec in ledger.groups.values():
+            if rec.state in (GroupState.PENDING, GroupState.COMPLETE):
+                live[rec.version] = live.get(rec.version, 0) + 1
+        self.window = VersionWindow(self.cfg.k, self.cfg.tbs, latest=plan.version, next_step=plan.version,
+                                    unconsumed=live)
+        if not self.window.fits():
+            raise ResumeError(f"dora: the checkpoint's unconsumed groups {live} do not fit K={self.cfg.k} at "
+                              f"step {plan.version}")
 
     def on_ready(self, instance: int) -> list[Command]:
         return self._admit() + self._train()

@@ -70,6 +70,15 @@ class VersionWindow:
             free = cap if free is None else min(free, cap)
         return max(0, free or 0)
 
+    def fits(self) -> bool:
+        """Does every unconsumed group still fit the admission bound (a restored window must)?"""
+        below = 0
+        for v in sorted(self.unconsumed):
+            below += self.unconsumed[v]
+            if v > self.latest or below > self.tbs * (v + self.k - self.next_step + 1):
+                return False
+        return True
+
     def admit(self, version: int) -> None:
         if self.room(version) < 1:
             raise StalenessViolation(f"v{version} admitted with no room (next step {self.next_step})")
