@@ -1,7 +1,7 @@
 """The one entry point: ``dora-hpc <command>``.
 
 Exit codes: 0 success, 1 a failure while running, 2 bad usage or a bad config (the message names
-the key).
+the key), 3 stopped by SIGTERM/SIGINT after committing a checkpoint (continue with ``run --resume``).
 """
 
 from __future__ import annotations
@@ -64,15 +64,33 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from .launch.local import launch
+    from .config import parse_overrides, validate, with_overrides
+    from .launch.local import PREEMPTED, LaunchError, launch, saved_config
 
-    cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir)
-    console.print(f"dora-hpc run: mode={cfg.mode} K={cfg.dora.k} ranks=1+{cfg.cluster.trainer_ranks}+"
-                  f"{cfg.cluster.rollout_ranks} steps={cfg.train.max_steps} -> {run_dir}")
-    code = launch(cfg, run_dir)
+    if args.allow_fresh and not args.resume:
+        raise ConfigError("--allow-fresh only goes with --resume")
+    try:
+        if args.config is None:
+            if not args.resume:
+                raise ConfigError("CONFIG is required (only --resume may omit it: the run's own config is used)")
+            cfg = with_overrides(validate(saved_config(run_dir)), dict(parse_overrides(args.overrides)))
+        else:
+            cfg = load_config(args.config, args.overrides)
+        resume = ("if_any" if args.allow_fresh else "required") if args.resume else "no"
+        console.print(f"dora-hpc run: mode={cfg.mode} K={cfg.dora.k} ranks=1+{cfg.cluster.trainer_ranks}+"
+                      f"{cfg.cluster.rollout_ranks} steps={cfg.train.max_steps} -> {run_dir}"
+                      + (" (resume)" if args.resume else ""))
+        code = launch(cfg, run_dir, resume)
+    except LaunchError as e:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot launch[/]: {e}", highlight=False)
+        return 2
+    if code == PREEMPTED:
+        return PREEMPTED
     if code != 0:
-        Console(stderr=True).print(f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}")
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}; continue with: "
+            f"dora-hpc run --resume --run-dir {run_dir}")
         return 1
     from .analysis.basic import analyze
 
@@ -99,7 +117,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         try:
             results.append(analyze(run_dir))
         except ShardError as e:
-            Console(stderr=True).print(f"[bold red]analyze[/]: {e}")
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {e}")
             return 2
     table = Table(title="runs side by side" if len(results) > 1 else "run")
     table.add_column("figure")
@@ -154,8 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.set_defaults(func=cmd_simulate)
     r = sub.add_parser("run", help="a real training run: orchestrator + trainer + rollout ranks under mpiexec")
-    _add_config_args(r)
-    r.add_argument("--run-dir", required=True, help="where the HDF5 logs go")
+    r.add_argument("config", nargs="?", help="YAML config (see configs/); optional with --resume")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set dora.k=3 (repeatable)")
+    r.add_argument("--run-dir", required=True, help="where the HDF5 logs and checkpoints go")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest checkpoint that verifies")
+    r.add_argument("--allow-fresh", action="store_true",
+                   help="with --resume: when there is no checkpoint, start the run again from step 0")
     r.set_defaults(func=cmd_run)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
@@ -176,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except ConfigError as e:
-        Console(stderr=True).print(f"[bold red]config error[/]: {e}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]config error[/]: {e}", highlight=False)
         return 2
 
 

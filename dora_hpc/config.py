@@ -103,7 +103,8 @@ class ClusterConfig(Section):
 
 class TrainConfig(Section):
     max_steps: int = Field(20, ge=1)
-    checkpoint_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
+    keep_checkpoints: int = Field(3, ge=1)
     lr: float = Field(1e-5, gt=0)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)

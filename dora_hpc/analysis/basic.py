@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from ..store.shards import read_table, scan
+from .history import history
 
 
 def _config(run_dir: Path) -> dict:
@@ -37,44 +38,76 @@ def analyze(run_dir: str | Path) -> dict:
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
     esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"])
 
-    # trajectories: first segment = dispatch version; partial rollout may add segments
-    first = {int(t): int(s[0]) if len(s) else int(v)
-             for t, s, v in zip(traj["traj_id"], traj["segment_versions"], traj["version"], strict=True)}
-    group_of = {int(t): int(g) for t, g in zip(traj["traj_id"], traj["group_id"], strict=True)}
+    # a preempted and resumed run: keep only the rows its final history is made of (analysis/history.py)
+    hist = history(ops)
+    keep = hist.step_mask(consumed["attempt"], consumed["consume_step"])
+    consumed = {c: v[keep] for c, v in consumed.items()}
+    keep = hist.step_mask(tsteps["attempt"], tsteps["step"])
+    all_tsteps = tsteps
+    tsteps = {c: v[keep] for c, v in tsteps.items()}
+    order = np.argsort(tsteps["step"], kind="stable")
+    tsteps = {c: v[order] for c, v in tsteps.items()}
+
+    # trajectories, keyed (traj_id, attempt): a re-dispatched one has a row per attempt that ran it
+    row_of = {(int(t), int(a)): i for i, (t, a) in enumerate(zip(traj["traj_id"], traj["attempt"], strict=True))}
+    first_v = [int(s[0]) if len(s) else int(v) for s, v in zip(traj["segment_versions"], traj["version"], strict=True)]
+    min_v = [int(min(s)) if len(s) else int(v) for s, v in zip(traj["segment_versions"], traj["version"], strict=True)]
     mixed = [int(t) for t, s in zip(traj["traj_id"], traj["segment_versions"], strict=True) if len(set(s)) > 1]
-    by_group = defaultdict(set)
-    for t, g in group_of.items():
-        by_group[g].add(first[t])
-    split = sorted(g for g, vs in by_group.items() if len(vs) > 1)
+    by_group = defaultdict(set)  # (group, attempt) -> dispatch versions of its rows
+    for i, (g, a) in enumerate(zip(traj["group_id"], traj["attempt"], strict=True)):
+        by_group[(int(g), int(a))].add(first_v[i])
+    split = {g for (g, _a), vs in by_group.items() if len(vs) > 1}
 
     # consumption: each group by one step, each of its trajectories once
     steps_of_group = defaultdict(set)
     traj_consumed = Counter(int(t) for t in consumed["traj_id"])
+    rows_consumed = Counter(int(g) for g in consumed["group_id"])
     for g, s in zip(consumed["group_id"], consumed["consume_step"], strict=True):
         steps_of_group[int(g)].add(int(s))
     dup = sorted({g for g, s in steps_of_group.items() if len(s) > 1}
-                 | {group_of.get(t, -1) for t, c in traj_consumed.items() if c > 1})
+                 | {int(t) // g_size for t, c in traj_consumed.items() if c > 1})
     # staleness: consume step minus the oldest version that sampled any token of the trajectory
-    min_seg = {int(t): int(min(s)) if len(s) else int(v)
-               for t, s, v in zip(traj["traj_id"], traj["segment_versions"], traj["version"], strict=True)}
-    stale = [int(s) - min_seg.get(int(t), int(v)) for t, s, v in
-             zip(consumed["traj_id"], consumed["consume_step"], consumed["version"], strict=True)]
+    matched = [row_of.get((int(t), int(a))) for t, a in zip(consumed["traj_id"], consumed["traj_attempt"],
+                                                              strict=True)]
+    stale = [int(s) - (min_v[i] if i is not None else int(v)) for i, s, v in
+             zip(matched, consumed["consume_step"], consumed["version"], strict=True)]
+    consumed_versions = defaultdict(set)  # a group's tag: the first segment's version of each sample
+    for g, i, v in zip(consumed["group_id"], matched, consumed["version"], strict=True):
+        consumed_versions[int(g)].add(first_v[i] if i is not None else int(v))
+    split = sorted(split | {g for g, vs in consumed_versions.items() if len(vs) > 1})
     bound = {"sync": 0, "oversample": 0, "one_step": 1, "dora": k}.get(mode)
     over_k = sorted({int(t) for t, s in zip(consumed["traj_id"], stale, strict=True)
                      if bound is not None and s > bound})
 
     dropped = {int(d.split()[0].split("=")[1]) for kind, d in zip(ops["kind"], ops["detail"], strict=True)
-               if kind == "drop"}
-    pending = set()
-    for kind, d in zip(ops["kind"], ops["detail"], strict=True):
+               if kind == "drop"} - set(steps_of_group)
+    final = hist.chain[-1]
+    pending, next_group = set(), None
+    for kind, a, d in zip(ops["kind"], ops["attempt"], ops["detail"], strict=True):
+        if int(a) != final:
+            continue
         if kind == "pending_at_end" and d:
             pending |= {int(x) for x in d.split(",")}
-    rows_per_group = Counter(group_of.values())
-    missing_rows = sorted(g for g in steps_of_group if rows_per_group[g] < g_size)
-    lost = sorted(set(missing_rows) | (set(by_group) - set(steps_of_group) - dropped - pending))
+        if kind in ("done", "preempted"):
+            next_group = int(str(d).split("next_group=")[1])
+    no_rows = {int(g) for g, i in zip(consumed["group_id"], matched, strict=True) if i is None}
+    missing_rows = sorted(no_rows | {g for g, n in rows_consumed.items() if n < g_size})
+    admitted = (set(range(next_group)) if next_group is not None
+                else {g for (g, a) in by_group if a in hist.owns})
+    lost = sorted(set(missing_rows) | (admitted - set(steps_of_group) - dropped - pending))
+    live_rows = {i for i in matched if i is not None}
+    latest_row: dict[int, tuple[int, int]] = {}
+    for i, (t, a) in enumerate(zip(traj["traj_id"], traj["attempt"], strict=True)):
+        if int(a) in hist.owns and int(t) not in traj_consumed:
+            latest_row[int(t)] = max(latest_row.get(int(t), (-1, -1)), (int(a), i))
+    live_rows |= {i for _a, i in latest_row.values()}
+    discarded = len(traj["traj_id"]) - len(live_rows)
 
     published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}
-    loads = [(int(v), str(d)) for kind, v, d in zip(ops["kind"], ops["version"], ops["detail"], strict=True)
+    by_attempt = {(int(a), int(st) + 1): str(c) for a, st, c in
+                  zip(all_tsteps["attempt"], all_tsteps["step"], all_tsteps["weights_checksum"], strict=True)}
+    loads = [(int(v), str(d), by_attempt.get((int(a), int(v)), published.get(int(v))))
+             for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
              if kind == "weight_load"]
     mig = sum(1 for kind in ops["kind"] if kind == "migration_in")
     return {
@@ -103,8 +136,13 @@ def analyze(run_dir: str | Path) -> dict:
         "reward_errors": int(sum(1 for e in traj["reward_error"] if e)),
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": {"published": len(published), "loads": len(loads),
-                    "mismatched_loads": sum(1 for v, c in loads if v in published and c != published[v]),
-                    "v0_checksums": len({c for v, c in loads if v == 0})},
+                    "mismatched_loads": sum(1 for _v, c, want in loads if want is not None and c != want),
+                    "v0_checksums": len({c for v, c, _w in loads if v == 0})},
+        "preemption": {"attempts": len(hist.starts), "chain": hist.chain,
+                       "resumed_at_steps": [hist.starts[a] for a in hist.chain[1:]],
+                       "redispatched_groups": int(sum(1 for kind, a in zip(ops["kind"], ops["attempt"], strict=True)
+                                                      if kind == "discarded_by_preemption" and int(a) in hist.owns)),
+                       "discarded_trajectories": int(discarded)},
         "max_live_versions": max_live_versions(esteps),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},

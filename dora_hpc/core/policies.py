@@ -120,6 +120,15 @@ class Policy:
     def _redispatch(self, group_id: int) -> None:
         self.view.enqueue_group(group_id, self.latest)
 
+    def snapshot(self) -> dict:
+        """What a checkpoint keeps of the policy (JSON-able): with the checkpoint's weights of version
+        ``next_step`` this is all ``restore`` needs."""
+        out = {"mode": self.name, "next_step": self.next_step, "latest": self.latest,
+               "ledger": self.ledger.to_dict()}
+        if hasattr(self, "window"):
+            out["window"] = self.window.to_dict()
+        return out
+
     # -- hooks -------------------------------------------------------------------------------------
     def on_ready(self, instance: int) -> list[Command]:
         return self.view.place(self.view.instances[instance].version)

@@ -1,14 +1,20 @@
 """Local launch: one ``mpiexec`` with 1 orchestrator + T trainer + R rollout ranks on this machine.
 
-Invariant: everything a rank needs is in ``RUN_DIR/launch.json`` (the validated config, the model
-folder, the run id, the shared clock origin), written before any rank starts.
+Invariants:
+* everything a rank needs is in ``RUN_DIR/launch.json`` (the validated config, the model folder, the
+  run id, the shared clock origin, whether to resume), written before any rank starts; a resume keeps
+  the run id and clock origin, and refuses a config that changes what the checkpoint depends on;
+* SIGTERM/SIGINT to the launcher become SIGUSR1 to rank 0 (commit a checkpoint, then end); a second
+  one tears the job down; if the launcher itself is killed, mpiexec and every rank die with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -38,33 +44,124 @@ def mpiexec() -> str:
     return found
 
 
-def launch(cfg: RunConfig, run_dir: Path) -> int:
+# config keys a resumed run may change; any other difference from the checkpointed run is refused
+RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints", "runtime.")
+PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
+
+
+class LaunchError(RuntimeError):
+    """A launch that would lose or mix up a run's data (the message says what to do instead)."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
+    """Write (or, on resume, update) ``launch.json``; returns it. ``resume``: no | required | if_any."""
     from ..engine.model import ModelSpec, load_hf_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model(cfg)
-    spec = ModelSpec.from_hf(load_hf_config(model_dir))
-    meta = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), "vocab_size": spec.vocab_size,
-            "run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", "t0": time.time()}
-    (run_dir / "launch.json").write_text(json.dumps(meta, indent=2))
+    meta_path = run_dir / "launch.json"
+    (run_dir / "preempted.json").unlink(missing_ok=True)
+    if resume == "no":
+        if (run_dir / "attempts.jsonl").exists() or list(run_dir.glob("*.h5")):
+            raise LaunchError(f"{run_dir} already holds a run; continue it with --resume or pick a new --run-dir")
+        model_dir = resolve_model(cfg)
+        spec = ModelSpec.from_hf(load_hf_config(model_dir))
+        meta = {"model_dir": str(model_dir), "vocab_size": spec.vocab_size,
+                "run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", "t0": time.time()}
+    else:
+        if not meta_path.exists():
+            raise LaunchError(f"nothing to resume in {run_dir}: no launch.json (was a run ever started there?)")
+        meta = json.loads(meta_path.read_text())
+        if resume == "required":
+            from ..store.checkpoint import CheckpointError, latest
+
+            try:
+                found = latest(run_dir)  # warns, naming each corrupt checkpoint it skips
+            except CheckpointError as e:
+                raise LaunchError(f"{e}; pass --allow-fresh to start again from step 0") from None
+            if found is None:
+                raise LaunchError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from; pass "
+                                  "--allow-fresh to start the run again from step 0 (earlier logs are kept)")
+        old, new = _flat(meta["config"]), _flat(cfg.model_dump(mode="json"))
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+                         and not k.startswith(RESUMABLE_CHANGES))
+        if changed:
+            raise LaunchError(f"resume with a different config: {', '.join(changed)} changed "
+                              f"(only {', '.join(RESUMABLE_CHANGES)} may); omit CONFIG to reuse the run's own")
+    meta.update({"config": cfg.model_dump(mode="json"), "resume": resume})
+    tmp = meta_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, meta_path)
+    return meta
+
+
+def saved_config(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "launch.json").read_text())["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise LaunchError(f"cannot read the config of the run in {run_dir}: {e}") from None
+
+
+def _die_with_parent() -> None:  # runs in the child before exec: SIGKILL it when the launcher dies
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
+    """Run the job; returns mpiexec's exit code, or PREEMPTED when a signal stopped it at a checkpoint."""
+    prepare(cfg, run_dir, resume)
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    pid_dir = run_dir / "pids"
+    shutil.rmtree(pid_dir, ignore_errors=True)  # markers of an earlier launch would mislead DeathWatch
     # -disable-auto-cleanup: mpiexec leaves the job to us when a rank dies, so DeathWatch sees exactly
     # which rank died first and then ends the whole job itself (within milliseconds)
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n),
            sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
            "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watcher = DeathWatch(run_dir / "pids", n, on_death=proc.terminate)
+    env.pop("SLURM_JOB_ID", None)  # a local run inside an allocation is still a local run (signals)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
+    watcher = DeathWatch(pid_dir, n, on_death=proc.terminate)
     watcher.start()
-    for line in proc.stdout:  # pass everything through
-        sys.stderr.write(line)
-    code = proc.wait()
-    watcher.stop()
+    asked = []
+
+    def on_signal(signum, frame):
+        asked.append(signum)
+        rank0 = pid_dir / "rank-0"
+        if len(asked) == 1 and rank0.exists():
+            sys.stderr.write(f"dora-hpc: signal {signum}: committing a checkpoint, then stopping "
+                             "(send it again to stop at once)\n")
+            os.kill(int(rank0.read_text()), signal.SIGUSR1)
+        else:
+            proc.terminate()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for line in proc.stdout:  # pass everything through
+            sys.stderr.write(line)
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        watcher.stop()
     if code != 0 and watcher.first_dead is not None:
         r = watcher.first_dead
         role = Roles(n, cfg.cluster.trainer_ranks).role(r)
         sys.stderr.write(f"dora-hpc: rank {r} ({role}) died first; mpiexec ended the whole job\n")
+    if code == 0 and (run_dir / "preempted.json").exists():
+        step = json.loads((run_dir / "preempted.json").read_text())["checkpoint_step"]
+        sys.stderr.write(f"dora-hpc: stopped at checkpoint step-{step}; continue with: "
+                         f"dora-hpc run --resume --run-dir {run_dir}\n")
+        return PREEMPTED
     return code
 
 

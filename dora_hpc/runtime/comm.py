@@ -90,6 +90,7 @@ class Trajectory:         # rollout -> lead trainer
     output: list[int]
     logprobs: list[float]
     reward: float
+    attempt: int = 0      # the launch that generated it (a re-queued one may predate a resume)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,34 @@ class Published:          # lead trainer -> orchestrator: step version-1 finishe
     version: int
     checksum: str
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpoint:         # orchestrator -> lead trainer: write step-{version}.tmp with this state
+    version: int
+    state: dict
+
+
+@dataclass(frozen=True)
+class Commit:             # orchestrator -> lead trainer: every rollout rank flushed; rename it
+    version: int
+
+
+@dataclass(frozen=True)
+class Checkpointed:       # lead trainer -> orchestrator
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Flush:              # orchestrator -> rollout: put every trajectory row so far into a complete shard
+    version: int
+
+
+@dataclass(frozen=True)
+class Flushed:            # rollout -> orchestrator
+    instance: int
+    version: int
 
 
 @dataclass(frozen=True)

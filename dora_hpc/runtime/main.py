@@ -1,7 +1,13 @@
 """Entry point of every MPI rank: ``python -m dora_hpc.runtime.main RUN_DIR``.
 
-The role comes from the world rank (runtime/comm.py). Any exception ends the whole job at once:
-the rank prints a message naming itself and calls MPI_Abort, so no rank hangs on a dead peer.
+The role comes from the world rank (runtime/roles.py). Invariants:
+* any exception ends the whole job at once: the rank prints a message naming itself and calls
+  MPI_Abort, so no rank hangs on a dead peer;
+* rank 0 alone decides where this launch starts (a fresh run, or the newest checkpoint that verifies)
+  and records it as one line of ``RUN_DIR/attempts.jsonl``; every rank gets the same decision;
+* SIGUSR1 (and SIGTERM under Slurm, which sends it on preemption and requeue) asks rank 0 to commit a
+  checkpoint and end the run; the other ranks ignore those signals and follow rank 0. Outside Slurm a
+  SIGTERM is the launcher tearing the job down.
 """
 
 from __future__ import annotations
@@ -9,10 +15,71 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
+
+STOP = threading.Event()     # rank 0: a stop was requested by a signal
+STOP_SIGNAL: list[int] = []
+
+
+def decide_start(run: Path, meta: dict) -> dict:
+    """Rank 0: which attempt this launch is and which checkpoint (if any) it continues from."""
+    from ..store import checkpoint
+
+    log = run / "attempts.jsonl"
+    attempt = len(log.read_text().splitlines()) if log.exists() else 0
+    mode = meta.get("resume", "no")
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if restarts > 0 and mode == "no":
+        mode = "if_any"  # Slurm requeued the job: continue where it was
+    if mode == "no" and attempt > 0:
+        raise checkpoint.CheckpointError(f"{run} already holds a run ({attempt} launches in {log.name}); "
+                                         "resume it (--resume) or choose a new --run-dir")
+    ckpt = None
+    if mode != "no":
+        try:
+            ckpt = checkpoint.latest(run)
+        except checkpoint.CheckpointError as e:
+            if mode == "required":
+                raise
+            warnings.warn(str(e), stacklevel=1)
+        if ckpt is None and mode == "required":
+            raise checkpoint.CheckpointError(
+                f"no checkpoint under {run / 'checkpoints'} to resume from; to start this run again from "
+                "step 0 pass --allow-fresh (the HDF5 logs of earlier launches are kept)")
+        if ckpt is None and attempt > 0:
+            print(f"dora-hpc: no usable checkpoint in {run}; attempt {attempt} starts again from step 0",
+                  file=sys.stderr, flush=True)
+    record = {"attempt": attempt, "t": time.time(), "checkpoint": str(ckpt.path) if ckpt else None,
+              "version": ckpt.step if ckpt else 0, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+              "slurm_restart_count": restarts}
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return record
+
+
+def install_signals(run: Path, rank: int) -> None:
+    under_slurm = "SLURM_JOB_ID" in os.environ
+
+    def torn_down(signum, frame):  # the launcher tearing the job down: this rank did not fail itself
+        (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))
+        os._exit(128 + signum)
+
+    def stop(signum, frame):
+        STOP_SIGNAL.append(signum)
+        STOP.set()
+
+    ignore = signal.SIG_IGN
+    signal.signal(signal.SIGUSR1, stop if rank == 0 else ignore)
+    signal.signal(signal.SIGTERM, (stop if rank == 0 else ignore) if under_slurm else torn_down)
+    signal.signal(signal.SIGINT, torn_down)
 
 
 def main(run_dir: str) -> int:
@@ -25,40 +92,49 @@ def main(run_dir: str) -> int:
         torch.set_num_threads(1)
         from ..config import validate
         from ..data.tasks import make_task
+        from ..store import checkpoint
         from .comm import Comm
 
         run = Path(run_dir)
         (run / "pids").mkdir(exist_ok=True)
         (run / "pids" / f"rank-{rank}").write_text(str(os.getpid()))
-
-        def cleaned_up(signum, frame):  # mpiexec tearing the job down: this rank did not fail itself
-            (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))
-            os._exit(128 + signum)
-
-        signal.signal(signal.SIGTERM, cleaned_up)
-        signal.signal(signal.SIGINT, cleaned_up)
+        install_signals(run, rank)
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"])
+        start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
+        resume = checkpoint.load(Path(start["checkpoint"])) if start["checkpoint"] else None
+        attempt = start["attempt"]
         comm = Comm(cfg.cluster.trainer_ranks)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
         model_dir = Path(meta["model_dir"])
+        outcome = "done"
         if role == "orchestrator":
             from .orchestrator import Orchestrator
 
             task = make_task(cfg, meta["vocab_size"], model_dir)
-            Orchestrator(comm, cfg, run, task, meta["run_id"], t0).run()
+            orch = Orchestrator(comm, cfg, run, task, meta["run_id"], t0, attempt, resume, stop=STOP)
+            outcome = orch.run()
+            if outcome == "preempted":
+                (run / "preempted.json").write_text(json.dumps(
+                    {"attempt": attempt, "checkpoint_step": orch.last_ckpt, "signal": STOP_SIGNAL[:1]}))
         elif role == "trainer":
             from .trainer import TrainerRank
 
-            TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0).run()
+            TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume).run()
         else:
             from .rollout import RolloutRank
 
             task = make_task(cfg, meta["vocab_size"], model_dir)
-            RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0).run()
+            RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0, attempt).run()
         comm.close()
+        # MPICH's process manager signals SIGUSR1 to ranks still finishing when one exits; Python's
+        # finalization resets handlers it installed to the default (die), so ignore it from here on
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         (run / "pids" / f"rank-{rank}.done").write_text("ok")  # a clean exit: the launcher must not blame it
+        if outcome == "preempted" and STOP_SIGNAL[:1] == [signal.SIGUSR1] and os.environ.get("SLURM_JOB_ID"):
+            # Slurm's early warning (--signal=USR1@T): the checkpoint is in; ask Slurm to run us again
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
         return 0
     except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
         try:  # a marker for the launcher: this rank raised (it may be a consequence of a dead peer)

@@ -4,13 +4,20 @@ Invariants:
 * the policy is the same object the simulator drives; this loop adds no scheduling decision;
 * every command becomes exactly one message to the rank that executes it (AssignVersion becomes
   two: SendWeights to the weight source, LoadVersion to the instance);
-* the run ends after ``train.max_steps`` published versions; then every rank gets Shutdown.
+* the run ends after ``train.max_steps`` published versions, or on a stop request (SIGTERM/SIGUSR1:
+  preemption) once a checkpoint of the current state is committed; then every rank gets Shutdown;
+* a checkpoint is two-phase: the policy's snapshot goes to the trainer (which writes its weights of
+  the same version beside it) and every rollout rank flushes its trajectory shard; only when all
+  confirmed is it committed, so every group it calls complete is on disk (store/resume.py);
+* on resume the policy is restored from the checkpoint (core/resume.py) and the stored complete
+  groups are streamed to the trainer again before anything else happens.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,16 +37,38 @@ from ..core.events import (
     Tick,
     VersionPublished,
 )
+from ..core.ledger import GroupState, Ledger
 from ..core.policies import PolicyConfig, make_policy
+from ..core.resume import ResumeError, plan_resume
+from ..store.checkpoint import Checkpoint as StoredCheckpoint
+from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
-from .comm import AbortTraj, Comm, Done, Generate, LoadVersion, MigrateOut, Published, Ready, SendWeights, Shutdown
+from .comm import (
+    AbortTraj,
+    Checkpoint,
+    Checkpointed,
+    Comm,
+    Commit,
+    Done,
+    Flush,
+    Flushed,
+    Generate,
+    LoadVersion,
+    MigrateOut,
+    Published,
+    Ready,
+    SendWeights,
+    Shutdown,
+    Trajectory,
+)
 from .comm import Train as TrainMsg
 from .dashboard import Dashboard
 
 
 class Orchestrator:
-    def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float) -> None:
-        self.comm, self.cfg, self.task, self.t0 = comm, cfg, task, t0
+    def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float, attempt: int = 0,
+                 resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
+        self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
         self.roles = comm.roles
         b = cfg.batch
         self.policy = make_policy(cfg.mode, PolicyConfig(
@@ -48,29 +77,69 @@ class Orchestrator:
             kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
             carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup))
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
-                               cfg.store.rows_per_shard)
+                               cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
         self.finished_tokens = 0
         self.stale = Counter()
         self.rewards: list[float] = []
         self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1", cfg.train.max_steps)
+        self.stop = stop or threading.Event()  # set by a signal handler: checkpoint, then end the run
+        self.ckpt: dict | None = None    # the checkpoint in flight: version, rollout ranks flushed
+        self.last_ckpt = -1              # version of the last committed checkpoint
+        self.requeued: list[list] = []   # stored complete groups to stream to the trainer on resume
+        if resume is not None:
+            self.restore(resume)
+        else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
+            self.op("start", version=0, detail="fresh")
+
+    def restore(self, ckpt: StoredCheckpoint) -> None:
+        st = ckpt.state["orchestrator"]
+        if st["mode"] != self.policy.name:
+            raise ResumeError(f"checkpoint {ckpt.path} is of mode {st['mode']!r}, the config says {self.cfg.mode!r}")
+        ledger = Ledger.from_dict(st["ledger"])
+        stored = stored_groups(self.run_dir, ledger, max_attempt=st["attempt"])
+        plan = plan_resume(ledger, ckpt.step, {g: len(rows) for g, rows in stored.items()})
+        self.policy.restore(ledger, plan)
+        self.requeued = [stored[g] for g in plan.requeue]
+        self.steps_done = self.last_ckpt = ckpt.step
+        self.rewards = list(st.get("rewards", []))
+        self.op("start", version=ckpt.step, detail=f"from_attempt={st['attempt']} checkpoint={ckpt.path.name} "
+                f"requeued={len(plan.requeue)} redispatched={len(plan.redispatch)}")
+        for g in plan.redispatch:  # its earlier tokens (if any) are never trained on
+            self.op("discarded_by_preemption", version=ckpt.step, detail=f"group={g}")
+        print(f"dora-hpc: resumed from {ckpt.path} (v{ckpt.step}): {len(plan.requeue)} complete groups re-queued "
+              f"from the shards, {len(plan.redispatch)} re-dispatched whole", file=sys.stderr, flush=True)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.is_set()
 
     def now(self) -> float:
         return time.time() - self.t0
 
-    def run(self) -> None:
+    def run(self) -> str:
+        """Returns "done" (max_steps trained) or "preempted" (stopped by a signal, checkpoint committed)."""
         for bad in getattr(self.task, "malformed", []):  # skipped prompt rows: recorded, never fatal
             self.op("malformed_row", detail=bad)
             print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
+        for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
+            for s in trajs:
+                self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
+                                          s.tokens, s.logprobs, s.reward, s.attempt), self.roles.lead_trainer)
         self.execute(self.policy.on(Start()))
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
-        while self.steps_done < self.cfg.train.max_steps:
+        every = self.cfg.train.checkpoint_every
+        while self.steps_done < self.cfg.train.max_steps or self.ckpt is not None:
             if time.time() > deadline:
                 raise RuntimeError(f"run exceeded runtime.timeout_s={self.cfg.runtime.timeout_s}")
+            if self.stopping and self.ckpt is None:
+                if self.last_ckpt == self.policy.next_step:
+                    break
+                self.start_checkpoint()
             got = self.comm.poll()
             if got is None:
-                if time.time() >= next_tick:
+                if time.time() >= next_tick and not self.stopping:
                     next_tick = time.time() + self.cfg.runtime.tick_s
                     self.execute(self.policy.on(Tick()))
                     self.report()
@@ -78,6 +147,10 @@ class Orchestrator:
                 continue
             msg, _src = got
             match msg:
+                case Flushed() | Checkpointed():
+                    self.on_checkpoint_progress(msg)
+                case _ if self.stopping:
+                    pass  # frozen: the final snapshot is taken; what happens now is not kept
                 case Ready():
                     self.execute(self.policy.on(InstanceReady(msg.instance, msg.version)))
                 case Done():
@@ -90,19 +163,44 @@ class Orchestrator:
                     self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
                     self.op("publish", version=msg.version, detail=msg.checksum)
                     self.report(force=True)
+                    if every and msg.version % every == 0 and self.ckpt is None:
+                        self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
                     if self.steps_done < self.cfg.train.max_steps:
                         self.execute(self.policy.on(VersionPublished(msg.version)))
                 case _:
                     raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
-        from ..core.ledger import GroupState
-
+        outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
         open_groups = [g for g, rec in self.policy.ledger.groups.items()
                        if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
         self.op("pending_at_end", detail=",".join(map(str, open_groups)))
+        self.op(outcome, version=self.last_ckpt, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
         for r in range(1, self.roles.size):
-            self.comm.send(Shutdown("done"), r)
+            self.comm.send(Shutdown(outcome), r)
         self.log.flush()
+        return outcome
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def start_checkpoint(self) -> None:
+        v = self.policy.next_step
+        state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
+                                  "run_id": self.log.run_id}}
+        self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
+        for r in self.roles.rollout_ranks:
+            self.comm.send(Flush(v), r)
+        self.comm.send(Checkpoint(v, state), self.roles.lead_trainer)
+        self.log.flush()  # so the ops up to here survive a crash too
+
+    def on_checkpoint_progress(self, msg: Flushed | Checkpointed) -> None:
+        if self.ckpt is None or msg.version != self.ckpt["version"]:
+            raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({self.ckpt})")
+        if isinstance(msg, Flushed):
+            self.ckpt["flushed"].add(msg.instance)
+            if len(self.ckpt["flushed"]) == len(self.roles.rollout_ranks):
+                self.comm.send(Commit(msg.version), self.roles.lead_trainer)
+            return
+        self.op("checkpoint", version=msg.version, detail=msg.path, t_start=self.ckpt["t"])
+        self.last_ckpt, self.ckpt = msg.version, None
 
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
@@ -129,9 +227,11 @@ class Orchestrator:
                 case _:
                     raise RuntimeError(f"orchestrator: cannot execute {c!r}")
 
-    def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "") -> None:
+    def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
+           t_start: float | None = None) -> None:
         t = self.now()
-        self.log.append("ops", {"t_start": t, "t_end": t, "kind": kind, "traj_id": traj_id, "peer": peer,
+        self.log.append("ops", {"t_start": t if t_start is None else t_start, "t_end": t, "kind": kind,
+                                "traj_id": traj_id, "peer": peer,
                                 "bytes": 0, "version": version, "detail": detail})
 
     def report(self, force: bool = False) -> None:

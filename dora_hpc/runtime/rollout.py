@@ -26,6 +26,8 @@ from .comm import (
     AbortTraj,
     Comm,
     Done,
+    Flush,
+    Flushed,
     Generate,
     LoadVersion,
     MigrateIn,
@@ -39,8 +41,9 @@ from .comm import (
 
 
 class RolloutRank:
-    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float) -> None:
-        self.comm, self.cfg, self.task, self.t0 = comm, cfg, task, t0
+    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float,
+                 attempt: int = 0) -> None:
+        self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
         self.instance = comm.roles.instance_of_rank(comm.rank)
         e = cfg.engine
         self.engine = Engine(model_dir, kv_blocks=e.kv_blocks, block_size=e.block_size,
@@ -48,8 +51,9 @@ class RolloutRank:
                              seed=cfg.seed, version=-1,
                              min_step_time_s=e.step_time_s if e.pacing else 0.0)
         cj = cfg.model_dump_json()
-        self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, cfg.store.rows_per_shard)
-        self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, cfg.store.rows_per_shard)
+        rows = cfg.store.rows_per_shard
+        self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, rows, attempt)
+        self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, rows, attempt)
         self.info: dict[int, dict] = {}
         self.deferred: list[tuple[object, int]] = []
         self.running = True
@@ -95,7 +99,8 @@ class RolloutRank:
             "instance_path": info["path"], "reward_error": error, "tokens": f.output, "logprobs": f.logprobs,
             "segment_versions": info["segments"]})
         lead = self.comm.roles.lead_trainer
-        self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward), lead)
+        self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward,
+                                  self.attempt), lead)
         self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac), 0)
 
     # -- control -----------------------------------------------------------------------------------
@@ -123,6 +128,10 @@ class RolloutRank:
                 if msg.traj_id in self.engine.seqs:
                     self.engine.abort(msg.traj_id)
                     self.info.pop(msg.traj_id, None)
+            case Flush():  # a checkpoint relies on every trajectory reported so far being on disk
+                self.traj_log.flush()
+                self.events.flush()
+                self.comm.send(Flushed(self.instance, msg.version), 0)
             case Shutdown():
                 self.running = False
             case _:

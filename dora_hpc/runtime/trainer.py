@@ -5,7 +5,10 @@ Invariants:
   waits (still receiving trajectories) until all their samples have arrived;
 * every consumed trajectory is logged with its staleness = consume_step - version;
 * versions are published in order: after step n the trainer holds v_{n+1} and can serve the weights
-  of every version still live (the last ``keep_versions`` ones).
+  of every version still live (the last ``keep_versions`` ones);
+* a Checkpoint(v) is written only when the trainer holds exactly v_v (its steps are ordered before it)
+  and renamed only on the orchestrator's Commit(v); on resume it starts from that checkpoint's weights,
+  optimizer and RNG state, and the groups it consumed stay consumed.
 """
 
 from __future__ import annotations
@@ -13,25 +16,35 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
-from .comm import Comm, Published, SendWeights, Shutdown, Train, Trajectory
+from .comm import Checkpoint, Checkpointed, Comm, Commit, Published, SendWeights, Shutdown, Train, Trajectory
 
 
 class TrainerRank:
-    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float) -> None:
-        self.comm, self.cfg, self.t0 = comm, cfg, t0
+    def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
+                 resume: ckpt_store.Checkpoint | None = None) -> None:
+        self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.trainer = GRPOTrainer(model_dir, GRPOConfig(
             lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
             temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
-                               cfg.store.rows_per_shard)
+                               cfg.store.rows_per_shard, attempt)
+        self.version = 0
+        self.consumed: set[int] = set()
+        if resume is not None:
+            rest = resume.optimizer()
+            self.trainer.load_checkpoint(resume.weights(), rest)
+            self.version = resume.step
+            ledger = resume.state["orchestrator"]["ledger"]
+            self.consumed = {g for g, _v, state, *_ in ledger["groups"] if state == 2}
         state = self.trainer.state_dict()
-        self.versions = {0: (state, weights_checksum(state))}
+        self.versions = {self.version: (state, weights_checksum(state))}
         self.keep_versions = cfg.dora.k + 2
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
-        self.consumed: set[int] = set()
+        self.deferred: list[tuple[object, int]] = []
         self.running = True
 
     def now(self) -> float:
@@ -39,7 +52,7 @@ class TrainerRank:
 
     def run(self) -> None:
         while self.running:
-            got = self.comm.poll()
+            got = self.deferred.pop(0) if self.deferred else self.comm.poll()
             if got is None:
                 time.sleep(0.001)
                 continue
@@ -55,6 +68,14 @@ class TrainerRank:
                 self.comm.send_weights(state, msg.version, checksum, msg.dst)
             case Train():
                 self.train(msg)
+            case Checkpoint():
+                if msg.version != self.version:
+                    raise RuntimeError(f"trainer: checkpoint of v{msg.version} asked while holding v{self.version}")
+                weights, rest = self.trainer.checkpoint_state()
+                ckpt_store.write(self.run_dir, msg.version, weights, rest, msg.state)
+            case Commit():
+                path = ckpt_store.commit(self.run_dir, msg.version, keep=self.cfg.train.keep_checkpoints)
+                self.comm.send(Checkpointed(msg.version, str(path)), src)
             case Shutdown():
                 self.running = False
             case _:
@@ -64,6 +85,8 @@ class TrainerRank:
         return len(self.queue.get(g, {})) == self.cfg.batch.group_size
 
     def train(self, msg: Train) -> None:
+        if msg.step != self.version:
+            raise RuntimeError(f"trainer: step {msg.step} asked while holding v{self.version}")
         dup = self.consumed.intersection(msg.group_ids)
         if dup:
             raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
@@ -73,14 +96,14 @@ class TrainerRank:
                 time.sleep(0.001)
             elif isinstance(got[0], Trajectory | SendWeights):
                 self.handle(*got)
-            else:
-                raise RuntimeError(f"trainer: {got[0]!r} while waiting for the groups of step {msg.step}")
+            else:  # e.g. a Checkpoint of the version this step makes: after the step
+                self.deferred.append(got)
         t_start = self.now()
         trajs = [t for g in msg.group_ids for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
         samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id) for t in trajs]
         metrics = self.trainer.train_step(samples)
         state = self.trainer.state_dict()
-        version = msg.step + 1
+        version = self.version = msg.step + 1
         checksum = weights_checksum(state)
         self.versions[version] = (state, checksum)
         for old in [v for v in self.versions if v <= version - self.keep_versions]:
@@ -89,7 +112,7 @@ class TrainerRank:
         for t, adv in zip(trajs, metrics["advantages"], strict=True):
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
                                          "version": t.version, "staleness": msg.step - t.version,
-                                         "advantage": adv, "reward": t.reward})
+                                         "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
         self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
                                   "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
                                   "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],

@@ -3,7 +3,9 @@ just loading the dict back.
 
 Invariants:
 * a checkpoint is written into ``step-{n}.tmp``, every file fsync'd, a ``manifest.json`` with the
-  sha256 of every file written last, then the folder is renamed: a ``step-{n}`` folder is complete;
+  sha256 of every file written last, then the folder is renamed: a ``step-{n}`` folder is complete.
+  The two phases are separate calls (``write``, ``commit``) so the runtime can rename only once the
+  rollout ranks confirmed that the trajectories the checkpoint relies on are on disk;
 * ``latest`` returns the newest checkpoint whose manifest and file hashes verify; a corrupt or
   partial one is skipped with a warning naming it, and the previous one is used;
 * only the newest ``keep`` complete checkpoints are kept.
@@ -56,11 +58,11 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict, state: dict,
-         keep: int = 3) -> Path:
+def write(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict, state: dict) -> Path:
+    """Phase one: a complete, fsync'd ``step-{n}.tmp`` with its manifest (still invisible to ``latest``)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    tmp = root / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "weights.safetensors")
@@ -71,6 +73,15 @@ def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: 
         _fsync(tmp / f)
     (tmp / "manifest.json").write_text(json.dumps({f: _sha256(tmp / f) for f in files}))
     _fsync(tmp / "manifest.json")
+    return tmp
+
+
+def commit(run_dir: Path, step: int, keep: int = 3) -> Path:
+    """Phase two: rename ``step-{n}.tmp`` to ``step-{n}`` (atomic), then keep only the newest ``keep``."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if not tmp.is_dir():
+        raise CheckpointError(f"nothing to commit: {tmp} does not exist")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -82,6 +93,12 @@ def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: 
     for old in _complete(root)[:-keep]:
         shutil.rmtree(old[1])
     return final
+
+
+def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict, state: dict,
+         keep: int = 3) -> Path:
+    write(run_dir, step, weights, optimizer, state)
+    return commit(run_dir, step, keep)
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:
@@ -104,6 +121,15 @@ def verify(path: Path) -> str | None:
         if _sha256(path / f) != digest:
             return f"{f} does not match its hash (truncated or corrupt)"
     return None
+
+
+def load(path: Path) -> Checkpoint:
+    """One named checkpoint, verified (CheckpointError if it does not)."""
+    path = Path(path)
+    why = verify(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path}: {why}")
+    return Checkpoint(path, int(path.name.removeprefix("step-")), json.loads((path / "state.json").read_text()))
 
 
 def latest(run_dir: Path) -> Checkpoint | None:

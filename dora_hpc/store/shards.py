@@ -3,7 +3,9 @@
 Invariants:
 * one writer per rank and file prefix; a shard is written to ``*.h5.tmp``, flushed, fsync'd and
   renamed to ``*.h5`` -- a file named ``*.h5`` is always complete, a crash leaves only a ``.tmp``;
-* every file carries attrs schema_version, run_id, rank, role, config_json;
+* every file carries attrs schema_version, run_id, rank, role, config_json, attempt; every row carries
+  the ``attempt`` (0 for the first launch, +1 per resume) that wrote it, so readers can tell a resumed
+  run's history from the future a preemption threw away;
 * tables are column-oriented: ``/<table>/<column>``, one dataset per column, all the same length;
   variable-length columns (tokens, logprobs, segment_versions) are vlen int32/float32;
 * readers skip ``.tmp`` files (and say how many), and name every shard they cannot read or whose
@@ -22,7 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: every table has `attempt` (which launch of the run wrote the row)
 
 # column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
 TRAJECTORIES = {
@@ -30,16 +32,16 @@ TRAJECTORIES = {
     "dispatch_step": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
     "t_dispatch": "f8", "t_first_token": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
     "instance_path": "str", "reward_error": "str", "tokens": "vlen_i4", "logprobs": "vlen_f4",
-    "segment_versions": "vlen_i4",
+    "segment_versions": "vlen_i4", "attempt": "i8",
 }
 ENGINE_STEPS = {"t_start": "f8", "t_end": "f8", "batch_size": "i8", "capacity": "i8", "new_tokens": "i8",
-                "kv_blocks_used": "i8", "version": "i8"}
+                "kv_blocks_used": "i8", "version": "i8", "attempt": "i8"}
 OPS = {"t_start": "f8", "t_end": "f8", "kind": "str", "traj_id": "i8", "peer": "i8", "bytes": "i8",
-       "version": "i8", "detail": "str"}
+       "version": "i8", "detail": "str", "attempt": "i8"}
 CONSUMED = {"traj_id": "i8", "group_id": "i8", "consume_step": "i8", "version": "i8", "staleness": "i8",
-            "advantage": "f8", "reward": "f8"}
+            "advantage": "f8", "reward": "f8", "attempt": "i8", "traj_attempt": "i8"}
 TRAIN_STEPS = {"step": "i8", "t_start": "f8", "t_end": "f8", "loss": "f8", "reward_mean": "f8",
-               "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str"}
+               "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str", "attempt": "i8"}
 
 FILE_KINDS = {  # file prefix -> its tables
     "traj": {"trajectories": TRAJECTORIES},
@@ -84,6 +86,7 @@ class ShardWriter:
     run_id: str
     config_json: str = "{}"
     rows_per_shard: int = 4096
+    attempt: int = 0
     seq: int = 0
     _rows: dict[str, list[dict]] = field(default_factory=dict)
 
@@ -104,7 +107,7 @@ class ShardWriter:
         unknown = set(row) - set(self.tables[table])
         if unknown:
             raise KeyError(f"{self.kind}/{table}: unknown columns {sorted(unknown)}")
-        self._rows[table].append(row)
+        self._rows[table].append({"attempt": self.attempt, **row})
         if sum(len(r) for r in self._rows.values()) >= self.rows_per_shard:
             self.flush()
 
@@ -115,7 +118,8 @@ class ShardWriter:
         tmp = final.with_suffix(".h5.tmp")
         with h5py.File(tmp, "w") as f:
             f.attrs.update({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "rank": self.rank,
-                            "role": self.role, "config_json": self.config_json})
+                            "role": self.role, "config_json": self.config_json,
+                            "attempt": self.attempt})
             for table, schema in self.tables.items():
                 g = f.create_group(table)
                 rows = self._rows[table]

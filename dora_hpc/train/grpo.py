@@ -147,3 +147,16 @@ class GRPOTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights with Hugging Face names (detached copies)."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(weights, the rest): what a checkpoint needs to continue this trainer exactly."""
+        return self.state_dict(), {"optimizer": self.opt.state_dict(), "step": self.step,
+                                   "torch_rng": torch.get_rng_state()}
+
+    def load_checkpoint(self, weights: dict[str, torch.Tensor], rest: dict) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:  # tied embeddings
+            raise ValueError(f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        self.opt.load_state_dict(rest["optimizer"])
+        self.step = rest["step"]
+        torch.set_rng_state(rest["torch_rng"])
