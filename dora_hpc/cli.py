@@ -106,6 +106,52 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    import yaml
+
+    from .launch.local import LaunchError
+    from .launch.slurm import script, submit
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or f"runs/{cfg.slurm.job_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if args.dry_run:
+        console.print("# resolved config", highlight=False)
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False, markup=False)
+        console.print(f"# sbatch script (run dir {run_dir})", highlight=False)
+        console.print(script(cfg, run_dir), highlight=False, markup=False)
+        return 0
+    try:
+        job = submit(cfg, run_dir, "required" if args.resume else "no")
+    except LaunchError as e:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot submit[/]: {e}", highlight=False)
+        return 2
+    console.print(f"submitted job {job.job_id}: {1 + cfg.cluster.trainer_ranks} orchestrator/trainer + "
+                  f"{cfg.cluster.rollout_ranks} rollout ranks, one MPI world -> {run_dir}", soft_wrap=True)
+    console.print(f"follow: tail -f {job.paths.stdout}; afterwards: dora-hpc analyze {run_dir}", soft_wrap=True)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace, console: Console) -> int:
+    """For sbatch scripts: write RUN_DIR/launch.json once; a requeued start (or --resume) keeps the run."""
+    import os
+
+    from .launch.local import LaunchError, prepare
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir).resolve()
+    again = (run_dir / "launch.json").exists() and (int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+                                                    or args.resume)
+    try:
+        prepare(cfg, run_dir, "if_any" if again else "no")
+    except LaunchError as e:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot prepare[/]: {e}", highlight=False)
+        return 2
+    console.print(f"{'kept' if again else 'prepared'} {run_dir / 'launch.json'}", soft_wrap=True)
+    return 0
+
+
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
@@ -181,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-fresh", action="store_true",
                    help="with --resume: when there is no checkpoint, start the run again from step 0")
     r.set_defaults(func=cmd_run)
+    sb = sub.add_parser("submit", help="submit a run to Slurm: one heterogeneous job, one MPI world (submitit)")
+    _add_config_args(sb)
+    sb.add_argument("--run-dir", help="where the HDF5 logs and checkpoints go (default runs/<job_name>-<time>)")
+    sb.add_argument("--dry-run", action="store_true", help="print the resolved config and the sbatch script")
+    sb.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    sb.set_defaults(func=cmd_submit)
+    pr = sub.add_parser("prepare", help="write RUN_DIR/launch.json for an sbatch script (slurm/dora.sbatch)")
+    _add_config_args(pr)
+    pr.add_argument("--run-dir", required=True)
+    pr.add_argument("--resume", action="store_true", help="the run exists: keep it (resume on the next start)")
+    pr.set_defaults(func=cmd_prepare)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")

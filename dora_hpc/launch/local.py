@@ -45,7 +45,7 @@ def mpiexec() -> str:
 
 
 # config keys a resumed run may change; any other difference from the checkpointed run is refused
-RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints", "runtime.")
+RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints", "runtime.", "slurm.")
 PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
 
 

@@ -102,6 +102,12 @@ def main(run_dir: str) -> int:
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"])
         start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
+        where = MPI.COMM_WORLD.gather({"rank": rank, "host": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+                                       "slurm_job_id": os.environ.get("SLURM_JOB_ID")}, root=0)
+        if rank == 0:  # one world across the job's components: say so, once per launch
+            print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
+                f"r{w['rank']}@{w['host']}" + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "")
+                for w in where), file=sys.stderr, flush=True)
         resume = checkpoint.load(Path(start["checkpoint"])) if start["checkpoint"] else None
         attempt = start["attempt"]
         comm = Comm(cfg.cluster.trainer_ranks)

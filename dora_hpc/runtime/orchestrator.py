@@ -136,6 +136,8 @@ class Orchestrator:
             if self.stopping and self.ckpt is None:
                 if self.last_ckpt == self.policy.next_step:
                     break
+                print(f"dora-hpc: stop requested at step {self.policy.next_step}: committing a checkpoint",
+                      file=sys.stderr, flush=True)
                 self.start_checkpoint()
             got = self.comm.poll()
             if got is None:

@@ -4,7 +4,8 @@ Invariants:
 * it generates whenever it has work and polls control messages between engine steps, so messages
   never stall generation for more than one step;
 * while it waits for the weights of a new version it defers every other message (a Generate for
-  the new version must not reach the engine before the weights);
+  the new version must not reach the engine before the weights); weights that overtake their
+  LoadVersion (they come from another rank, so MPI does not order them) wait for it;
 * every finished trajectory is rewarded here (a reward function that raises gives reward 0 and a
   recorded error), written to this rank's HDF5 shard, streamed to the lead trainer, and reported
   to the orchestrator -- in that order.
@@ -56,6 +57,7 @@ class RolloutRank:
         self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, rows, attempt)
         self.info: dict[int, dict] = {}
         self.deferred: list[tuple[object, int]] = []
+        self.early: list[tuple[WeightsHeader, int]] = []  # headers that overtook their LoadVersion
         self.running = True
 
     def now(self) -> float:
@@ -132,6 +134,8 @@ class RolloutRank:
                 self.traj_log.flush()
                 self.events.flush()
                 self.comm.send(Flushed(self.instance, msg.version), 0)
+            case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
+                self.early.append((msg, src))
             case Shutdown():
                 self.running = False
             case _:
@@ -139,8 +143,14 @@ class RolloutRank:
 
     def load(self, msg: LoadVersion) -> None:
         t = self.now()
-        header, _ = self.comm.wait_for(WeightsHeader, src=msg.source,
-                                       on_other=lambda m, s: self.deferred.append((m, s)))
+        early = [i for i, (h, s) in enumerate(self.early) if s == msg.source]
+        if early:  # messages from different ranks are not ordered: the weights may have come first
+            header, _ = self.early.pop(early[0])
+        else:
+            header, _ = self.comm.wait_for(WeightsHeader, src=msg.source,
+                                           on_other=lambda m, s: self.deferred.append((m, s)))
+        if header.version != msg.version:
+            raise RuntimeError(f"rank {self.comm.rank}: v{header.version} arrived for LoadVersion(v{msg.version})")
         state = self.comm.recv_weights(header, msg.source)
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
         got = weights_checksum({k: v for k, v in self.engine.model.state_dict().items() if k in state})

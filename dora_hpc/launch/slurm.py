@@ -1,0 +1,107 @@
+"""Slurm launch: ``dora-hpc submit`` as ONE heterogeneous job whose components share one MPI world.
+
+Component 0 runs the orchestrator and the trainer ranks, component 1 the rollout ranks; the job step
+is ``srun --mpi=pmi2 --het-group=0,1`` so every task is a rank of one MPI_COMM_WORLD and takes its
+role from its world rank (runtime/roles.py), exactly as under mpiexec. submitit has no
+heterogeneous-job support: ``HetSlurmExecutor`` appends ``#SBATCH hetjob`` and component 1's flags
+after component 0's. With ``slurm.heterogeneous: false`` it is one plain job with all the ranks.
+
+Invariants:
+* ``RUN_DIR/launch.json`` is written before submission (runtime/main.py reads it on every start);
+* the job is requeueable; a requeued start (SLURM_RESTART_COUNT > 0) resumes from the newest
+  checkpoint that verifies (runtime/main.py); SIGUSR1 ``signal_delay_s`` before the time limit makes
+  rank 0 commit a checkpoint and requeue the job;
+* a rank that dies ends the job step at once (``--kill-on-bad-exit``), so no allocation is held.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core import core
+from submitit.slurm.slurm import _as_sbatch_flag
+
+from ..config import RunConfig, SlurmComponent
+
+
+def _component_flags(c: SlurmComponent, ntasks: int, cfg: RunConfig) -> dict[str, Any]:
+    s = cfg.slurm
+    flags: dict[str, Any] = {"ntasks": ntasks, "cpus_per_task": c.cpus_per_task,
+                             "partition": c.partition or s.partition, "constraint": c.constraint or s.constraint,
+                             "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+                             "mem": f"{int(c.mem_gb * 1024)}MB" if c.mem_gb else None}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """A SlurmExecutor whose job has a second component (``#SBATCH hetjob`` + its own flags)."""
+
+    def __init__(self, folder: Path, second: dict[str, Any] | None, need_srun: bool = True) -> None:
+        if need_srun:
+            super().__init__(folder, max_num_timeout=0)
+        else:  # --dry-run on a machine without Slurm: render the script only
+            core.PicklingExecutor.__init__(self, folder, max_num_timeout=0)
+            self.python = shlex.quote(__import__("sys").executable)
+        self.second = second
+        self.extra: list[str] = []
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        lines = super()._make_submission_file_text(command, uid).split("\n")
+        last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+        extra = [f"#SBATCH {flag}" for flag in self.extra]
+        if self.second is not None:
+            extra += ["#SBATCH hetjob"] + [_as_sbatch_flag(k, v) for k, v in sorted(self.second.items())]
+        return "\n".join(lines[: last + 1] + extra + lines[last + 1 :])
+
+    def _num_tasks(self) -> int:
+        first = int(self.parameters.get("additional_parameters", {}).get("ntasks", 1))
+        return first + (int(self.second["ntasks"]) if self.second else 0)
+
+
+def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetSlurmExecutor:
+    s, c = cfg.slurm, cfg.cluster
+    head = 1 + c.trainer_ranks
+    folder = Path(s.folder) if s.folder else run_dir / "slurm"
+    if "%j" in str(folder):
+        raise ValueError("slurm.folder must not contain %j (it breaks srun's output redirection)")
+    first = _component_flags(s.trainer, head, cfg)
+    second = _component_flags(s.rollout, c.rollout_ranks, cfg) if s.heterogeneous else None
+    if second is None:  # one plain job: all ranks in one component
+        first["ntasks"] = head + c.rollout_ranks
+    ex = HetSlurmExecutor(folder, second, need_srun)
+    srun_args = ["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--het-group=0,1"] if second is not None else [])
+    params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
+                              "stderr_to_stdout": True, "setup": list(s.setup),
+                              "additional_parameters": {"requeue": True, "signal": f"USR1@{s.signal_delay_s}",
+                                                        **{k: v for k, v in first.items()
+                                                           if k not in ("partition", "gpus_per_node")}}}
+    for key in ("partition", "gpus_per_node"):
+        if key in first:
+            params[key] = first[key]
+    if s.account:
+        params["account"] = s.account
+    if s.qos:
+        params["qos"] = s.qos
+    ex.update_parameters(**params)
+    ex.extra = list(s.extra_sbatch)
+    return ex
+
+
+def script(cfg: RunConfig, run_dir: Path) -> str:
+    """The sbatch script ``submit`` would send (for --dry-run)."""
+    ex = make_executor(cfg, run_dir, need_srun=False)
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def submit(cfg: RunConfig, run_dir: Path, resume: str = "no"):
+    """Prepare the run directory and submit; returns the submitit Job (job.job_id)."""
+    from ..runtime.main import main as rank_main
+    from .local import prepare
+
+    run_dir = run_dir.resolve()
+    prepare(cfg, run_dir, resume)
+    ex = make_executor(cfg, run_dir)
+    return ex.submit(rank_main, str(run_dir))
