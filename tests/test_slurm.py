@@ -137,3 +137,23 @@ def test_submit_requeue_twice_and_a_killed_rank_then_complete(tmp_path, slurm_cl
     assert a["steps"] == steps and a["consumed"] == steps * 4 * 4  # the ledger totals of an uninterrupted run
     assert a["staleness"]["max"] <= 2 and a["weights"]["mismatched_loads"] == 0
     assert len(a["preemption"]["chain"]) >= 3
+
+
+def test_the_sbatch_template_runs_as_documented(tmp_path, slurm_cluster):
+    run_dir = tmp_path / "template"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "PY": sys.executable,
+           "DORA_HPC_SET": "--set train.max_steps=3 --set batch.tbs=4 --set batch.rbs=6"}
+    p = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", "slurm/dora.sbatch"],
+                       cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), job, timeout=240,
+                 what="the template's job")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert job_state(job)["JobState"] == "COMPLETED", out[-3000:]
+    assert "one MPI world of 5 ranks" in out
+    a = analyze(run_dir)
+    assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
