@@ -230,6 +230,8 @@ class SlurmConfig(Section):
     signal_delay_s: int = Field(120, ge=1, description="SIGUSR1 this long before the time limit: checkpoint")
     extra_sbatch: list[str] = Field(default_factory=list, description="extra sbatch flags, e.g. --exclusive")
     setup: list[str] = Field(default_factory=list, description="shell lines before srun (module load ...)")
+    requeue_on_failure: int = Field(3, ge=0, description="a failed step (a dead rank, a failed MPI start) "
+                                    "requeues the job, at most this many times per run")
     folder: str | None = None  # submitit's folder (logs, pickles); default RUN_DIR/slurm
 
 

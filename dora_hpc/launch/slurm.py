@@ -11,7 +11,8 @@ Invariants:
 * the job is requeueable; a requeued start (SLURM_RESTART_COUNT > 0) resumes from the newest
   checkpoint that verifies (runtime/main.py); SIGUSR1 ``signal_delay_s`` before the time limit makes
   rank 0 commit a checkpoint and requeue the job;
-* a rank that dies ends the job step at once (``--kill-on-bad-exit``), so no allocation is held.
+* a rank that dies ends the job step at once (``--kill-on-bad-exit``), so no allocation is held; the
+  job then requeues itself (``slurm.requeue_on_failure`` times at most) and resumes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     srun_args = ["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--het-group=0,1"] if second is not None else [])
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
                               "stderr_to_stdout": True, "setup": list(s.setup),
+                              "teardown": requeue_on_failure(run_dir, s.requeue_on_failure),
                               "additional_parameters": {"requeue": True, "signal": f"USR1@{s.signal_delay_s}",
                                                         **{k: v for k, v in first.items()
                                                            if k not in ("partition", "gpus_per_node")}}}
@@ -88,6 +90,21 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     ex.update_parameters(**params)
     ex.extra = list(s.extra_sbatch)
     return ex
+
+
+def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
+    """Shell lines after srun: a failed step requeues the job (it resumes from its checkpoint), at most
+    ``limit`` times per run (counted in RUN_DIR/failed_steps); a preempted or finished run never."""
+    if limit == 0:
+        return []
+    count = shlex.quote(str(run_dir / "failed_steps"))
+    return ["rc=$?",
+            f'if [ "$rc" -ne 0 ] && [ ! -e {shlex.quote(str(run_dir / "preempted.json"))} ] '
+            f'&& [ "$(cat {count} 2>/dev/null | wc -l)" -lt {limit} ]; then',
+            f'  echo "$SLURM_JOB_ID step failed (exit $rc)" >> {count}',
+            '  echo "dora-hpc: the step failed (exit $rc): requeueing the job to resume from its checkpoint"',
+            '  scontrol requeue "$SLURM_JOB_ID"',
+            "fi"]
 
 
 def script(cfg: RunConfig, run_dir: Path) -> str:

@@ -32,6 +32,7 @@ def decide_start(run: Path, meta: dict) -> dict:
     from ..store import checkpoint
 
     log = run / "attempts.jsonl"
+    (run / "preempted.json").unlink(missing_ok=True)  # it describes how the previous launch ended
     attempt = len(log.read_text().splitlines()) if log.exists() else 0
     mode = meta.get("resume", "no")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
