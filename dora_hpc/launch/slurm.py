@@ -94,13 +94,13 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
 
 def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
     """Shell lines after srun: a failed step requeues the job (it resumes from its checkpoint), at most
-    ``limit`` times per run (counted in RUN_DIR/failed_steps); a preempted or finished run never."""
+    ``limit`` times per run (counted in RUN_DIR/failed_steps). When Slurm itself requeues or preempts
+    the job it kills this script too, so these lines run only when the step ended on its own."""
     if limit == 0:
         return []
     count = shlex.quote(str(run_dir / "failed_steps"))
     return ["rc=$?",
-            f'if [ "$rc" -ne 0 ] && [ ! -e {shlex.quote(str(run_dir / "preempted.json"))} ] '
-            f'&& [ "$(cat {count} 2>/dev/null | wc -l)" -lt {limit} ]; then',
+            f'if [ "$rc" -ne 0 ] && [ "$(cat {count} 2>/dev/null | wc -l)" -lt {limit} ]; then',
             f'  echo "$SLURM_JOB_ID step failed (exit $rc)" >> {count}',
             '  echo "dora-hpc: the step failed (exit $rc): requeueing the job to resume from its checkpoint"',
             '  scontrol requeue "$SLURM_JOB_ID"',
