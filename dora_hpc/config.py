@@ -216,7 +216,8 @@ class SlurmComponent(Section):
 
 
 class SlurmConfig(Section):
-    """``dora-hpc submit``: one heterogeneous job (or one plain job when ``heterogeneous`` is false)."""
+    """``dora-hpc submit``: one heterogeneous job (or one plain job when ``heterogeneous`` is false; then
+    ``trainer`` gives the resources of its single component, which runs every rank)."""
 
     partition: str | None = None
     account: str | None = None
