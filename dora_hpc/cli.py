@@ -175,6 +175,11 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
             ("dropped groups", "dropped_groups"), ("reward errors", "reward_errors"),
             ("max versions live at once", "max_live_versions"),
+            ("slot utilization", lambda r: f"{r['slot_utilization']:.3f}"),
+            ("bubble fraction (1 - slot utilization)", lambda r: f"{r['bubble_fraction']:.3f}"),
+            ("inter-instance bubble (C.3)", lambda r: f"{r['inter_instance_bubble']:.3f}"),
+            ("rollout-only fraction", lambda r: f"{r['rollout_only_fraction']:.3f}"),
+            ("trained tokens / s", lambda r: f"{r['throughput_tokens_per_s']:.1f}"),
             ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
              if r["reward_by_step"] else "-")]
     rows += [(f"invariant: {k}", lambda r, k=k: r["invariants"][k])

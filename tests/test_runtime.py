@@ -38,6 +38,9 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     assert inv["mixed_version_trajectories"] == 0
     assert a["weights"]["mismatched_loads"] == 0 and a["weights"]["v0_checksums"] == 1
     assert a["weights"]["loads"] >= 3
+    assert 0 < a["slot_utilization"] <= 1 and a["bubble_fraction"] == pytest.approx(1 - a["slot_utilization"])
+    assert 0 <= a["inter_instance_bubble"] < 1 and 0 < a["rollout_only_fraction"] <= 1
+    assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
     if mode == "dora":
         assert a["staleness"]["max"] <= 2 and a["migrations"] >= 1 and a["reprefill_tokens"] == 0
         assert a["max_live_versions"] >= 2

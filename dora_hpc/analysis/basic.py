@@ -15,6 +15,7 @@ import numpy as np
 
 from ..store.shards import read_table, scan
 from .history import history
+from .utilization import utilization
 
 
 def _config(run_dir: Path) -> dict:
@@ -36,7 +37,7 @@ def analyze(run_dir: str | Path) -> dict:
     consumed = read_table(run_dir, "train", "consumed", scan_result=scans["train"])
     tsteps = read_table(run_dir, "train", "steps", scan_result=scans["train"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
-    esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"])
+    esteps = _engine_steps(scans["events"])
 
     # a preempted and resumed run: keep only the rows its final history is made of (analysis/history.py)
     hist = history(ops)
@@ -144,9 +145,23 @@ def analyze(run_dir: str | Path) -> dict:
                                                       if kind == "discarded_by_preemption" and int(a) in hist.owns)),
                        "discarded_trajectories": int(discarded)},
         "max_live_versions": max_live_versions(esteps),
+        **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
     }
+
+
+def _engine_steps(found) -> dict[str, np.ndarray]:
+    """The engine-step rows of every rollout rank, with a ``rank`` column from each file's attrs."""
+    cols = ["t_start", "t_end", "batch_size", "capacity", "version"]
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in [*cols, "rank"]}
+    for path in found.files:
+        with h5py.File(path, "r") as f:
+            rank, n = int(f.attrs["rank"]), len(f["steps"]["t_start"])
+            for c in cols:
+                parts[c].append(f["steps"][c][()])
+        parts["rank"].append(np.full(n, rank, dtype=np.int64))
+    return {c: np.concatenate(v) if v else np.empty(0) for c, v in parts.items()}
 
 
 def max_live_versions(esteps: dict[str, np.ndarray], bucket_s: float = 0.25) -> int:

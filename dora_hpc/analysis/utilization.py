@@ -1,0 +1,91 @@
+"""Bubbles and utilization of a real run, from its engine-step and train-step logs.
+
+The definitions are the simulator's (sim/metrics.py), applied to measured intervals:
+* window: from the first engine step to the end of the last train step (``warmup_steps`` > 0 starts
+  it at the end of train step ``warmup_steps - 1`` instead, to leave the ramp-up out);
+* slot_utilization: integral of filled batch slots / (instances x capacity x window);
+* bubble_fraction: 1 - slot_utilization (disaggregated placement: rollout may run the whole window);
+* rollout_only_fraction: share of the window in which some instance generates while no train step runs;
+* inter_instance_bubble: the C.3 formula (max_i L_i - L_i) / max_i L_i averaged over instances, with
+  L_i the busy time of instance i between consecutive train-step starts, averaged over those windows;
+* throughput_tokens_per_s: response tokens trained by the steps that end in the window / its length;
+* overheads: seconds spent in each kind of op (weight loads, migrations, ...) / (instances x window).
+
+Invariant: only measured intervals are used; a run with no engine steps or no train steps gives zeros.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Length of the union of xs not covered by the union of ys."""
+    xs, ys = _union(xs), _union(ys)
+    return sum(b - a - _length(ys, a, b) for a, b in xs)
+
+
+def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], ops: dict[str, np.ndarray],
+                warmup_steps: int = 0) -> dict:
+    """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row)."""
+    zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
+            "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "overheads": {}}
+    if not len(esteps["t_start"]) or not len(tsteps["t_end"]):
+        return zero
+    order = np.argsort(tsteps["t_end"])
+    t_start, t_end, tokens = tsteps["t_start"][order], tsteps["t_end"][order], tsteps["tokens"][order]
+    lo = float(t_end[warmup_steps - 1]) if 0 < warmup_steps < len(t_end) else float(esteps["t_start"].min())
+    hi = float(t_end[-1])
+    span = hi - lo
+    if span <= 0:
+        return zero
+    ranks = sorted({int(r) for r in esteps["rank"]})
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    slot_s = capacity = 0.0
+    cap_of: dict[int, int] = {}
+    for r, a, b, n, cap in zip(esteps["rank"], esteps["t_start"], esteps["t_end"], esteps["batch_size"],
+                               esteps["capacity"], strict=True):
+        cap_of[int(r)] = int(cap)
+        if n > 0:
+            busy[int(r)].append((float(a), float(b)))
+            slot_s += int(n) * max(0.0, min(b, hi) - max(a, lo))
+    capacity = sum(cap_of.values())
+    slot_util = slot_s / (capacity * span) if capacity else 0.0
+    train = list(zip(t_start.tolist(), t_end.tolist(), strict=True))
+    all_busy = [iv for r in ranks for iv in busy[r]]
+    clipped = [(max(a, lo), min(b, hi)) for a, b in all_busy]
+    rollout_only = _minus(clipped, train) / span
+    marks = [lo] + [float(s) for s in t_start if lo < s <= hi]
+    bubbles = []
+    for a, b in zip(marks, marks[1:], strict=False):
+        per = [_length(_union(busy[r]), a, b) for r in ranks]
+        top = max(per)
+        if top > 0:
+            bubbles.append(sum((top - x) / top for x in per) / len(per))
+    trained = float(sum(int(k) for k, e in zip(tokens, t_end, strict=True) if lo < e <= hi))
+    over: dict[str, float] = defaultdict(float)
+    for kind, a, b in zip(ops["kind"], ops["t_start"], ops["t_end"], strict=True):
+        if b > a:
+            over[str(kind)] += max(0.0, min(b, hi) - max(a, lo))
+    n_inst = max(len(ranks), 1)
+    return {"window_s": span, "slot_utilization": slot_util, "bubble_fraction": 1.0 - slot_util,
+            "rollout_only_fraction": rollout_only,
+            "inter_instance_bubble": float(np.mean(bubbles)) if bubbles else 0.0,
+            "throughput_tokens_per_s": trained / span,
+            "overheads": {k: v / (n_inst * span) for k, v in sorted(over.items())}}

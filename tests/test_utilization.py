@@ -1,0 +1,52 @@
+"""analysis/utilization.py on hand-built logs with known answers."""
+
+import numpy as np
+import pytest
+
+from dora_hpc.analysis.basic import _engine_steps
+from dora_hpc.analysis.utilization import utilization
+from dora_hpc.store.shards import ShardWriter, scan
+
+
+def cols(rows, names):
+    return {n: np.array([r[i] for r in rows]) for i, n in enumerate(names)}
+
+
+def test_two_instances_two_steps_known_answers():
+    # instance 2 decodes a full batch (2 of 2 slots) over [0,10] and [12,22]; instance 3 only half as long
+    esteps = cols([(2, 0, 10, 2, 2), (2, 12, 22, 2, 2), (3, 0, 5, 2, 2), (3, 12, 17, 2, 2), (3, 5, 10, 0, 2)],
+                  ["rank", "t_start", "t_end", "batch_size", "capacity"])
+    tsteps = cols([(0, 10, 12, 100), (1, 22, 24, 300)], ["step", "t_start", "t_end", "tokens"])
+    ops = cols([("weight_load", 10, 11.2), ("migration_in", 15, 15.0)], ["kind", "t_start", "t_end"])
+    u = utilization(esteps, tsteps, ops)
+    assert u["window_s"] == 24
+    assert u["slot_utilization"] == pytest.approx(60 / 96)       # 2*10 + 2*10 + 2*5 + 2*5 slot-seconds of 2x2x24
+    assert u["bubble_fraction"] == pytest.approx(1 - 60 / 96)
+    assert u["rollout_only_fraction"] == pytest.approx(20 / 24)  # busy [0,10] u [12,22], training [10,12] u [22,24]
+    assert u["inter_instance_bubble"] == pytest.approx(0.25)     # per window: (0 + (10-5)/10) / 2
+    assert u["throughput_tokens_per_s"] == pytest.approx(400 / 24)
+    assert u["overheads"] == {"weight_load": pytest.approx(1.2 / 48)}  # zero-length ops take no time
+    # leaving step 0 out as warm-up: the window is [12, 24]
+    w = utilization(esteps, tsteps, ops, warmup_steps=1)
+    assert w["window_s"] == 12 and w["slot_utilization"] == pytest.approx(30 / 48)
+    assert w["throughput_tokens_per_s"] == pytest.approx(300 / 12)
+
+
+def test_a_perfectly_balanced_run_has_no_inter_instance_bubble_and_empty_logs_give_zeros():
+    esteps = cols([(r, 0, 10, 4, 4) for r in (2, 3, 4)], ["rank", "t_start", "t_end", "batch_size", "capacity"])
+    tsteps = cols([(0, 10, 11, 50)], ["step", "t_start", "t_end", "tokens"])
+    ops = cols([], ["kind", "t_start", "t_end"])
+    u = utilization(esteps, tsteps, ops)
+    assert u["inter_instance_bubble"] == 0 and u["slot_utilization"] == pytest.approx(10 / 11)
+    empty = cols([], ["rank", "t_start", "t_end", "batch_size", "capacity"])
+    assert utilization(empty, tsteps, ops)["slot_utilization"] == 0.0
+
+
+def test_engine_steps_carry_the_rank_of_their_shard(tmp_path):
+    for rank in (2, 3):
+        w = ShardWriter(tmp_path, "events", rank, "rollout", "r")
+        w.append("steps", {"t_start": 0.0, "t_end": 1.0, "batch_size": rank, "capacity": 8, "new_tokens": 1,
+                           "kv_blocks_used": 0, "version": 0})
+        w.flush()
+    e = _engine_steps(scan(tmp_path, "events"))
+    assert sorted(zip(e["rank"].tolist(), e["batch_size"].tolist(), strict=True)) == [(2, 2), (3, 3)]
