@@ -15,6 +15,7 @@ import numpy as np
 
 from ..store.shards import read_table, scan
 from .history import history
+from .staleness import stratified
 from .utilization import utilization
 
 
@@ -129,7 +130,10 @@ def analyze(run_dir: str | Path) -> dict:
                           "duplicate_groups": dup[:20], "split_groups": split[:20]},
         },
         "staleness": {"max": max(stale, default=0), "mean": float(np.mean(stale)) if stale else 0.0,
-                      "histogram": {str(s): c for s, c in sorted(Counter(stale).items())}},
+                      "histogram": {str(s): c for s, c in sorted(Counter(stale).items())},
+                      "by_version": {str(v): c for v, c in sorted(Counter(consumed["version"].tolist()).items())}},
+        "stratified": stratified(np.array(stale, dtype=np.int64), consumed["reward"], consumed["group_id"],
+                                 np.array([int(traj["response_len"][i]) if i is not None else 0 for i in matched])),
         "partial_segments": {"trajectories_with_switches": len(mixed)} if mode == "partial" else {},
         "migrations": mig,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,

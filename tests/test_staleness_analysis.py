@@ -1,0 +1,26 @@
+"""analysis/staleness.py: the naive vs difficulty-stratified comparison on rows with known answers."""
+
+import numpy as np
+import pytest
+
+from dora_hpc.analysis.staleness import stratified
+
+
+def test_stratifying_by_difficulty_removes_a_confounded_naive_gap():
+    # group 0: easy, fresh; group 1: hard (1 of 4 passes), stale; group 2: easy, stale
+    group = np.repeat([0, 1, 2], 4)
+    stale = np.repeat([0, 1, 1], 4)
+    reward = np.array([1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], dtype=float)
+    length = np.array([10] * 4 + [40] * 4 + [12] * 4)
+    s = stratified(stale, reward, group, length)
+    assert s["naive"]["by_staleness"] == {"0": {"n": 4, "pass_rate": 1.0}, "1": {"n": 8, "pass_rate": 0.625}}
+    assert s["naive"]["delta"] == pytest.approx(-0.375)   # stale looks worse ...
+    easy = next(r for r in s["rows"] if r["bin"] == "[0.75, 1.00]")
+    hard = next(r for r in s["rows"] if r["bin"] == "[0.25, 0.50)")
+    assert easy["delta"] == 0.0 and easy["n"] == 8        # ... but not at equal difficulty
+    assert hard["delta"] is None and hard["by_staleness"] == {"1": {"n": 4, "pass_rate": 0.25}}
+    assert s["median_length_by_staleness"] == {"0": 10.0, "1": 26.0}  # stale responses are longer
+    t3 = {r["bin"]: r for r in s["by_difficulty"]}
+    assert t3["[0.25, 0.50)"]["reward_variance"] == pytest.approx(0.1875) and t3["[0.25, 0.50)"]["mean_length"] == 40
+    assert t3["[0.00, 0.25)"] == {"bin": "[0.00, 0.25)", "groups": 0, "reward_variance": None, "mean_length": None,
+                                  "mean_staleness": None}
