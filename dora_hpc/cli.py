@@ -160,8 +160,11 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
 
     results = []
     for run_dir in args.run_dirs:
+        plots = None
+        if args.plots:
+            plots = Path(args.plots) / Path(run_dir).name if len(args.run_dirs) > 1 else Path(args.plots)
         try:
-            results.append(analyze(run_dir))
+            results.append(analyze(run_dir, plots))
         except ShardError as e:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {e}")
             return 2
@@ -246,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")
+    a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")

@@ -42,6 +42,12 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     assert 0 <= a["inter_instance_bubble"] < 1 and 0 < a["rollout_only_fraction"] <= 1
     assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
     if mode == "dora":
+        figs = analyze(run_dir, plots=tmp_path / "plots")["plots"]
+        assert sorted(p.rsplit("/", 1)[1] for p in figs) == ["allocation.png", "staleness.png", "stratified.png",
+                                                              "timeline.png"]
+        assert all(Path(p).stat().st_size > 10_000 for p in figs)
+        rows = a["stratified"]["rows"]
+        assert sum(r["n"] for r in rows) == a["consumed"] == sum(a["staleness"]["by_version"].values())
         assert a["staleness"]["max"] <= 2 and a["migrations"] >= 1 and a["reprefill_tokens"] == 0
         assert a["max_live_versions"] >= 2
     if mode == "partial":

@@ -29,7 +29,7 @@ def _config(run_dir: Path) -> dict:
     return {}
 
 
-def analyze(run_dir: str | Path) -> dict:
+def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     run_dir = Path(run_dir)
     scans = {k: scan(run_dir, k) for k in ("traj", "events", "train")}
     cfg = _config(run_dir)
@@ -112,7 +112,7 @@ def analyze(run_dir: str | Path) -> dict:
              for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
              if kind == "weight_load"]
     mig = sum(1 for kind in ops["kind"] if kind == "migration_in")
-    return {
+    result = {
         "run_dir": str(run_dir),
         "mode": mode,
         "k": k,
@@ -153,6 +153,11 @@ def analyze(run_dir: str | Path) -> dict:
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
     }
+    if plots is not None:
+        from .plots import write_plots
+
+        result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
+    return result
 
 
 def _engine_steps(found) -> dict[str, np.ndarray]:
