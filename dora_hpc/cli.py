@@ -198,6 +198,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    args.out = args.out or f"results/{args.what}"
     if args.what == "engine":
         from .bench.engine_bench import bench_engine
         from .engine.local_models import build_tiny_model, convert_smollm2
@@ -207,6 +208,17 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             models["smollm2-135m"] = convert_smollm2()
         bench_engine(models, Path(args.out), repeats=args.repeats, console=console)
         console.print(f"wrote {args.out}/summary.json and {args.out}/engine.png")
+        return 0
+    if args.what == "analysis":
+        import tempfile
+
+        from .bench.analysis_bench import bench_analysis
+
+        with tempfile.TemporaryDirectory() as tmp:
+            s = bench_analysis(Path(args.out), args.trajectories, Path(tmp) / "run")
+        console.print(f"analyze on {s['trajectories']:,} synthetic trajectories ({s['steps']:,} steps): "
+                      f"{s['analyze_s']:.1f} s, peak RSS {s['peak_rss_mib']:.0f} MiB; invariants "
+                      f"{s['invariants']}; wrote {args.out}/summary.json")
         return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
@@ -252,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
-    b.add_argument("what", choices=["engine"], help="engine: built-in engine vs transformers generate")
-    b.add_argument("--out", default="results/engine", help="output directory")
+    b.add_argument("what", choices=["engine", "analysis"],
+                   help="engine: built-in engine vs transformers generate; analysis: analyze on a large log")
+    b.add_argument("--out", help="output directory (default results/<what>)")
+    b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
     b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")
     b.set_defaults(func=cmd_bench)

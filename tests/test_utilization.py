@@ -50,3 +50,13 @@ def test_engine_steps_carry_the_rank_of_their_shard(tmp_path):
         w.flush()
     e = _engine_steps(scan(tmp_path, "events"))
     assert sorted(zip(e["rank"].tolist(), e["batch_size"].tolist(), strict=True)) == [(2, 2), (3, 3)]
+
+
+def test_a_large_synthetic_log_analyses_with_its_invariants(tmp_path):
+    """The scaling benchmark's generator and analyze agree (10^6 rows: `dora-hpc bench analysis`)."""
+    from dora_hpc.bench.analysis_bench import bench_analysis
+
+    s = bench_analysis(tmp_path / "out", 20_000, tmp_path / "run")
+    assert s["consumed"] == s["trajectories"] == 19_968 and s["max_staleness"] == 2
+    assert s["invariants"] == {"mixed_version_trajectories": 0, "staleness_over_k": 0, "lost_groups": 0,
+                               "duplicate_groups": 0, "split_groups": 0}

@@ -34,7 +34,9 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     scans = {k: scan(run_dir, k) for k in ("traj", "events", "train")}
     cfg = _config(run_dir)
     mode, k, g_size = cfg.get("mode"), cfg.get("dora", {}).get("k"), cfg.get("batch", {}).get("group_size", 1)
-    traj = read_table(run_dir, "traj", "trajectories", scan_result=scans["traj"])
+    traj = read_table(run_dir, "traj", "trajectories", scan_result=scans["traj"],  # never the token columns
+                      columns=["traj_id", "group_id", "version", "segment_versions", "attempt", "response_len",
+                               "reprefill_tokens", "reward_error"])
     consumed = read_table(run_dir, "train", "consumed", scan_result=scans["train"])
     tsteps = read_table(run_dir, "train", "steps", scan_result=scans["train"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
@@ -111,7 +113,12 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     loads = [(int(v), str(d), by_attempt.get((int(a), int(v)), published.get(int(v))))
              for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
              if kind == "weight_load"]
-    mig = sum(1 for kind in ops["kind"] if kind == "migration_in")
+    is_mig = ops["kind"] == "migration_in"
+    mig = int(is_mig.sum())
+    mig_detail = {"count": mig, "kv_bytes": int(ops["bytes"][is_mig].sum()),
+                  "seconds": float((ops["t_end"] - ops["t_start"])[is_mig].sum()),
+                  "by_reprefill": int(sum(1 for d in ops["detail"][is_mig] if "reprefill=True" in str(d))),
+                  "weight_syncs": int((ops["kind"] == "weight_load").sum())}
     result = {
         "run_dir": str(run_dir),
         "mode": mode,
@@ -136,6 +143,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
                                  np.array([int(traj["response_len"][i]) if i is not None else 0 for i in matched])),
         "partial_segments": {"trajectories_with_switches": len(mixed)} if mode == "partial" else {},
         "migrations": mig,
+        "migration": mig_detail,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,
         "dropped_groups": len(dropped),
         "reward_errors": int(sum(1 for e in traj["reward_error"] if e)),

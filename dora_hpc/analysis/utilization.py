@@ -21,24 +21,30 @@ from collections import defaultdict
 import numpy as np
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(i for i in intervals if i[1] > i[0]):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+class Cover:
+    """The union of some intervals, with O(log n) 'how much of [a, b] is covered' queries."""
 
+    def __init__(self, intervals: list[tuple[float, float]]) -> None:
+        merged: list[list[float]] = []
+        for a, b in sorted(i for i in intervals if i[1] > i[0]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        arr = np.array(merged, dtype=float).reshape(-1, 2)
+        self.a, self.b = arr[:, 0], arr[:, 1]
+        self.before = np.concatenate([[0.0], np.cumsum(self.b - self.a)])  # covered length before interval i
 
-def _length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+    def upto(self, x: np.ndarray) -> np.ndarray:
+        """Covered length in (-inf, x] for each x."""
+        x = np.asarray(x, dtype=float)
+        i = np.searchsorted(self.a, x, side="right") - 1
+        inside = np.where(i >= 0, np.clip(np.minimum(x, self.b[np.maximum(i, 0)]) - self.a[np.maximum(i, 0)],
+                                          0, None), 0.0)
+        return self.before[np.maximum(i, 0)] * (i >= 0) + inside
 
-
-def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
-    """Length of the union of xs not covered by the union of ys."""
-    xs, ys = _union(xs), _union(ys)
-    return sum(b - a - _length(ys, a, b) for a, b in xs)
+    def length(self, lo: float, hi: float) -> float:
+        return float(self.upto(hi) - self.upto(lo)) if len(self.a) else 0.0
 
 
 def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], ops: dict[str, np.ndarray],
@@ -67,17 +73,18 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             slot_s += int(n) * max(0.0, min(b, hi) - max(a, lo))
     capacity = sum(cap_of.values())
     slot_util = slot_s / (capacity * span) if capacity else 0.0
-    train = list(zip(t_start.tolist(), t_end.tolist(), strict=True))
-    all_busy = [iv for r in ranks for iv in busy[r]]
-    clipped = [(max(a, lo), min(b, hi)) for a, b in all_busy]
-    rollout_only = _minus(clipped, train) / span
-    marks = [lo] + [float(s) for s in t_start if lo < s <= hi]
+    training = Cover(list(zip(t_start.tolist(), t_end.tolist(), strict=True)))
+    rolling = Cover([(max(a, lo), min(b, hi)) for r in ranks for a, b in busy[r]])
+    # rollout-only: covered by some generating instance and not by a train step
+    rollout_only = (rolling.length(lo, hi) - float(np.sum(training.upto(rolling.b) - training.upto(rolling.a)))) / span
+    marks = np.array([lo] + [float(s) for s in t_start if lo < s <= hi])
     bubbles = []
-    for a, b in zip(marks, marks[1:], strict=False):
-        per = [_length(_union(busy[r]), a, b) for r in ranks]
-        top = max(per)
-        if top > 0:
-            bubbles.append(sum((top - x) / top for x in per) / len(per))
+    if len(marks) > 1:
+        per = np.array([np.diff(Cover(busy[r]).upto(marks)) if busy[r] else np.zeros(len(marks) - 1)
+                        for r in ranks])  # [instance, window] busy seconds
+        top = per.max(axis=0)
+        ok = top > 0
+        bubbles = ((top[ok] - per[:, ok]) / top[ok]).mean(axis=0).tolist()
     trained = float(sum(int(k) for k, e in zip(tokens, t_end, strict=True) if lo < e <= hi))
     over: dict[str, float] = defaultdict(float)
     for kind, a, b in zip(ops["kind"], ops["t_start"], ops["t_end"], strict=True):
