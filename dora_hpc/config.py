@@ -130,7 +130,7 @@ class TaskConfig(Section):
     name: Literal["even_tokens", "reasoning_gym", "jsonl"] = "even_tokens"
     dataset: str = Field("basic_arithmetic", description="reasoning_gym: the generator's name")
     size: int = Field(10000, ge=1, description="reasoning_gym: prompts generated (group g uses item g % size)")
-    path: str | None = Field(None, description="jsonl: the prompt file")
+    path: str | None = Field(None, description="jsonl: the prompt file (.jsonl, or .parquet by suffix)")
     question_field: str = "question"
     answer_field: str = "answer"
     system_prompt: str | None = None

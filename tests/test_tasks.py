@@ -71,3 +71,21 @@ def test_even_tokens_budgets_follow_the_workload():
 def test_extract_answer():
     assert extract_answer("x <answer>1</answer> y <answer> 42 </answer>") == "42"
     assert extract_answer("the end\n 7 ") == "7" and extract_answer("") == ""
+
+
+def test_parquet_prompts_read_like_jsonl_with_null_rows_recorded(tiny, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"q": ["half of 1?", "3*3?", None], "a": ["0.5", None, "1"]}), f)
+    cfg = load_config(None, ["task.name=jsonl", f"task.path={f}", "task.question_field=q", "task.answer_field=a"])
+    task = make_task(cfg, 0, tiny)
+    assert task.rows == [("half of 1?", "0.5")]
+    assert [m.split(":row ")[1][:1] for m in task.malformed] == ["1", "2"] and "null" in task.malformed[0]
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert task.safe_reward(0, tok("<answer>1/2</answer>")["input_ids"])[0] == 1.0
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="not a readable parquet"):
+        make_task(load_config(None, ["task.name=jsonl", f"task.path={bad}"]), 0, tiny)

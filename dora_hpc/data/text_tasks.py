@@ -85,8 +85,29 @@ class ReasoningGymTask(TextTask):
         return float(self.ds.score_answer(answer=extract_answer(text), entry=entry))
 
 
+def _read_rows(path: Path):
+    """(where, row dict or the Exception that made it unreadable) for each row of a .jsonl or .parquet file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+            raise ValueError(f"task.path: {path} is not a readable parquet file ({e})") from None
+        for n, row in enumerate(table.to_pylist()):
+            yield f"{path}:row {n}", row
+        return
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                yield f"{path}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{path}:{n}", e
+
+
 class JsonlTask(TextTask):
-    """User prompts from a jsonl file with ``question_field``/``answer_field``, scored by math-verify."""
+    """User prompts from a .jsonl or .parquet file (by suffix) with ``question_field``/``answer_field``,
+    scored by math-verify. Rows that lack a field (or hold null) are skipped and recorded, never fatal."""
 
     name = "jsonl"
 
@@ -97,14 +118,16 @@ class JsonlTask(TextTask):
             raise ValueError(f"task.path: prompt file {path} does not exist")
         qf, af = cfg.task.question_field, cfg.task.answer_field
         self.rows: list[tuple[str, str]] = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
+        for where, row in _read_rows(path):
+            if isinstance(row, Exception):
+                self.malformed.append(f"{where}: {type(row).__name__}: {row}")
                 continue
             try:
-                row = json.loads(line)
+                if row[qf] is None or row[af] is None:
+                    raise ValueError(f"{qf!r} or {af!r} is null")
                 self.rows.append((str(row[qf]), str(row[af])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                self.malformed.append(f"{path}:{n}: {type(e).__name__}: {e}")
+            except (KeyError, TypeError, ValueError) as e:
+                self.malformed.append(f"{where}: {type(e).__name__}: {e}")
         if not self.rows:
             raise ValueError(f"task.path: {path} has no valid row with fields {qf!r} and {af!r}")
 
