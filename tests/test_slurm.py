@@ -89,6 +89,15 @@ def progressed(run_dir: Path, n_attempts: int):
     return cond
 
 
+def submit(run_dir: Path, steps: int, *settings: str) -> str:
+    """``dora-hpc submit`` the tiny config (tbs 4, rbs 6) with extra ``key=value`` settings; the job id."""
+    sets = [x for kv in (f"train.max_steps={steps}", "batch.tbs=4", "batch.rbs=6", *settings) for x in ("--set", kv)]
+    p = subprocess.run(CLI + ["submit", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), *sets],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return re.search(r"submitted job (\d+)", p.stdout).group(1)
+
+
 def test_dry_run_prints_a_heterogeneous_script_and_the_config(tmp_path):
     p = subprocess.run(CLI + ["submit", "configs/tiny-cpu.yaml", "--dry-run", "--run-dir", str(tmp_path / "x"),
                               "--set", "slurm.partition=gpu", "--set", "slurm.extra_sbatch=[--exclusive]"],
@@ -104,12 +113,7 @@ def test_dry_run_prints_a_heterogeneous_script_and_the_config(tmp_path):
 def test_submit_requeue_twice_and_a_killed_rank_then_complete(tmp_path, slurm_cluster):
     run_dir = tmp_path / "run"
     steps = 16
-    p = subprocess.run(CLI + ["submit", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-                              "--set", f"train.max_steps={steps}", "--set", "batch.tbs=4", "--set", "batch.rbs=6",
-                              "--set", "train.checkpoint_every=2", "--set", "slurm.time_min=20"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    job = submit(run_dir, steps, "train.checkpoint_every=2", "slurm.time_min=20")
     try:
         for n in (1, 2):  # two preemptions by Slurm
             wait_for(progressed(run_dir, n), job, what=f"attempt {n - 1} to checkpoint")
@@ -170,12 +174,7 @@ def test_the_time_limit_warning_checkpoints_and_requeues(tmp_path, slurm_cluster
     """SIGUSR1 (what --signal=USR1@T sends before the time limit): rank 0 commits a checkpoint of the
     current state, ends the step and requeues the job itself; the next start resumes from it."""
     run_dir = tmp_path / "usr1"
-    p = subprocess.run(CLI + ["submit", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-                              "--set", "train.max_steps=10", "--set", "batch.tbs=4", "--set", "batch.rbs=6",
-                              "--set", "train.checkpoint_every=0", "--set", "slurm.requeue_on_failure=0"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    job = submit(run_dir, 10, "train.checkpoint_every=0", "slurm.requeue_on_failure=0")
     try:
         wait_for(lambda: attempts(run_dir) == 1 and (run_dir / "train-00002.h5").exists(), job,
                  what="two train steps")
@@ -193,12 +192,7 @@ def test_the_time_limit_warning_checkpoints_and_requeues(tmp_path, slurm_cluster
 
 def test_a_plain_job_when_heterogeneous_is_off(tmp_path, slurm_cluster):
     run_dir = tmp_path / "plain"
-    p = subprocess.run(CLI + ["submit", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-                              "--set", "train.max_steps=3", "--set", "batch.tbs=4", "--set", "batch.rbs=6",
-                              "--set", "slurm.heterogeneous=false", "--set", "slurm.trainer.nodes=3"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    job = submit(run_dir, 3, "slurm.heterogeneous=false", "slurm.trainer.nodes=3")
     try:
         wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
                  what="the plain job")
