@@ -48,6 +48,7 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
         assert all(Path(p).stat().st_size > 10_000 for p in figs)
         rows = a["stratified"]["rows"]
         assert sum(r["n"] for r in rows) == a["consumed"] == sum(a["staleness"]["by_version"].values())
+        assert 0 < a["overheads"]["load_balancing"] < 0.04  # planner decisions, the paper's Fig. 13 share
         assert a["staleness"]["max"] <= 2 and a["migrations"] >= 1 and a["reprefill_tokens"] == 0
         assert a["max_live_versions"] >= 2
     if mode == "partial":

@@ -126,7 +126,7 @@ class Orchestrator:
             for s in trajs:
                 self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
                                           s.tokens, s.logprobs, s.reward, s.attempt), self.roles.lead_trainer)
-        self.execute(self.policy.on(Start()))
+        self.feed(Start())
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
         every = self.cfg.train.checkpoint_every
@@ -143,7 +143,7 @@ class Orchestrator:
             if got is None:
                 if time.time() >= next_tick and not self.stopping:
                     next_tick = time.time() + self.cfg.runtime.tick_s
-                    self.execute(self.policy.on(Tick()))
+                    self.feed(Tick())
                     self.report()
                 time.sleep(0.0005)
                 continue
@@ -154,12 +154,12 @@ class Orchestrator:
                 case _ if self.stopping:
                     pass  # frozen: the final snapshot is taken; what happens now is not kept
                 case Ready():
-                    self.execute(self.policy.on(InstanceReady(msg.instance, msg.version)))
+                    self.feed(InstanceReady(msg.instance, msg.version))
                 case Done():
                     self.finished_tokens += msg.response_len
-                    self.execute(self.policy.on(RequestFinished(msg.traj_id, msg.instance)))
+                    self.feed(RequestFinished(msg.traj_id, msg.instance))
                     if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
-                        self.execute(self.policy.on(KvPressure(msg.instance, msg.kv_used_fraction)))
+                        self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
                 case Published():
                     self.steps_done += 1
                     self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
@@ -168,7 +168,7 @@ class Orchestrator:
                     if every and msg.version % every == 0 and self.ckpt is None:
                         self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
                     if self.steps_done < self.cfg.train.max_steps:
-                        self.execute(self.policy.on(VersionPublished(msg.version)))
+                        self.feed(VersionPublished(msg.version))
                 case _:
                     raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
         outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
@@ -203,6 +203,15 @@ class Orchestrator:
             return
         self.op("checkpoint", version=msg.version, detail=msg.path, t_start=self.ckpt["t"])
         self.last_ckpt, self.ckpt = msg.version, None
+
+    def feed(self, event) -> None:
+        """One event into the policy; its commands out. The time of a decision that moves instances or
+        requests is logged as a ``load_balancing`` op (the paper's Fig. 13 overhead)."""
+        t = self.now()
+        commands = self.policy.on(event)
+        if any(isinstance(c, Migrate | AssignVersion) for c in commands):
+            self.op("load_balancing", detail=type(event).__name__, t_start=t)
+        self.execute(commands)
 
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
