@@ -175,11 +175,10 @@ class RandomDriver:
         """A driver for a restored policy: what the checkpoint's ledger says happened before it."""
         d = cls(policy, rng)
         g_size = policy.cfg.group_size
-        for g, version, state, _finished, step, _reason in snapshot["groups"]:
+        for g, version, state, _finished, _step, _reason in snapshot["groups"]:
             if state == 2:  # consumed by a step before the checkpoint
                 d.consumed[g] += 1
                 d.group_tag[g] = version
-                d.steps_done = max(d.steps_done, step + 1)
             elif state == 3:
                 d.dropped.add(g)
         for g in requeue:

@@ -1,7 +1,6 @@
 """Preemption and resume of real local runs (mpiexec, tiny model): SIGTERM, SIGKILL, corrupt checkpoints,
 no checkpoint -- and afterwards, from the HDF5 logs alone, nothing lost, nothing twice, staleness <= K."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import time
 from pathlib import Path
 
 from dora_hpc.analysis.basic import analyze
+from dora_hpc.launch.local import DeathWatch
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
@@ -56,8 +56,8 @@ def test_sigterm_then_sigkill_then_resume_loses_nothing(tmp_path):
     time.sleep(0.5)
     proc.kill()                       # ... and is killed before or after it lands: every rank must die too
     proc.wait(timeout=30)
-    wait_for(lambda: not any(p.is_file() and _alive(int(p.read_text())) for p in (run_dir / "pids").glob("rank-?")),
-             timeout=30)
+    ranks = [int(p.read_text()) for p in (run_dir / "pids").glob("rank-?") if p.is_file()]
+    wait_for(lambda: not any(DeathWatch._alive(pid) for pid in ranks), timeout=30)
     # a checkpoint truncated on purpose is skipped with a warning naming it; the previous one is used
     newest = checkpoints(run_dir)[-1]
     weights = run_dir / "checkpoints" / f"step-{newest}" / "weights.safetensors"
@@ -102,11 +102,3 @@ def test_resume_without_a_checkpoint_says_so_and_starts_fresh_only_when_asked(tm
     assert p.returncode == 0, p.stderr[-3000:]
     a = assert_whole(run_dir, steps=3, k=2)
     assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 2 and a["preemption"]["chain"] == [1]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dora_hpc.analysis.basic import analyze
+from dora_hpc.launch.local import DeathWatch
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
@@ -122,7 +123,8 @@ def test_submit_requeue_twice_and_a_killed_rank_then_complete(tmp_path, slurm_cl
         pids = {r: int((run_dir / "pids" / f"rank-{r}").read_text()) for r in range(5)}
         os.kill(pids[3], signal.SIGKILL)  # a rollout rank (component 1)
         t = time.time()  # the whole step ends promptly: no hang, no held allocation
-        wait_for(lambda: not any(_alive(p) for p in pids.values()), job, timeout=60, what="every rank to end")
+        wait_for(lambda: not any(DeathWatch._alive(p) for p in pids.values()), job, timeout=60,
+                 what="every rank to end")
         assert time.time() - t < 60
         # the failed step requeues the job itself (slurm.requeue_on_failure) and it resumes
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 4, job,
@@ -161,45 +163,3 @@ def test_the_sbatch_template_runs_as_documented(tmp_path, slurm_cluster):
     assert "one MPI world of 5 ranks" in out
     a = analyze(run_dir)
     assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def test_the_time_limit_warning_checkpoints_and_requeues(tmp_path, slurm_cluster):
-    """SIGUSR1 (what --signal=USR1@T sends before the time limit): rank 0 commits a checkpoint of the
-    current state, ends the step and requeues the job itself; the next start resumes from it."""
-    run_dir = tmp_path / "usr1"
-    job = submit(run_dir, 10, "train.checkpoint_every=0", "slurm.requeue_on_failure=0")
-    try:
-        wait_for(lambda: attempts(run_dir) == 1 and (run_dir / "train-00002.h5").exists(), job,
-                 what="two train steps")
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the job's steps
-        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 2, job,
-                 timeout=300, what="the requeued run to complete")
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-    resumed = int(re.findall(r'"version": (\d+)', (run_dir / "attempts.jsonl").read_text())[-1])
-    assert resumed >= 2  # checkpoint_every=0: the only checkpoint is the one the signal asked for
-    a = analyze(run_dir)
-    assert a["steps"] == 10 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
-    assert a["preemption"]["resumed_at_steps"] == [resumed]
-
-
-def test_a_plain_job_when_heterogeneous_is_off(tmp_path, slurm_cluster):
-    run_dir = tmp_path / "plain"
-    job = submit(run_dir, 3, "slurm.heterogeneous=false", "slurm.trainer.nodes=3")
-    try:
-        wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
-                 what="the plain job")
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-    script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
-    assert "hetjob" not in script and "--ntasks=5" in script
-    assert job_state(job)["JobState"] == "COMPLETED"
-    a = analyze(run_dir)
-    assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0

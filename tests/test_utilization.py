@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from dora_hpc.analysis.basic import _engine_steps
 from dora_hpc.analysis.utilization import utilization
-from dora_hpc.store.shards import ShardWriter, scan
+from dora_hpc.store.shards import ShardWriter, read_table
 
 
 def cols(rows, names):
@@ -48,7 +47,7 @@ def test_engine_steps_carry_the_rank_of_their_shard(tmp_path):
         w.append("steps", {"t_start": 0.0, "t_end": 1.0, "batch_size": rank, "capacity": 8, "new_tokens": 1,
                            "kv_blocks_used": 0, "version": 0})
         w.flush()
-    e = _engine_steps(scan(tmp_path, "events"))
+    e = read_table(tmp_path, "events", "steps", with_rank=True)
     assert sorted(zip(e["rank"].tolist(), e["batch_size"].tolist(), strict=True)) == [(2, 2), (3, 3)]
 
 

@@ -40,7 +40,8 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     consumed = read_table(run_dir, "train", "consumed", scan_result=scans["train"])
     tsteps = read_table(run_dir, "train", "steps", scan_result=scans["train"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
-    esteps = _engine_steps(scans["events"])
+    esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True,
+                        columns=["t_start", "t_end", "batch_size", "capacity", "version"])
 
     # a preempted and resumed run: keep only the rows its final history is made of (analysis/history.py)
     hist = history(ops)
@@ -166,19 +167,6 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
     return result
-
-
-def _engine_steps(found) -> dict[str, np.ndarray]:
-    """The engine-step rows of every rollout rank, with a ``rank`` column from each file's attrs."""
-    cols = ["t_start", "t_end", "batch_size", "capacity", "version"]
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in [*cols, "rank"]}
-    for path in found.files:
-        with h5py.File(path, "r") as f:
-            rank, n = int(f.attrs["rank"]), len(f["steps"]["t_start"])
-            for c in cols:
-                parts[c].append(f["steps"][c][()])
-        parts["rank"].append(np.full(n, rank, dtype=np.int64))
-    return {c: np.concatenate(v) if v else np.empty(0) for c, v in parts.items()}
 
 
 def max_live_versions(esteps: dict[str, np.ndarray], bucket_s: float = 0.25) -> int:

@@ -109,11 +109,13 @@ def main(run_dir: str) -> int:
             print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
                 f"r{w['rank']}@{w['host']}" + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "")
                 for w in where), file=sys.stderr, flush=True)
-        resume = checkpoint.load(Path(start["checkpoint"])) if start["checkpoint"] else None
         attempt = start["attempt"]
         comm = Comm(cfg.cluster.trainer_ranks)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
+        resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it
+        if start["checkpoint"] and role in ("orchestrator", "trainer"):
+            resume = checkpoint.load(Path(start["checkpoint"]), verified=True)
         model_dir = Path(meta["model_dir"])
         outcome = "done"
         if role == "orchestrator":

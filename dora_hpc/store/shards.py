@@ -168,17 +168,25 @@ def scan(run_dir: Path, kind: str) -> ShardScan:
 
 
 def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None = None,
-               scan_result: ShardScan | None = None) -> dict[str, np.ndarray]:
-    """Concatenate ``table`` across all complete shards of ``kind``; vlen columns stay object arrays."""
+               scan_result: ShardScan | None = None, with_rank: bool = False) -> dict[str, np.ndarray]:
+    """Concatenate ``table`` across all complete shards of ``kind``; vlen columns stay object arrays.
+    ``with_rank`` adds a ``rank`` column: the writing rank (its file's attr) of every row."""
     found = scan_result or scan(run_dir, kind)
     schema = FILE_KINDS[kind][table]
     cols = columns or list(schema)
     parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
+    ranks: list[np.ndarray] = []
     for p in found.files:
         for c, arr in iter_shard_columns(p, table, cols):
             parts[c].append(arr)
-    return {c: (np.concatenate(v) if v else np.empty(0, dtype=object if schema[c] in ("str", "vlen_i4", "vlen_f4")
-                                                     else _dtype(schema[c]))) for c, v in parts.items()}
+        if with_rank:
+            with h5py.File(p, "r") as f:
+                ranks.append(np.full(len(parts[cols[0]][-1]), int(f.attrs["rank"]), dtype=np.int64))
+    out = {c: (np.concatenate(v) if v else np.empty(0, dtype=object if schema[c] in ("str", "vlen_i4", "vlen_f4")
+                                                    else _dtype(schema[c]))) for c, v in parts.items()}
+    if with_rank:
+        out["rank"] = np.concatenate(ranks) if ranks else np.empty(0, dtype=np.int64)
+    return out
 
 
 def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tuple[str, np.ndarray]]:
