@@ -163,3 +163,38 @@ def test_the_sbatch_template_runs_as_documented(tmp_path, slurm_cluster):
     assert "one MPI world of 5 ranks" in out
     a = analyze(run_dir)
     assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
+
+
+def test_the_time_limit_warning_checkpoints_and_requeues(tmp_path, slurm_cluster):
+    """SIGUSR1 (what --signal=USR1@T sends before the time limit): rank 0 commits a checkpoint of the
+    current state, ends the step and requeues the job itself; the next start resumes from it."""
+    run_dir = tmp_path / "usr1"
+    job = submit(run_dir, 10, "train.checkpoint_every=0", "slurm.requeue_on_failure=0")
+    try:
+        wait_for(lambda: attempts(run_dir) == 1 and (run_dir / "train-00002.h5").exists(), job,
+                 what="two train steps")
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the job's steps
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 2, job,
+                 timeout=300, what="the requeued run to complete")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    resumed = int(re.findall(r'"version": (\d+)', (run_dir / "attempts.jsonl").read_text())[-1])
+    assert resumed >= 2  # checkpoint_every=0: the only checkpoint is the one the signal asked for
+    a = analyze(run_dir)
+    assert a["steps"] == 10 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
+    assert a["preemption"]["resumed_at_steps"] == [resumed]
+
+
+def test_a_plain_job_when_heterogeneous_is_off(tmp_path, slurm_cluster):
+    run_dir = tmp_path / "plain"
+    job = submit(run_dir, 3, "slurm.heterogeneous=false", "slurm.trainer.nodes=3")
+    try:
+        wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
+                 what="the plain job")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
+    assert "hetjob" not in script and "--ntasks=5" in script
+    assert job_state(job)["JobState"] == "COMPLETED"
+    a = analyze(run_dir)
+    assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0
