@@ -220,7 +220,46 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                       f"{s['analyze_s']:.1f} s, peak RSS {s['peak_rss_mib']:.0f} MiB; invariants "
                       f"{s['invariants']}; wrote {args.out}/summary.json")
         return 0
+    if args.what in ("modes", "ablation"):
+        from .bench import modes_bench as mb
+
+        if args.config is None:
+            raise ConfigError(f"bench {args.what}: CONFIG is required (e.g. configs/bench-modes.yaml)")
+        load_config(args.config, args.overrides)  # a bad config fails here, not in the first run
+        try:
+            if args.what == "modes":
+                modes = args.modes.split(",") if args.modes else None
+                unknown = sorted(set(modes or []) - set(mb.MODES))
+                if unknown:
+                    raise ConfigError(f"--modes: unknown {unknown}; choose from {','.join(mb.MODES)}")
+                s = mb.bench_modes(args.config, Path(args.out), args.overrides, args.repeats, modes,
+                                   unpaced=not args.no_unpaced, console=console)
+                _print_cases(console, s["modes"], s["ratios"])
+            else:
+                s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console)
+                _print_cases(console, s["variants"], s["ratios"])
+        except mb.BenchError as e:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
+            return 1
+        console.print(f"wrote {args.out}/summary.json (runs and their logs in {args.out}/runs)")
+        return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
+
+
+def _print_cases(console: Console, cases: dict, ratios: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="medians over interleaved repeats")
+    table.add_column("figure")
+    for c in cases:
+        table.add_column(c, justify="right")
+    for key in ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
+                "slot_utilization_limit", "inter_instance_bubble", "max_staleness", "migrations",
+                "reprefill_tokens", "engine_steps_per_trained_token", "instance_busy_s"):
+        table.add_row(key, *[f"{v[key]:.4g}" for v in cases.values()])
+    console.print(table)
+    for k, v in ratios.items():
+        console.print(f"  {k}: {v:.3f}" if v is not None else f"  {k}: -")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,8 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
-    b.add_argument("what", choices=["engine", "analysis"],
-                   help="engine: built-in engine vs transformers generate; analysis: analyze on a large log")
+    b.add_argument("what", choices=["engine", "analysis", "modes", "ablation"],
+                   help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
+                        "modes: the five modes on the real runtime; ablation: DORA with KV migration vs re-prefill")
+    b.add_argument("config", nargs="?", help="modes/ablation: the run config (e.g. configs/bench-modes.yaml)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="modes/ablation: override a config key in every run (repeatable)")
+    b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
+                                   "dora-k1,dora-k2,dora-k3")
+    b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")
     b.add_argument("--out", help="output directory (default results/<what>)")
     b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")

@@ -117,6 +117,8 @@ class EngineConfig(Section):
     backend: Literal["builtin"] = "builtin"
     pacing: bool = Field(False, description="each engine step lasts at least step_time_s (roofline pacing)")
     step_time_s: float = Field(0.02, ge=0, description="roofline step time used when pacing")
+    prefill_s_per_token: float = Field(0.0, ge=0, description="pacing: each prefilled (or re-prefilled) token "
+                                       "adds this to the step's roofline time (compute-bound prefill)")
     kv_blocks: int = Field(512, ge=1, description="KV blocks per rollout rank")
     block_size: int = Field(16, ge=1)
     max_batched_tokens: int = Field(512, ge=1)

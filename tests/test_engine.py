@@ -229,3 +229,17 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
     table = kv.allocate(kv.blocks_for(len(ids)))
     logits = m(torch.tensor(ids), Batch.build([len(ids)], [len(ids)], [table], kv.block_size), kv)
     assert (logits[0] - ref[0]).abs().max().item() <= 1e-4
+
+
+def test_pacing_charges_a_floor_per_step_plus_each_prefilled_token(tiny_dir):
+    import time
+
+    engine = Engine(tiny_dir, kv_blocks=64, max_num_seqs=4, min_step_time_s=0.05, prefill_s_per_token=0.002)
+    engine.add(0, list(range(3, 103)), SamplingParams(max_tokens=3, ignore_eos=True), 0)  # 100-token prompt
+    t = time.perf_counter()
+    engine.step()  # prefill: 0.05 + 100 * 0.002 = 0.25 s at least
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    engine.step()  # decode: 0.05 s at least, far less than a prefill step
+    decode_s = time.perf_counter() - t
+    assert prefill_s >= 0.25 and 0.05 <= decode_s < 0.2, (prefill_s, decode_s)

@@ -24,11 +24,14 @@ def test_two_instances_two_steps_known_answers():
     assert u["rollout_only_fraction"] == pytest.approx(20 / 24)  # busy [0,10] u [12,22], training [10,12] u [22,24]
     assert u["inter_instance_bubble"] == pytest.approx(0.25)     # per window: (0 + (10-5)/10) / 2
     assert u["throughput_tokens_per_s"] == pytest.approx(400 / 24)
+    assert u["engine_steps_per_trained_token"] == pytest.approx(4 / 400)  # the idle step does not count
+    assert u["instance_busy_s"] == pytest.approx((20 + 10) / 2)
     assert u["overheads"] == {"weight_load": pytest.approx(1.2 / 48)}  # zero-length ops take no time
     # leaving step 0 out as warm-up: the window is [12, 24]
     w = utilization(esteps, tsteps, ops, warmup_steps=1)
     assert w["window_s"] == 12 and w["slot_utilization"] == pytest.approx(30 / 48)
     assert w["throughput_tokens_per_s"] == pytest.approx(300 / 12)
+    assert w["engine_steps_per_trained_token"] == pytest.approx(2 / 300)
 
 
 def test_a_perfectly_balanced_run_has_no_inter_instance_bubble_and_empty_logs_give_zeros():

@@ -9,6 +9,11 @@ The definitions are the simulator's (sim/metrics.py), applied to measured interv
 * inter_instance_bubble: the C.3 formula (max_i L_i - L_i) / max_i L_i averaged over instances, with
   L_i the busy time of instance i between consecutive train-step starts, averaged over those windows;
 * throughput_tokens_per_s: response tokens trained by the steps that end in the window / its length;
+* instance_busy_s: seconds an instance spent in non-empty engine steps within the window, mean over
+  instances (the rollout time of the KV-migration ablation);
+* engine_steps_per_trained_token: engine steps with a non-empty batch, summed over instances, that
+  start in the window / the tokens those steps' train steps consumed (hardware-independent: pacing and
+  core contention change seconds, not step counts);
 * overheads: seconds spent in each kind of op (weight loads, migrations, ...) / (instances x window).
 
 Invariant: only measured intervals are used; a run with no engine steps or no train steps gives zeros.
@@ -51,7 +56,9 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
                 warmup_steps: int = 0) -> dict:
     """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row)."""
     zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
-            "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "overheads": {}}
+            "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "engine_steps_per_trained_token": 0.0,
+            "instance_busy_s": 0.0,
+            "overheads": {}}
     if not len(esteps["t_start"]) or not len(tsteps["t_end"]):
         return zero
     order = np.argsort(tsteps["t_end"])
@@ -64,12 +71,14 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     ranks = sorted({int(r) for r in esteps["rank"]})
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     slot_s = capacity = 0.0
+    busy_steps = 0
     cap_of: dict[int, int] = {}
     for r, a, b, n, cap in zip(esteps["rank"], esteps["t_start"], esteps["t_end"], esteps["batch_size"],
                                esteps["capacity"], strict=True):
         cap_of[int(r)] = int(cap)
         if n > 0:
             busy[int(r)].append((float(a), float(b)))
+            busy_steps += lo <= a < hi
             slot_s += int(n) * max(0.0, min(b, hi) - max(a, lo))
     capacity = sum(cap_of.values())
     slot_util = slot_s / (capacity * span) if capacity else 0.0
@@ -95,4 +104,6 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             "rollout_only_fraction": rollout_only,
             "inter_instance_bubble": float(np.mean(bubbles)) if bubbles else 0.0,
             "throughput_tokens_per_s": trained / span,
+            "engine_steps_per_trained_token": busy_steps / trained if trained else 0.0,
+            "instance_busy_s": float(np.mean([Cover(busy[r]).length(lo, hi) if busy[r] else 0.0 for r in ranks])),
             "overheads": {k: v / (n_inst * span) for k, v in sorted(over.items())}}

@@ -74,13 +74,14 @@ class Finished:
 class Engine:
     def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
-                 min_step_time_s: float = 0.0) -> None:
+                 min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0) -> None:
         self.model = load_model(model) if isinstance(model, str | Path) else model
         s = self.model.spec
         self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size,
                          dtype=next(self.model.parameters()).dtype)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
-        self.seed, self.version, self.min_step_time_s = seed, version, min_step_time_s
+        self.seed, self.version = seed, version
+        self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
         self.seqs: dict[int, Sequence] = {}
         self.counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "recompute_tokens": 0,
                        "reprefill_tokens": 0, "preemptions": 0}
@@ -176,13 +177,19 @@ class Engine:
         return any(s.status is not Status.OFFLOADED or s.auto_restore for s in self.seqs.values())
 
     def step(self) -> list[Finished]:
-        t0 = time.perf_counter()
+        t0, prefilled = time.perf_counter(), self.counts["prefill_tokens"]
         plan = self._schedule()
         finished = self._run(plan) if plan else []
         self.counts["steps"] += 1
-        if self.min_step_time_s > 0:  # pacing: a step lasts at least the roofline step time
-            time.sleep(max(0.0, self.min_step_time_s - (time.perf_counter() - t0)))
+        self._pace(t0, self.counts["prefill_tokens"] - prefilled)
         return finished
+
+    def _pace(self, t0: float, prefilled: int) -> None:
+        """Roofline pacing: a step lasts at least min_step_time_s (memory-bound decode: about the same
+        for 1 or 64 sequences) plus prefill_s_per_token per prefilled token (compute-bound prefill)."""
+        floor = self.min_step_time_s + self.prefill_s_per_token * prefilled
+        if floor > 0:
+            time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) for this step: decodes first, then prefill chunks, FIFO."""

@@ -50,7 +50,8 @@ class RolloutRank:
         self.engine = Engine(model_dir, kv_blocks=e.kv_blocks, block_size=e.block_size,
                              max_num_seqs=cfg.cluster.max_num_seqs, max_batched_tokens=e.max_batched_tokens,
                              seed=cfg.seed, version=-1,
-                             min_step_time_s=e.step_time_s if e.pacing else 0.0)
+                             min_step_time_s=e.step_time_s if e.pacing else 0.0,
+                             prefill_s_per_token=e.prefill_s_per_token if e.pacing else 0.0)
         cj = cfg.model_dump_json()
         rows = cfg.store.rows_per_shard
         self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, rows, attempt)

@@ -1,0 +1,192 @@
+"""``dora-hpc bench modes|ablation``: the real runtime's modes side by side, from their HDF5 logs.
+
+Every case is a real ``dora-hpc run`` (its own mpiexec job: orchestrator, trainer, rollout ranks,
+GRPO steps) followed by ``analyze`` of its run dir. Cases run interleaved -- repeat 0 of every case,
+then repeat 1, ... -- so each sees the same machine conditions; per case the median over repeats is
+reported, and ratios are medians of the per-repeat ratios of cases run back to back.
+
+Invariant: every figure comes from the run's own logs (``analysis.basic.analyze``); a run that fails
+or breaks an invariant fails the benchmark (its log is named) rather than being left out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import load_config
+
+MODES: dict[str, list[str]] = {
+    "sync": ["mode=sync"], "one_step": ["mode=one_step"], "partial": ["mode=partial"],
+    "oversample": ["mode=oversample"],
+    "dora-k1": ["mode=dora", "dora.k=1"], "dora-k2": ["mode=dora", "dora.k=2"], "dora-k3": ["mode=dora", "dora.k=3"],
+}
+ABLATION: dict[str, list[str]] = {
+    "kv-migration": ["mode=dora", "dora.kv_migration=true"],
+    "reprefill": ["mode=dora", "dora.kv_migration=false"],
+}
+FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
+           "bubble_fraction", "inter_instance_bubble", "max_staleness", "mean_staleness", "reprefill_tokens",
+           "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s")
+
+
+class BenchError(RuntimeError):
+    """A benchmark run that failed or broke an invariant; the message names its log."""
+
+
+def run_case(config: str, sets: list[str], run_dir: Path, timeout_s: float) -> dict:
+    """One real run (``dora-hpc run`` in a subprocess, output to RUN_DIR.log), analysed."""
+    from ..analysis.basic import analyze
+
+    log = run_dir.with_suffix(".log")
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", config, "--run-dir", str(run_dir)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    with log.open("w") as f:
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+    if code != 0:
+        raise BenchError(f"{run_dir.name}: dora-hpc run exited {code}; see {log}")
+    a = analyze(run_dir)
+    bad = {k: v for k, v in a["invariants"].items() if k != "offenders" and v}
+    if bad:
+        raise BenchError(f"{run_dir.name}: invariants broken {bad}; see {log}")
+    return a
+
+
+def figures(a: dict, cfg) -> dict:
+    """The per-run figures of the summary (``a`` is analyze's output)."""
+    from ..store.shards import read_table
+
+    steps = read_table(Path(a["run_dir"]), "train", "steps", ["t_start", "t_end", "tokens"])
+    dur = steps["t_end"] - steps["t_start"]
+    train_rate = statistics.median((steps["tokens"] / dur.clip(min=1e-9)).tolist())
+    n_inst = cfg.cluster.rollout_ranks
+    # zero-bubble limit: every instance decodes a full batch every (paced) step, bounded by the trainer
+    full_rate = n_inst * cfg.cluster.max_num_seqs / cfg.engine.step_time_s if cfg.engine.pacing else float("inf")
+    limit = min(full_rate, train_rate)
+    return {
+        "throughput_tokens_per_s": a["throughput_tokens_per_s"],
+        "mean_step_time_s": a["window_s"] / max(a["steps"] - 1, 1),  # analyze's window leaves step 0 out
+        "rollout_only_fraction": a["rollout_only_fraction"],
+        "slot_utilization": a["slot_utilization"],
+        "bubble_fraction": a["bubble_fraction"],
+        "inter_instance_bubble": a["inter_instance_bubble"],
+        "max_staleness": a["staleness"]["max"],
+        "mean_staleness": a["staleness"]["mean"],
+        "reprefill_tokens": a["reprefill_tokens"],
+        "migrations": a["migrations"],
+        "engine_steps_per_trained_token": a["engine_steps_per_trained_token"],
+        "instance_busy_s": a["instance_busy_s"],
+        "limit_tokens_per_s": limit,
+        "limit_share": a["throughput_tokens_per_s"] / limit if limit else 0.0,
+        "slot_utilization_limit": min(1.0, limit / full_rate) if full_rate != float("inf") else 1.0,
+        "overheads": a["overheads"],
+        "reward_first_last": [a["reward_by_step"][0], a["reward_by_step"][-1]] if a["reward_by_step"] else [],
+    }
+
+
+def _median(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs) for k in FIGURES}
+    out["limit_share"] = statistics.median(r["limit_share"] for r in runs)
+    out["slot_utilization_limit"] = statistics.median(r["slot_utilization_limit"] for r in runs)
+    kinds = sorted({k for r in runs for k in r["overheads"]})
+    out["overheads"] = {k: statistics.median(r["overheads"].get(k, 0.0) for r in runs) for k in kinds}
+    out["runs"] = runs
+    return out
+
+
+def run_matrix(config: str, sets: list[str], cases: dict[str, list[str]], out: Path, repeats: int,
+               tag: str = "", timeout_s: float = 1800, console=None) -> tuple[dict, list[dict]]:
+    """Every case ``repeats`` times, interleaved; returns ({case: median figures}, per-repeat rows)."""
+    from rich.progress import Progress
+
+    runs: dict[str, list[dict]] = {c: [] for c in cases}
+    rows: list[dict] = []
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    total = repeats * len(cases)
+    with Progress(console=console, transient=False) as bar:
+        task = bar.add_task(f"bench {tag or 'runs'}", total=total)
+        for r in range(repeats):
+            row = {}
+            for case, case_sets in cases.items():
+                bar.update(task, description=f"{case} (repeat {r + 1}/{repeats}{', ' + tag if tag else ''})")
+                all_sets = [*sets, *case_sets]
+                cfg = load_config(config, all_sets)
+                run_dir = out / "runs" / f"{case}{'-' + tag if tag else ''}-r{r}"
+                a = run_case(config, all_sets, run_dir, timeout_s)
+                runs[case].append(figures(a, cfg) | {"run_dir": str(run_dir)})
+                row[case] = runs[case][-1]
+                bar.advance(task)
+            rows.append(row)
+    return {c: _median(v) for c, v in runs.items()}, rows
+
+
+def ratio(rows: list[dict], a: str, b: str, key: str = "throughput_tokens_per_s") -> float | None:
+    """Median over repeats of row[a][key] / row[b][key] (cases of one repeat ran back to back)."""
+    vals = [r[a][key] / r[b][key] for r in rows if a in r and b in r and r[b][key]]
+    return statistics.median(vals) if vals else None
+
+
+def _fresh(out: Path) -> None:
+    runs = out / "runs"
+    if runs.exists() and any(runs.iterdir()):
+        raise BenchError(f"{runs} holds runs of an earlier benchmark: remove it or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def machine() -> dict:
+    import os
+
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "date": datetime.date.today().isoformat()}
+
+
+def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3,
+                modes: list[str] | None = None, unpaced: bool = True, console=None) -> dict:
+    sets = list(sets or [])
+    cases = {m: MODES[m] for m in (modes or MODES)}
+    _fresh(out)
+    paced, rows = run_matrix(config, [*sets, "engine.pacing=true"], cases, out, repeats, console=console)
+    summary: dict = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "modes": paced,
+                     "ratios": _mode_ratios(rows)}
+    if unpaced:
+        raw, raw_rows = run_matrix(config, [*sets, "engine.pacing=false"], cases, out, 1, tag="unpaced",
+                                   console=console)
+        summary["unpaced"] = {"modes": raw, "ratios": _mode_ratios(raw_rows)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from .plots import plot_modes
+
+    plot_modes(summary, out / "modes.png")
+    return summary
+
+
+def _mode_ratios(rows: list[dict]) -> dict:
+    out = {}
+    for dora in ("dora-k1", "dora-k2", "dora-k3"):
+        for base in ("sync", "one_step", "partial", "oversample"):
+            v = ratio(rows, dora, base)
+            if v is not None:
+                out[f"{dora}/{base}"] = v
+    return out
+
+
+def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3, console=None) -> dict:
+    """DORA with KV migration vs the same runs migrating by re-prefill (paper §4: 183 s -> 166 s)."""
+    sets = list(sets or [])
+    _fresh(out)
+    med, rows = run_matrix(config, [*sets, "engine.pacing=true"], ABLATION, out, repeats, console=console)
+    summary = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "variants": med,
+               "ratios": {"reprefill/kv-migration mean_step_time_s": ratio(rows, "reprefill", "kv-migration",
+                                                                            "mean_step_time_s"),
+                          "reprefill/kv-migration engine_steps_per_trained_token":
+                              ratio(rows, "reprefill", "kv-migration", "engine_steps_per_trained_token"),
+                          "kv-migration/reprefill throughput": ratio(rows, "kv-migration", "reprefill")}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from .plots import plot_ablation
+
+    plot_ablation(summary, out / "ablation.png")
+    return summary

@@ -1,0 +1,82 @@
+"""Figures of ``bench modes`` / ``bench ablation`` / ``bench convergence`` (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_modes(summary: dict, path: Path) -> Path:
+    modes = summary["modes"]
+    names = list(modes)
+    x = range(len(names))
+    colors = ["#d62728" if n.startswith("dora") else "#7f7f7f" for n in names]
+    panels = [("throughput_tokens_per_s", "trained tokens / s", "higher is better"),
+              ("mean_step_time_s", "mean train-step interval (s)", "lower is better"),
+              ("rollout_only_fraction", "rollout-only share of wall time", "rollout not overlapped with training"),
+              ("slot_utilization", "slot utilization", "filled decode slots / capacity")]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    for ax, (key, label, note) in zip(axes.flat, panels, strict=True):
+        ax.bar(x, [modes[n][key] for n in names], color=colors, label="paced (median)")
+        for i, n in enumerate(names):  # every repeat as a dot: the spread is the noise
+            ax.scatter([i] * len(modes[n]["runs"]), [r[key] for r in modes[n]["runs"]], color="black", s=10, zorder=3)
+        if "unpaced" in summary and key in ("throughput_tokens_per_s", "mean_step_time_s"):
+            raw = summary["unpaced"]["modes"]
+            ax.scatter(list(x), [raw[n][key] for n in names], marker="x", color="tab:blue", zorder=4,
+                       label="unpaced (1 run)")
+        if key == "slot_utilization":
+            ax.plot(list(x), [modes[n]["slot_utilization_limit"] for n in names], "k--", lw=1,
+                    label="zero-bubble limit")
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.set_title(f"{label}\n({note})", fontsize=10)
+        if key in ("throughput_tokens_per_s", "slot_utilization"):
+            ax.legend(fontsize=8)
+    r = summary.get("ratios", {})
+    fig.suptitle(f"five modes on the real runtime ({summary['repeats']} interleaved repeats; "
+                 f"dora-k2/sync {r.get('dora-k2/sync', float('nan')):.2f}x, "
+                 f"dora-k2/partial {r.get('dora-k2/partial', float('nan')):.2f}x trained-token throughput)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ablation(summary: dict, path: Path) -> Path:
+    v = summary["variants"]
+    names = list(v)
+    panels = [("instance_busy_s", "rollout time: busy seconds per instance"),
+              ("mean_step_time_s", "mean train-step interval (s)"),
+              ("reprefill_tokens", "re-prefilled tokens")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        ax.bar(names, [v[n][key] for n in names], color=["#d62728", "#7f7f7f"][: len(names)])
+        for i, n in enumerate(names):
+            ax.scatter([i] * len(v[n]["runs"]), [r[key] for r in v[n]["runs"]], color="black", s=10, zorder=3)
+        ax.set_title(label, fontsize=10)
+    fig.suptitle(f"DORA: migrate with KV vs by re-prefill ({summary['repeats']} interleaved repeats, medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_convergence(summary: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, c) in enumerate(summary["cases"].items()):
+        color = f"C{i}"
+        for curve in c["curves"].values():
+            ax.plot(range(len(curve)), curve, color=color, alpha=0.25, lw=1)
+        ax.plot(range(len(c["mean"])), c["mean"], color=color, lw=2, label=f"{name} (mean of {len(c['curves'])} seeds)")
+    ax.set_xlabel("train step")
+    ax.set_ylabel("mean reward of the step's batch")
+    ax.set_title(summary.get("title", "mean reward per step"))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
