@@ -220,7 +220,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                       f"{s['analyze_s']:.1f} s, peak RSS {s['peak_rss_mib']:.0f} MiB; invariants "
                       f"{s['invariants']}; wrote {args.out}/summary.json")
         return 0
-    if args.what in ("modes", "ablation"):
+    if args.what in ("modes", "ablation", "convergence"):
         from .bench import modes_bench as mb
 
         if args.config is None:
@@ -235,9 +235,20 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                 s = mb.bench_modes(args.config, Path(args.out), args.overrides, args.repeats, modes,
                                    unpaced=not args.no_unpaced, console=console)
                 _print_cases(console, s["modes"], s["ratios"])
-            else:
+            elif args.what == "ablation":
                 s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console)
                 _print_cases(console, s["variants"], s["ratios"])
+            else:
+                from .bench.convergence_bench import bench_convergence
+
+                seeds = [int(x) for x in args.seeds.split(",")]
+                s = bench_convergence(args.config, Path(args.out), args.overrides, seeds, console=console)
+                for case, c in s["cases"].items():
+                    v = s["verdict"].get(case)
+                    console.print(f"  {case}: mean reward {c['first']:.3f} (step 0) -> {c['final']:.3f} (last "
+                                  f"{s['tail_steps']} steps)" + (f"; gap to sync {v['gap_to_sync']:+.3f}, "
+                                  f"{'within' if v['within_noise'] else 'outside'} sync's seed spread "
+                                  f"{s['sync_seed_spread']:.3f}" if v else ""))
         except mb.BenchError as e:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
             return 1
@@ -303,12 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
-    b.add_argument("what", choices=["engine", "analysis", "modes", "ablation"],
+    b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
-                        "modes: the five modes on the real runtime; ablation: DORA with KV migration vs re-prefill")
-    b.add_argument("config", nargs="?", help="modes/ablation: the run config (e.g. configs/bench-modes.yaml)")
+                        "modes: the five modes on the real runtime; ablation: DORA with KV migration vs re-prefill; "
+                        "convergence: mean reward per step of sync, dora K=1 and K=3")
+    b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="modes/ablation: override a config key in every run (repeatable)")
+                   help="modes/ablation/convergence: override a config key in every run (repeatable)")
+    b.add_argument("--seeds", default="0,1", help="convergence: comma-separated seeds (their spread is the noise)")
     b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
                                    "dora-k1,dora-k2,dora-k3")
     b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")

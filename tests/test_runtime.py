@@ -59,6 +59,19 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
         assert a["staleness"]["max"] == 0
     if mode == "one_step":
         assert a["staleness"]["max"] <= 1
+    # colocated placements (sync, partial, oversample) pause rollout during training; dora overlaps them
+    overlap = engine_steps_during_training(run_dir)
+    assert overlap == 0 if mode in ("sync", "partial", "oversample") else mode != "dora" or overlap > 0
+
+
+def engine_steps_during_training(run_dir, grace_s=0.05):
+    """Non-empty engine steps that start inside a train step (after a grace for the Pause message)."""
+    from dora_hpc.store.shards import read_table
+
+    e = read_table(run_dir, "events", "steps", with_rank=True)
+    t = read_table(run_dir, "train", "steps")
+    return sum(1 for a, n in zip(e["t_start"], e["batch_size"], strict=True)
+               if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):

@@ -71,6 +71,16 @@ class MigrateIn:          # source rollout -> destination rollout; KV buffer fol
 
 
 @dataclass(frozen=True)
+class Pause:              # orchestrator -> rollout, colocated placement: the trainer has the devices
+    step: int
+
+
+@dataclass(frozen=True)
+class Resume:             # orchestrator -> rollout, colocated placement: train step done, weights sent
+    step: int
+
+
+@dataclass(frozen=True)
 class AbortTraj:          # orchestrator -> rollout
     traj_id: int
 

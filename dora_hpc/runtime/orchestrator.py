@@ -10,7 +10,9 @@ Invariants:
   the same version beside it) and every rollout rank flushes its trajectory shard; only when all
   confirmed is it committed, so every group it calls complete is on disk (store/resume.py);
 * on resume the policy is restored from the checkpoint (core/resume.py) and the stored complete
-  groups are streamed to the trainer again before anything else happens.
+  groups are streamed to the trainer again before anything else happens;
+* under a colocated placement (``cluster.placement``) the rollout ranks are paused from each Train
+  until the next version's LoadVersions are sent, as if trainer and rollout shared the devices.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ from .comm import (
     Generate,
     LoadVersion,
     MigrateOut,
+    Pause,
     Published,
     Ready,
+    Resume,
     SendWeights,
     Shutdown,
     Trajectory,
@@ -87,6 +91,10 @@ class Orchestrator:
         self.ckpt: dict | None = None    # the checkpoint in flight: version, rollout ranks flushed
         self.last_ckpt = -1              # version of the last committed checkpoint
         self.requeued: list[list] = []   # stored complete groups to stream to the trainer on resume
+        # colocated placement (cluster.placement): rollout and training share the devices, so the rollout
+        # ranks stop stepping while a train step runs (sync, partial and oversample by default)
+        self.colocated = cfg.cluster.placement_of(cfg.mode) == "colocated"
+        self.paused = False
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -169,6 +177,8 @@ class Orchestrator:
                         self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
                     if self.steps_done < self.cfg.train.max_steps:
                         self.feed(VersionPublished(msg.version))
+                        if self.paused and not self.policy.trainer_busy:  # after the new weights' LoadVersion
+                            self.set_paused(False, msg.version)
                 case _:
                     raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
         outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
@@ -235,8 +245,16 @@ class Orchestrator:
                     for g in groups:
                         self.stale[step - self.policy.ledger.groups[g].version] += 1
                     self.comm.send(TrainMsg(step, groups), self.roles.lead_trainer)
+                    if self.colocated and not self.paused:
+                        self.set_paused(True, step)
                 case _:
                     raise RuntimeError(f"orchestrator: cannot execute {c!r}")
+
+    def set_paused(self, paused: bool, step: int) -> None:
+        for r in self.roles.rollout_ranks:
+            self.comm.send(Pause(step) if paused else Resume(step), r)
+        self.paused = paused
+        self.op("pause" if paused else "resume", version=step)
 
     def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
            t_start: float | None = None) -> None:

@@ -33,7 +33,9 @@ from .comm import (
     LoadVersion,
     MigrateIn,
     MigrateOut,
+    Pause,
     Ready,
+    Resume,
     SendWeights,
     Shutdown,
     Trajectory,
@@ -60,6 +62,7 @@ class RolloutRank:
         self.deferred: list[tuple[object, int]] = []
         self.early: list[tuple[WeightsHeader, int]] = []  # headers that overtook their LoadVersion
         self.running = True
+        self.paused = False  # colocated placement: no engine steps while the trainer has the devices
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -70,7 +73,7 @@ class RolloutRank:
                 self.handle(*msg)
             if not self.running:
                 break
-            if self.engine.has_work():
+            if self.engine.has_work() and not self.paused:
                 self.step()
             else:
                 time.sleep(0.001)
@@ -137,6 +140,8 @@ class RolloutRank:
                 self.comm.send(Flushed(self.instance, msg.version), 0)
             case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
                 self.early.append((msg, src))
+            case Pause() | Resume():
+                self.paused = isinstance(msg, Pause)
             case Shutdown():
                 self.running = False
             case _:

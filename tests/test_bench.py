@@ -1,0 +1,56 @@
+"""``dora-hpc bench modes|convergence`` end to end on short real runs (the full benchmarks are in results/)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "dora_hpc.cli"]
+SHORT = ["--set", "train.max_steps=3", "--set", "cluster.rollout_ranks=2", "--set", "batch.tbs=4",
+         "--set", "batch.rbs=6"]
+KEYS = {"throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
+        "bubble_fraction", "max_staleness", "reprefill_tokens", "migrations", "overheads",
+        "engine_steps_per_trained_token", "slot_utilization_limit", "runs"}
+
+
+def bench(*args, timeout=600):
+    return subprocess.run(CLI + ["bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_modes_runs_real_runs_and_summarises_them(tmp_path):
+    out = tmp_path / "modes"
+    p = bench("modes", "configs/tiny-cpu.yaml", "--out", str(out), "--modes", "sync,dora-k1", "--repeats", "1",
+              "--no-unpaced", *SHORT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["modes"]) == {"sync", "dora-k1"}
+    for name, m in s["modes"].items():
+        assert KEYS <= set(m), name
+        assert m["throughput_tokens_per_s"] > 0 and 0 < m["slot_utilization"] <= 1
+        assert m["engine_steps_per_trained_token"] > 0 and len(m["runs"]) == 1
+    assert s["modes"]["sync"]["max_staleness"] == 0 and s["modes"]["sync"]["migrations"] == 0
+    assert s["modes"]["dora-k1"]["max_staleness"] <= 1
+    assert s["ratios"]["dora-k1/sync"] > 0 and (out / "modes.png").stat().st_size > 10_000
+    assert (out / "runs" / "sync-r0" / "launch.json").exists()
+    again = bench("modes", "configs/tiny-cpu.yaml", "--out", str(out), "--modes", "sync", "--repeats", "1",
+                  "--no-unpaced", *SHORT)
+    assert again.returncode == 1 and "earlier benchmark" in again.stderr  # never mixes two benchmarks' runs
+
+
+def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_path):
+    p = bench("modes", "configs/tiny-cpu.yaml", "--out", str(tmp_path / "x"), "--modes", "sync,dora-k9")
+    assert p.returncode == 2 and "dora-k9" in p.stderr and not (tmp_path / "x").exists()
+    p = bench("ablation", "--out", str(tmp_path / "y"))
+    assert p.returncode == 2 and "CONFIG is required" in p.stderr
+
+
+def test_bench_convergence_reads_reward_curves_from_the_logs(tmp_path):
+    out = tmp_path / "conv"
+    p = bench("convergence", "configs/tiny-cpu.yaml", "--out", str(out), "--seeds", "0", *SHORT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["cases"]) == {"sync", "dora-k1", "dora-k3"}
+    for c in s["cases"].values():
+        assert len(c["curves"]["0"]) == 3 and all(0 <= r <= 1 for r in c["curves"]["0"])
+    assert set(s["verdict"]) == {"dora-k1", "dora-k3"} and (out / "convergence.png").exists()
