@@ -93,6 +93,18 @@ class Engine:
             raise RequestError(f"request {req_id}: empty prompt")
         self.seqs[req_id] = Sequence(req_id, version, list(prompt), params)
 
+    def has_request(self, req_id: int) -> bool:
+        return req_id in self.seqs
+
+    def progress(self, req_id: int) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) of a live request."""
+        seq = self._get(req_id)
+        return len(seq.prompt), len(seq.output)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The hosted version's weights (Hugging Face names)."""
+        return self.model.state_dict()
+
     def abort(self, req_id: int) -> None:
         seq = self._get(req_id)
         self.kv.release(seq.table)
@@ -124,8 +136,14 @@ class Engine:
         del self.seqs[req_id]
         return meta, kv
 
-    def import_(self, meta: dict, kv: torch.Tensor) -> None:
+    def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
+        """Continue an exported request; ``kv`` None: rebuild its KV here by re-prefill (counted)."""
         params = SamplingParams(**meta["params"])
+        if kv is None:
+            s = self.model.spec
+            kv = torch.zeros(s.num_layers, 2, 0, s.num_kv_heads, s.head_dim)
+            meta = {**meta, "n_cached": 0}
+            self.counts["reprefill_tokens"] += len(meta["prompt"]) + len(meta["output"])
         self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
         if kv.shape[2] != meta["n_cached"]:
             raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "

@@ -1,4 +1,4 @@
-"""The one interface every rollout backend implements (built-in engine; vLLM next).
+"""The one interface every rollout backend implements: the built-in engine (engine.py) and vLLM (vllm.py).
 
 Invariant: nothing outside a backend imports the backend's library; the runtime talks to this.
 """
@@ -15,6 +15,7 @@ from .sampling import SamplingParams
 
 class RolloutEngine(Protocol):
     version: int
+    max_num_seqs: int
 
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
         """Queue a request tagged ``version``; raises RequestError for another version or a bad request."""
@@ -24,13 +25,19 @@ class RolloutEngine(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def has_request(self, req_id: int) -> bool: ...
+
+    def progress(self, req_id: int) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) of a live request."""
+
     def abort(self, req_id: int) -> None: ...
 
-    def export(self, req_id: int) -> tuple[dict, torch.Tensor]:
-        """Remove a request; (plain-data metadata, KV [layers, 2, tokens, kv_heads, head_dim])."""
+    def export(self, req_id: int) -> tuple[dict, torch.Tensor | None]:
+        """Remove a request; (plain-data metadata, KV [layers, 2, tokens, kv_heads, head_dim] or None
+        when the backend cannot hand out KV)."""
 
-    def import_(self, meta: dict, kv: torch.Tensor) -> None:
-        """Continue an exported request here with zero re-prefill."""
+    def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
+        """Continue an exported request here: with its KV, zero re-prefill; with None, by re-prefill."""
 
     def offload(self, req_id: int) -> None: ...
 
@@ -38,4 +45,23 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None: ...
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The hosted version's weights, Hugging Face names (served to peers, checksummed)."""
+
     def stats(self) -> dict: ...
+
+
+def make_engine(cfg, model_dir) -> RolloutEngine:
+    """The configured backend for one rollout rank (``cfg`` is the RunConfig); version -1 until loaded."""
+    e = cfg.engine
+    kw = dict(kv_blocks=e.kv_blocks, block_size=e.block_size, max_num_seqs=cfg.cluster.max_num_seqs,
+              max_batched_tokens=e.max_batched_tokens, seed=cfg.seed, version=-1,
+              min_step_time_s=e.step_time_s if e.pacing else 0.0,
+              prefill_s_per_token=e.prefill_s_per_token if e.pacing else 0.0)
+    if e.backend == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(model_dir, **kw)
+    from .engine import Engine
+
+    return Engine(model_dir, **kw)

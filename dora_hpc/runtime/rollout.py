@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.engine import Engine, RequestError
+from ..engine.engine import RequestError
+from ..engine.interface import make_engine
 from ..engine.sampling import SamplingParams
 from ..store.shards import ShardWriter
 from ..train.grpo import weights_checksum
@@ -48,12 +49,7 @@ class RolloutRank:
                  attempt: int = 0) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
         self.instance = comm.roles.instance_of_rank(comm.rank)
-        e = cfg.engine
-        self.engine = Engine(model_dir, kv_blocks=e.kv_blocks, block_size=e.block_size,
-                             max_num_seqs=cfg.cluster.max_num_seqs, max_batched_tokens=e.max_batched_tokens,
-                             seed=cfg.seed, version=-1,
-                             min_step_time_s=e.step_time_s if e.pacing else 0.0,
-                             prefill_s_per_token=e.prefill_s_per_token if e.pacing else 0.0)
+        self.engine = make_engine(cfg, model_dir)
         cj = cfg.model_dump_json()
         rows = cfg.store.rows_per_shard
         self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, rows, attempt)
@@ -123,7 +119,7 @@ class RolloutRank:
             case LoadVersion():
                 self.load(msg)
             case SendWeights():
-                state = self.engine.model.state_dict()
+                state = self.engine.weights()
                 self.comm.send_weights(state, self.engine.version, weights_checksum(state), msg.dst)
                 self.op("weight_send", peer=msg.dst, version=self.engine.version)
             case MigrateOut():
@@ -131,7 +127,7 @@ class RolloutRank:
             case MigrateIn():
                 self.migrate_in(msg, src)
             case AbortTraj():
-                if msg.traj_id in self.engine.seqs:
+                if self.engine.has_request(msg.traj_id):
                     self.engine.abort(msg.traj_id)
                     self.info.pop(msg.traj_id, None)
             case Flush():  # a checkpoint relies on every trajectory reported so far being on disk
@@ -159,45 +155,43 @@ class RolloutRank:
             raise RuntimeError(f"rank {self.comm.rank}: v{header.version} arrived for LoadVersion(v{msg.version})")
         state = self.comm.recv_weights(header, msg.source)
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
-        got = weights_checksum({k: v for k, v in self.engine.model.state_dict().items() if k in state})
+        got = weights_checksum({k: v for k, v in self.engine.weights().items() if k in state})
         if got != header.checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
                                f"({got} != {header.checksum})")
         if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
             for tid, info in self.info.items():
-                seq = self.engine.seqs[tid]
+                n_prompt, n_out = self.engine.progress(tid)
                 info["segments"].append(msg.version)  # the first segment stays the group's tag
-                if seq.output:  # tokens exist whose KV must be rebuilt under the new weights
-                    info["reprefill"] += len(seq)
+                if n_out:  # tokens exist whose KV must be rebuilt under the new weights
+                    info["reprefill"] += n_prompt + n_out
         self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
                 nbytes=sum(v.numel() * 4 for v in state.values()))
         self.comm.send(Ready(self.instance, msg.version, got), 0)
 
     def migrate_out(self, msg: MigrateOut) -> None:
-        if msg.traj_id not in self.engine.seqs:
+        if not self.engine.has_request(msg.traj_id):
             return  # it finished first; its Done is on the way
         t = self.now()
         meta, kv = self.engine.export(msg.traj_id)
         info = self.info.pop(msg.traj_id)
         meta["info"] = info
-        if msg.carry_kv:
+        if msg.carry_kv and kv is not None:
             self.comm.send(MigrateIn(meta, tuple(kv.shape), self.instance, t), msg.dst)
             self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
         else:
             self.comm.send(MigrateIn(meta, None, self.instance, t), msg.dst)
         self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
-                nbytes=kv.numel() * 4 if msg.carry_kv else 0, version=self.engine.version)
+                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=self.engine.version)
 
     def migrate_in(self, msg: MigrateIn, src: int) -> None:
         t = self.now()
         meta, info = dict(msg.meta), msg.meta["info"]
+        kv = None  # migration by re-prefill: the engine rebuilds the KV from the tokens
         if msg.kv_shape is not None:
             kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
-        else:  # migration by re-prefill: the KV is rebuilt here from the tokens
-            s = self.engine.model.spec
-            kv = torch.zeros(s.num_layers, 2, 0, s.num_kv_heads, s.head_dim)
+        else:
             info["reprefill"] += len(meta["prompt"]) + len(meta["output"])
-            meta["n_cached"] = 0
         meta.pop("info")
         try:
             self.engine.import_(meta, kv)
@@ -207,7 +201,7 @@ class RolloutRank:
         info["path"] += f">{self.instance}"
         self.info[meta["req_id"]] = info
         self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
-                nbytes=kv.numel() * 4, detail=f"reprefill={meta['n_cached'] == 0 and msg.kv_shape is None}")
+                nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}")
 
     def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
            t_start: float | None = None, nbytes: int = 0) -> None:
