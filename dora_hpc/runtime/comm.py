@@ -4,9 +4,10 @@ Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
   (rollout instance i is rank T+1+i);
 * control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
-* bulk data (weights, KV) goes as flat numpy buffers with ``Send``/``Recv`` on its own tag, never
+* bulk data (weights, KV) goes as flat numpy buffers with ``Isend``/``Recv`` on its own tag, never
   pickled tensors; a buffer is always announced by a control message that carries its shape and
-  dtype, and is sent right after it by the same sender.
+  dtype, and is sent right after it by the same sender, which keeps the buffer alive (and goes on
+  generating or training) until the send completes.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class Comm:
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
         self._pending: list[MPI.Request] = []
+        self._bulk: list[tuple[MPI.Request, np.ndarray]] = []  # non-blocking bulk sends and their buffers
 
     def send(self, obj, dst: int) -> None:
         self._pending.append(self.world.isend(obj, dest=dst, tag=TAG_CTRL))
@@ -192,14 +194,18 @@ class Comm:
                 self.world.recv(source=MPI.ANY_SOURCE, tag=TAG_CTRL)
                 dropped += 1
             self._pending = [r for r in self._pending if not r.Test()]
-            if not self._pending:
+            self._bulk = [(r, b) for r, b in self._bulk if not r.Test()]
+            if not self._pending and not self._bulk:
                 break
             time.sleep(0.001)
         self.world.Barrier()
         return dropped
 
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
-        self.world.Send(np.ascontiguousarray(arr), dest=dst, tag=tag)
+        """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
+        buf = np.ascontiguousarray(arr)
+        self._bulk.append((self.world.Isend(buf, dest=dst, tag=tag), buf))
+        self._bulk = [(r, b) for r, b in self._bulk if not r.Test()]
 
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         buf = np.empty(shape, dtype=dtype)
