@@ -33,6 +33,27 @@ class RequestError(ValueError):
     """A request this engine refuses (wrong version, too long, duplicate or unknown id)."""
 
 
+COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions")
+
+
+def check_new(hosted: int, live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
+    """The admission rule every backend applies before touching its state."""
+    if version != hosted:
+        raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts v{hosted}")
+    if req_id in live:
+        raise RequestError(f"request {req_id} is already on this engine")
+    if max_len > capacity_tokens:
+        raise RequestError(f"request {req_id} may reach {max_len} tokens; the KV pool holds {capacity_tokens}")
+
+
+def pace(t0: float, min_step_time_s: float, prefill_s_per_token: float, prefilled: int) -> None:
+    """Roofline pacing: a step lasts at least min_step_time_s (memory-bound decode: about the same for
+    1 or 64 sequences) plus prefill_s_per_token per prefilled token (compute-bound prefill)."""
+    floor = min_step_time_s + prefill_s_per_token * prefilled
+    if floor > 0:
+        time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -83,8 +104,7 @@ class Engine:
         self.seed, self.version = seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
         self.seqs: dict[int, Sequence] = {}
-        self.counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "recompute_tokens": 0,
-                       "reprefill_tokens": 0, "preemptions": 0}
+        self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
@@ -111,13 +131,7 @@ class Engine:
         del self.seqs[req_id]
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
-        if version != self.version:
-            raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts v{self.version}")
-        if req_id in self.seqs:
-            raise RequestError(f"request {req_id} is already on this engine")
-        if self.kv.blocks_for(max_len) > self.kv.num_blocks:
-            raise RequestError(f"request {req_id} may reach {max_len} tokens; the KV pool holds "
-                               f"{self.kv.num_blocks * self.kv.block_size}")
+        check_new(self.version, self.seqs, req_id, version, max_len, self.kv.num_blocks * self.kv.block_size)
 
     def _get(self, req_id: int) -> Sequence:
         try:
@@ -199,15 +213,8 @@ class Engine:
         plan = self._schedule()
         finished = self._run(plan) if plan else []
         self.counts["steps"] += 1
-        self._pace(t0, self.counts["prefill_tokens"] - prefilled)
+        pace(t0, self.min_step_time_s, self.prefill_s_per_token, self.counts["prefill_tokens"] - prefilled)
         return finished
-
-    def _pace(self, t0: float, prefilled: int) -> None:
-        """Roofline pacing: a step lasts at least min_step_time_s (memory-bound decode: about the same
-        for 1 or 64 sequences) plus prefill_s_per_token per prefilled token (compute-bound prefill)."""
-        floor = self.min_step_time_s + self.prefill_s_per_token * prefilled
-        if floor > 0:
-            time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) for this step: decodes first, then prefill chunks, FIFO."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import Finished, RequestError
+from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
 
 
@@ -80,8 +80,7 @@ class VllmEngine:
 
         self.state = {k: v for f in sorted(self.model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
         self.reqs: dict[int, _Live] = {}
-        self.counts = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "recompute_tokens": 0,
-                       "reprefill_tokens": 0, "preemptions": 0}
+        self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
@@ -92,12 +91,7 @@ class VllmEngine:
         self._submit(req_id, live)
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
-        if version != self.version:
-            raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts v{self.version}")
-        if req_id in self.reqs:
-            raise RequestError(f"request {req_id} is already on this engine")
-        if max_len > self.max_len:
-            raise RequestError(f"request {req_id} may reach {max_len} tokens; the KV pool holds {self.max_len}")
+        check_new(self.version, self.reqs, req_id, version, max_len, self.max_len)
 
     def _submit(self, req_id: int, live: _Live) -> None:
         """(Re-)add ``live`` to vLLM: its prompt plus every token generated so far (re-prefilled)."""
@@ -219,9 +213,7 @@ class VllmEngine:
                                          live.carried_lp + live.logprobs, reason))
         self.counts["prefill_tokens"] += prefilled
         self.counts["steps"] += 1
-        floor = self.min_step_time_s + self.prefill_s_per_token * prefilled
-        if floor > 0:
-            time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
+        pace(t0, self.min_step_time_s, self.prefill_s_per_token, prefilled)
         return finished
 
     def stats(self) -> dict:
