@@ -8,7 +8,10 @@ Invariants:
   LoadVersion (they come from another rank, so MPI does not order them) wait for it;
 * every finished trajectory is rewarded here (a reward function that raises gives reward 0 and a
   recorded error), written to this rank's HDF5 shard, streamed to the lead trainer, and reported
-  to the orchestrator -- in that order.
+  to the orchestrator -- in that order;
+* a MigrateOut or AbortTraj may name a request that is still on its way here (the orchestrator moved
+  it here and then on; MPI does not order messages from different senders): it waits for the
+  request, which is then relayed untouched or dropped -- never imported under another version.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class RolloutRank:
         self.early: list[tuple[WeightsHeader, int]] = []  # headers that overtook their LoadVersion
         self.running = True
         self.paused = False  # colocated placement: no engine steps while the trainer has the devices
+        # requests in flight *to* this rank can be named by the orchestrator before they arrive (it moved
+        # them here, then moved or aborted them again): such commands wait for the request itself
+        self.gone: set[int] = set()                    # finished or aborted here: nothing will arrive
+        self.forward: dict[int, MigrateOut] = {}       # migrate on at once when it arrives (never imported)
+        self.abort_on_arrival: set[int] = set()
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -91,6 +99,7 @@ class RolloutRank:
 
     def finish(self, f, kv_frac: float) -> None:
         info = self.info.pop(f.req_id)
+        self.gone.add(f.req_id)
         reward, error = self.task.safe_reward(info["group_id"], f.output)
         self.traj_log.append("trajectories", {
             "traj_id": f.req_id, "prompt_id": info["group_id"], "group_id": info["group_id"],
@@ -130,6 +139,9 @@ class RolloutRank:
                 if self.engine.has_request(msg.traj_id):
                     self.engine.abort(msg.traj_id)
                     self.info.pop(msg.traj_id, None)
+                    self.gone.add(msg.traj_id)
+                elif msg.traj_id not in self.gone:  # still on its way here
+                    self.abort_on_arrival.add(msg.traj_id)
             case Flush():  # a checkpoint relies on every trajectory reported so far being on disk
                 self.traj_log.flush()
                 self.events.flush()
@@ -171,18 +183,22 @@ class RolloutRank:
 
     def migrate_out(self, msg: MigrateOut) -> None:
         if not self.engine.has_request(msg.traj_id):
-            return  # it finished first; its Done is on the way
+            if msg.traj_id not in self.gone:  # not here yet: pass it on the moment it arrives
+                self.forward[msg.traj_id] = msg
+            return  # else it finished first; its Done is on the way
         t = self.now()
         meta, kv = self.engine.export(msg.traj_id)
-        info = self.info.pop(msg.traj_id)
-        meta["info"] = info
+        meta["info"] = self.info.pop(msg.traj_id)
+        self.send_migration(msg, meta, kv, t)
+
+    def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
         if msg.carry_kv and kv is not None:
             self.comm.send(MigrateIn(meta, tuple(kv.shape), self.instance, t), msg.dst)
             self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
         else:
             self.comm.send(MigrateIn(meta, None, self.instance, t), msg.dst)
         self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
-                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=self.engine.version)
+                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"])
 
     def migrate_in(self, msg: MigrateIn, src: int) -> None:
         t = self.now()
@@ -190,7 +206,16 @@ class RolloutRank:
         kv = None  # migration by re-prefill: the engine rebuilds the KV from the tokens
         if msg.kv_shape is not None:
             kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
-        else:
+        rid = meta["req_id"]
+        if rid in self.abort_on_arrival:
+            self.abort_on_arrival.discard(rid)
+            self.gone.add(rid)
+            return
+        if rid in self.forward:  # moved on before it got here: relay it untouched (this rank may host
+            info["path"] += f">{self.instance}"  # another version by now)
+            self.send_migration(self.forward.pop(rid), meta, kv, t)
+            return
+        if kv is None:
             info["reprefill"] += len(meta["prompt"]) + len(meta["output"])
         meta.pop("info")
         try:
