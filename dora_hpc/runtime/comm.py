@@ -207,6 +207,13 @@ class Comm:
         self._bulk.append((self.world.Isend(buf, dest=dst, tag=tag), buf))
         self._bulk = [(r, b) for r, b in self._bulk if not r.Test()]
 
+    def wait_bulk(self) -> None:
+        """Complete every bulk send of this rank (its receivers are waiting for them): a rank about to
+        compute for a while without MPI calls -- the trainer before a train step -- calls this first,
+        since a pending large send only progresses inside MPI calls of the sender."""
+        MPI.Request.Waitall([r for r, _b in self._bulk])
+        self._bulk = []
+
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         buf = np.empty(shape, dtype=dtype)
         self.world.Recv(buf, source=src, tag=tag)

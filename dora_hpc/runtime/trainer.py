@@ -98,6 +98,7 @@ class TrainerRank:
                 self.handle(*got)
             else:  # e.g. a Checkpoint of the version this step makes: after the step
                 self.deferred.append(got)
+        self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
         trajs = [t for g in msg.group_ids for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
         samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id) for t in trajs]
