@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from engine_util import run_all
 
 from dora_hpc.engine.engine import Engine, RequestError
 from dora_hpc.engine.kv import KVPool
@@ -28,14 +29,6 @@ def hf_model(tiny_dir):
 def prompts(vocab, lens=(5, 17, 40), seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def run_all(engine):
-    out = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.req_id] = f
-    return out
 
 
 def test_logits_match_transformers_in_a_mixed_batch(tiny_dir, hf_model):

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from engine_util import run_all
 
 from dora_hpc.engine.engine import RequestError
 from dora_hpc.engine.local_models import build_tiny_model
@@ -33,14 +34,6 @@ def hf_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-
-
-def run_all(engine):
-    out = {}
-    while engine.has_work():
-        for f in engine.step():
-            out[f.req_id] = f
-    return out
 
 
 def prompts(n=3, seed=0):
