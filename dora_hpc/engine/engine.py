@@ -153,12 +153,12 @@ class Engine:
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
         """Continue an exported request; ``kv`` None: rebuild its KV here by re-prefill (counted)."""
         params = SamplingParams(**meta["params"])
+        self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
         if kv is None:
             s = self.model.spec
             kv = torch.zeros(s.num_layers, 2, 0, s.num_kv_heads, s.head_dim)
             meta = {**meta, "n_cached": 0}
             self.counts["reprefill_tokens"] += len(meta["prompt"]) + len(meta["output"])
-        self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
         if kv.shape[2] != meta["n_cached"]:
             raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "
                                f"{meta['n_cached']}")
