@@ -35,18 +35,11 @@ def workload(kind: str, vocab: int, batch: int, seed: int = 0, prompt_len: int =
 def run_builtin(model_dir: Path, prompts: list[list[int]], lens: list[int]) -> float:
     kv_blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, lens, strict=True)) + 8
     engine = Engine(model_dir, kv_blocks=kv_blocks, max_num_seqs=len(prompts), max_batched_tokens=4096)
-    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
-        engine.add(i, p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True), 0)
-    t = time.perf_counter()
-    done = 0
-    while engine.has_work():
-        done += sum(len(f.output) for f in engine.step())
-    assert done == sum(lens)
-    return done / (time.perf_counter() - t)
+    return run_backend(engine, prompts, lens)
 
 
 def run_backend(engine, prompts: list[list[int]], lens: list[int]) -> float:
-    """Tokens/s of an already started RolloutEngine (the vLLM backend) on one batch."""
+    """Tokens/s of a started RolloutEngine (built-in, or the vLLM backend reused across runs) on one batch."""
     for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
         engine.add(i, p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True), engine.version)
     t = time.perf_counter()

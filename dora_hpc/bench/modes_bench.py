@@ -32,7 +32,8 @@ ABLATION: dict[str, list[str]] = {
 }
 FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
            "bubble_fraction", "inter_instance_bubble", "max_staleness", "mean_staleness", "reprefill_tokens",
-           "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s")
+           "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s", "limit_share",
+           "slot_utilization_limit")
 
 
 class BenchError(RuntimeError):
@@ -91,8 +92,6 @@ def figures(a: dict, cfg) -> dict:
 
 def _median(runs: list[dict]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in FIGURES}
-    out["limit_share"] = statistics.median(r["limit_share"] for r in runs)
-    out["slot_utilization_limit"] = statistics.median(r["slot_utilization_limit"] for r in runs)
     kinds = sorted({k for r in runs for k in r["overheads"]})
     out["overheads"] = {k: statistics.median(r["overheads"].get(k, 0.0) for r in runs) for k in kinds}
     out["runs"] = runs

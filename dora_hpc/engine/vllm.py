@@ -131,9 +131,7 @@ class VllmEngine:
         return len(live.prompt), len(live.tokens_out)
 
     def abort(self, req_id: int) -> None:
-        live = self._get(req_id)
-        if not live.parked:
-            self.llm.abort_request([str(req_id)])
+        self._withdraw(req_id, self._get(req_id))
         del self.reqs[req_id]
 
     # -- migration and offload (by re-prefill) -----------------------------------------------------
@@ -206,8 +204,8 @@ class VllmEngine:
             c = out.outputs[0]
             if not live.output and c.token_ids:
                 prefilled += len(live.prompt) + len(live.carried)
-            new = list(c.token_ids)[len(live.output):]
-            lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])][len(live.logprobs):]
+            new = list(c.token_ids[len(live.output):])  # outputs are cumulative: take what is new
+            lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])[len(live.logprobs):]]
             self.counts["decode_tokens"] += len(new)
             live.output += new
             live.logprobs += lps
