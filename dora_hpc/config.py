@@ -78,7 +78,7 @@ class ClusterConfig(Section):
     rollout_instances: int = Field(4, ge=1, description="disaggregated: rollout instances; trainer gets the rest")
     max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per rollout instance")
     placement: dict[Mode, Placement] = Field(default_factory=lambda: dict(DEFAULT_PLACEMENT))
-    trainer_ranks: int = Field(1, ge=1, le=1, description="runtime: trainer MPI ranks (1 for now)")
+    trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks (data-parallel replicas)")
     rollout_ranks: int = Field(2, ge=1, description="runtime: rollout MPI ranks")
 
     @model_validator(mode="after")
@@ -156,6 +156,8 @@ class StoreConfig(Section):
 class RuntimeConfig(Section):
     tick_s: float = Field(0.5, gt=0, description="orchestrator Tick period (temporal rebalancing)")
     timeout_s: float = Field(1800, gt=0, description="the whole run is aborted after this long")
+    serve_weights_while_training: bool = Field(
+        True, description="trainer ranks answer weight requests during a train step (a helper thread)")
 
 
 class ModelSpec(Section):

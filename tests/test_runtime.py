@@ -74,6 +74,42 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
                if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
+def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path):
+    """2 trainer replicas (gloo) + 2 rollout ranks, stopped by SIGTERM at a checkpoint and resumed: each
+    group is trained by its owner, both replicas serve weights, and the run keeps every invariant
+    (replicas whose weights diverge -- e.g. one not resumed from the checkpoint -- fail the run)."""
+    import collections
+
+    from dora_hpc.store.shards import read_table
+
+    run_dir = tmp_path / "dp"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", "--set", "batch.tbs=4",
+                 "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
+                 "--set", "cluster.rollout_ranks=2", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (run_dir / "checkpoints" / "step-2").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "stopped at checkpoint" in err, err[-3000:]
+    p = subprocess.run(CLI + ["run", "--resume", "--run-dir", str(run_dir)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run_dir)
+    inv = a["invariants"]
+    assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4 and a["weights"]["mismatched_loads"] == 0
+    assert not any(inv[k] for k in ("mixed_version_trajectories", "staleness_over_k", "lost_groups",
+                                    "duplicate_groups", "split_groups"))
+    c = read_table(run_dir, "train", "consumed", with_rank=True)
+    owners = collections.Counter(zip(c["rank"].tolist(), (c["group_id"] % 2).tolist(), strict=True))
+    assert set(owners) == {(1, 0), (2, 1)}, owners  # rank 1 trains the even groups, rank 2 the odd ones
+    ops = read_table(run_dir, "events", "ops")
+    sources = {int(peer) for kind, peer in zip(ops["kind"], ops["peer"], strict=True) if kind == "weight_load"}
+    assert {1, 2} <= sources, sources
+
+
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", steps=3,
                      env={"PYTHONPATH": str(REPO / "tests")})

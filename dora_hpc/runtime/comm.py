@@ -166,6 +166,10 @@ class Comm:
         self.world = MPI.COMM_WORLD
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
+        # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
+        is_trainer = self.roles.role(self.rank) == "trainer"
+        split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
+        self.trainer_comm = split if is_trainer else None
         self._pending: list[MPI.Request] = []
         self._bulk: list[tuple[MPI.Request, np.ndarray]] = []  # non-blocking bulk sends and their buffers
 

@@ -134,7 +134,8 @@ class Orchestrator:
         for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
             for s in trajs:
                 self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
-                                          s.tokens, s.logprobs, s.reward, s.attempt), self.roles.lead_trainer)
+                                          s.tokens, s.logprobs, s.reward, s.attempt),
+                               self.roles.trainer_of_group(s.group_id))
         self.feed(Start())
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
@@ -229,7 +230,7 @@ class Orchestrator:
         for c in commands:
             match c:
                 case AssignVersion(i, v, src, keep):
-                    source = self.roles.lead_trainer if src == TRAINER else r(src)
+                    source = self.roles.trainer_for_instance(i) if src == TRAINER else r(src)
                     self.comm.send(SendWeights(v, r(i)), source)
                     self.comm.send(LoadVersion(v, source, keep), r(i))
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
@@ -245,7 +246,8 @@ class Orchestrator:
                 case StartTrain(step, groups):
                     for g in groups:
                         self.stale[step - self.policy.ledger.groups[g].version] += 1
-                    self.comm.send(TrainMsg(step, groups), self.roles.lead_trainer)
+                    for t in self.roles.trainer_ranks:  # each replica trains on its share of the groups
+                        self.comm.send(TrainMsg(step, groups), t)
                     if self.colocated and not self.paused:
                         self.set_paused(True, step)
                 case _:

@@ -28,4 +28,17 @@ class Roles:
 
     @property
     def lead_trainer(self) -> int:
+        """The trainer rank that checkpoints, logs the steps and reports Published."""
         return 1
+
+    @property
+    def trainer_ranks(self) -> list[int]:
+        return list(range(1, 1 + self.trainers))
+
+    def trainer_of_group(self, group_id: int) -> int:
+        """The data-parallel replica that trains on this GRPO group (a group never splits)."""
+        return 1 + group_id % self.trainers
+
+    def trainer_for_instance(self, i: int) -> int:
+        """The trainer rank that serves initial/new weights to rollout instance i (spreads the sends)."""
+        return 1 + i % self.trainers

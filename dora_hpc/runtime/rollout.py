@@ -109,9 +109,8 @@ class RolloutRank:
             "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
             "instance_path": info["path"], "reward_error": error, "tokens": f.output, "logprobs": f.logprobs,
             "segment_versions": info["segments"]})
-        lead = self.comm.roles.lead_trainer
         self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward,
-                                  self.attempt), lead)
+                                  self.attempt), self.comm.roles.trainer_of_group(info["group_id"]))
         self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac), 0)
 
     # -- control -----------------------------------------------------------------------------------

@@ -3,6 +3,13 @@
 Invariants:
 * a train step consumes exactly the groups the orchestrator named, each complete, each once; it
   waits (still receiving trajectories) until all their samples have arrived;
+* data parallel over T trainer ranks: every rank gets every Train, trains on the groups it owns
+  (``Roles.trainer_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
+  sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
+  alone logs the step, reports Published, checkpoints; every replica serves weights;
+* weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
+  answers SendWeights for versions already held and sets every other message aside, in arrival order,
+  for after the step; it is the only thread touching MPI while it runs (the step itself uses none);
 * every consumed trajectory is logged with its staleness = consume_step - version;
 * versions are published in order: after step n the trainer holds v_{n+1} and can serve the weights
   of every version still live (the last ``keep_versions`` ones);
@@ -13,11 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
+from ..train.dp import DataParallel
 from ..train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
 from .comm import Checkpoint, Checkpointed, Comm, Commit, Published, SendWeights, Shutdown, Train, Trajectory
 
@@ -27,9 +37,11 @@ class TrainerRank:
                  resume: ckpt_store.Checkpoint | None = None) -> None:
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
+        self.dp = DataParallel(comm.trainer_comm)
+        self.lead = comm.rank == comm.roles.lead_trainer
         self.trainer = GRPOTrainer(model_dir, GRPOConfig(
             lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
-            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed)
+            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed, dp=self.dp)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0
@@ -58,12 +70,16 @@ class TrainerRank:
                 continue
             self.handle(*got)
         self.log.flush()
+        self.dp.close()
 
     def handle(self, msg, src: int) -> None:
         match msg:
             case Trajectory():
                 self.queue.setdefault(msg.group_id, {})[msg.traj_id] = msg
             case SendWeights():
+                if msg.version not in self.versions:
+                    raise RuntimeError(f"trainer rank {self.comm.rank}: asked for v{msg.version}, holds "
+                                       f"{sorted(self.versions)}")
                 state, checksum = self.versions[msg.version]
                 self.comm.send_weights(state, msg.version, checksum, msg.dst)
             case Train():
@@ -81,6 +97,40 @@ class TrainerRank:
             case _:
                 raise RuntimeError(f"trainer: unexpected message {msg!r}")
 
+    @contextmanager
+    def serving_weights(self):
+        """While the body runs, a helper thread answers SendWeights (rollout ranks loading from this
+        trainer would otherwise wait for the whole step) and defers every other message."""
+        if not self.cfg.runtime.serve_weights_while_training:
+            yield
+            return
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                while not stop.is_set():
+                    got = self.comm.poll()
+                    if got is None:
+                        time.sleep(0.001)
+                    elif isinstance(got[0], SendWeights) and got[0].version in self.versions:
+                        self.handle(*got)
+                        self.comm.wait_bulk()  # a large send progresses only inside its sender's MPI calls
+                    else:
+                        self.deferred.append(got)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+                failed.append(e)
+
+        helper = threading.Thread(target=serve, name="weight-server", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            helper.join()
+        if failed:
+            raise failed[0]
+
     def _complete(self, g: int) -> bool:
         return len(self.queue.get(g, {})) == self.cfg.batch.group_size
 
@@ -90,7 +140,8 @@ class TrainerRank:
         dup = self.consumed.intersection(msg.group_ids)
         if dup:
             raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
-        while not all(self._complete(g) for g in msg.group_ids):  # stragglers' messages are in flight
+        mine = [g for g in msg.group_ids if self.comm.roles.trainer_of_group(g) == self.comm.rank]
+        while not all(self._complete(g) for g in mine):  # stragglers' messages are in flight
             got = self.comm.poll()
             if got is None:
                 time.sleep(0.001)
@@ -100,12 +151,14 @@ class TrainerRank:
                 self.deferred.append(got)
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
-        trajs = [t for g in msg.group_ids for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
+        trajs = [t for g in mine for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
         samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id) for t in trajs]
-        metrics = self.trainer.train_step(samples)
+        with self.serving_weights():
+            metrics = self.trainer.train_step(samples)
         state = self.trainer.state_dict()
         version = self.version = msg.step + 1
         checksum = weights_checksum(state)
+        self.dp.check_replicas(checksum, msg.step)
         self.versions[version] = (state, checksum)
         for old in [v for v in self.versions if v <= version - self.keep_versions]:
             del self.versions[old]
@@ -114,9 +167,12 @@ class TrainerRank:
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
                                          "version": t.version, "staleness": msg.step - t.version,
                                          "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
-        self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
-                                  "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
-                                  "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
-                                  "tokens": metrics["tokens"], "weights_checksum": checksum})
+        if self.lead:
+            self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
+                                      "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
+                                      "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
+                                      "tokens": metrics["tokens"], "weights_checksum": checksum})
         self.log.flush()
-        self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}), 0)
+        if self.lead:
+            self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}),
+                           0)

@@ -101,7 +101,9 @@ class ShardWriter:
         self.seq = max(seqs, default=-1) + 1
 
     def _stem(self) -> str:
-        return self.kind if self.kind == "train" else f"{self.kind}-r{self.rank}"
+        if self.kind == "train":  # the lead trainer (rank 1) writes train-*, other replicas train-r{rank}-*
+            return "train" if self.rank <= 1 else f"train-r{self.rank}"
+        return f"{self.kind}-r{self.rank}"
 
     def append(self, table: str, row: dict) -> None:
         unknown = set(row) - set(self.tables[table])

@@ -7,7 +7,10 @@ Invariants:
   logprob recorded at sampling time -- a well-defined single-policy ratio because a trajectory is
   generated under one version (DORA) -- so no cross-version correction is needed;
 * ``train_step`` computes a real gradient and takes one optimizer step; ``state_dict`` returns
-  Hugging Face parameter names, ready for ``Engine.load_weights``.
+  Hugging Face parameter names, ready for ``Engine.load_weights``;
+* data parallel: each replica gets whole groups, normalises its loss by the global token (or sample)
+  count and the gradients are summed over replicas, so R replicas take the same step as one rank
+  on the union of their samples (up to float summation order).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
+from .dp import DataParallel
 
 
 @dataclass(frozen=True)
@@ -68,11 +73,13 @@ def weights_checksum(state: dict[str, torch.Tensor]) -> str:
 
 
 class GRPOTrainer:
-    def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0,
+                 dp: DataParallel | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.cfg = cfg
+        self.dp = dp or DataParallel()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.ref = None
@@ -103,14 +110,19 @@ class GRPOTrainer:
         return out, mask
 
     def train_step(self, samples: list[Sample]) -> dict:
-        """One optimizer step on ``samples`` (a whole train batch, micro-batched); returns metrics."""
-        if not samples or any(not s.response or len(s.response) != len(s.logprobs) for s in samples):
+        """One optimizer step on ``samples`` (this replica's share of the train batch: whole groups,
+        micro-batched); returns metrics of the whole batch (over all replicas) and this share's
+        advantages. A replica may get no samples in a step; it still joins the gradient sum."""
+        if any(not s.response or len(s.response) != len(s.logprobs) for s in samples):
             raise ValueError("every sample needs a non-empty response with one behaviour logprob per token")
         cfg = self.cfg
         adv_all = group_advantages(samples, cfg.adv_std_norm)
-        n_tokens = sum(len(s.response) for s in samples)
+        n_tokens, n_samples, reward_sum = self.dp.sum_floats(
+            sum(len(s.response) for s in samples), len(samples), sum(s.reward for s in samples))
+        if not n_samples:
+            raise ValueError("a train step needs at least one sample")
         self.opt.zero_grad(set_to_none=True)
-        tot = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0}
+        tot = torch.zeros(4, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean
         for start in range(0, len(samples), cfg.micro_batch):
             batch = samples[start : start + cfg.micro_batch]
             adv = torch.tensor(adv_all[start : start + cfg.micro_batch])[:, None]
@@ -131,18 +143,22 @@ class GRPOTrainer:
             if cfg.loss_agg == "token":
                 loss = (per_tok * mask).sum() / n_tokens
             else:
-                loss = ((per_tok * mask).sum(1) / mask.sum(1)).sum() / len(samples)
+                loss = ((per_tok * mask).sum(1) / mask.sum(1)).sum() / n_samples
             loss.backward()
             with torch.no_grad():
-                tot["loss"] += float(loss)
-                tot["clip_frac"] += float(((ratio != clipped).float() * mask).sum()) / n_tokens
-                tot["kl"] += float((kl * mask).sum()) / n_tokens
-                tot["ratio_mean"] += float((ratio * mask).sum()) / n_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                tot += torch.tensor([float(loss), float(((ratio != clipped).float() * mask).sum()) / n_tokens,
+                                     float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens],
+                                    dtype=torch.float64)
+        params = list(self.model.parameters())
+        self.dp.sum_grads_(params)
+        self.dp.sum_(tot)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
-        return {**tot, "grad_norm": float(grad_norm), "tokens": n_tokens, "advantages": adv_all,
-                "reward_mean": sum(s.reward for s in samples) / len(samples)}
+        loss, clip_frac, kl, ratio_mean = (float(x) for x in tot)
+        return {"loss": loss, "clip_frac": clip_frac, "kl": kl, "ratio_mean": ratio_mean,
+                "grad_norm": float(grad_norm), "tokens": int(n_tokens), "advantages": adv_all,
+                "reward_mean": reward_sum / n_samples}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights with Hugging Face names (detached copies)."""

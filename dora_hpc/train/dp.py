@@ -1,0 +1,100 @@
+"""Data parallelism across the trainer ranks: torch.distributed (gloo on CPU, NCCL on GPU), bootstrapped
+over the trainers' MPI sub-communicator, no environment variables needed.
+
+Invariants:
+* every replica starts from the same weights (same checkpoint or same seeded init) and applies the same
+  all-reduced gradient with the same optimizer, so replicas stay bit-identical; ``check_replicas``
+  proves it after each step by comparing weight checksums and fails loudly when they differ;
+* the loss of a step is normalised by global counts (all ranks' tokens or samples), so the summed
+  gradient equals the gradient one rank would compute on the whole batch;
+* with one trainer rank nothing is initialised and every call is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+
+BUCKET_BYTES = 64 << 20  # gradients are all-reduced in flat buckets of at most this size
+
+
+class DataParallel:
+    def __init__(self, mpi_comm=None, backend: str | None = None, timeout_s: float = 600.0) -> None:
+        """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank)."""
+        self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
+        self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
+        self.mpi = mpi_comm
+        self.device = torch.device("cpu")
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        hosts = mpi_comm.allgather(socket.gethostname())
+        addr = None
+        if self.rank == 0:
+            with socket.socket() as s:  # a free port, chosen by the OS and released just before use
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+            addr = f"tcp://{host}:{port}"
+        addr = mpi_comm.bcast(addr, root=0)
+        dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the replicas (the identity with one rank); returns ``t``."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def sum_floats(self, *xs: float) -> list[float]:
+        return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
+
+    def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
+        """Replace every parameter's gradient with its sum over the replicas (a missing one counts as 0)."""
+        if self.size == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if buckets[-1] and size + nbytes > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        for bucket in buckets:
+            flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]))
+            off = 0
+            for q in bucket:
+                q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
+                off += q.numel()
+
+    def check_replicas(self, checksum: str, step: int) -> None:
+        """Fail unless every replica holds weights with this checksum (they must be bit-identical)."""
+        if self.size == 1:
+            return
+        every = self.mpi.allgather(checksum)
+        if len(set(every)) > 1:
+            raise RuntimeError(f"trainer replicas diverged after step {step}: weight checksums by trainer "
+                               f"rank {dict(enumerate(every))}")
+
+    def close(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
