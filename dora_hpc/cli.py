@@ -236,7 +236,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                    unpaced=not args.no_unpaced, console=console)
                 _print_cases(console, s["modes"], s["ratios"])
             elif args.what == "ablation":
-                s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console)
+                if args.ablation not in mb.ABLATIONS:
+                    raise ConfigError(f"--ablation: unknown {args.ablation!r}; choose from {','.join(mb.ABLATIONS)}")
+                s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console,
+                                      which=args.ablation)
                 _print_cases(console, s["variants"], s["ratios"])
             else:
                 from .bench.convergence_bench import bench_convergence
@@ -316,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
-                        "modes: the five modes on the real runtime; ablation: DORA with KV migration vs re-prefill; "
+                        "modes: the five modes on the real runtime; ablation: one mechanism on vs off (--ablation); "
                         "convergence: mean reward per step of sync, dora K=1 and K=3")
     b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -325,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
                                    "dora-k1,dora-k2,dora-k3")
     b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")
+    b.add_argument("--ablation", default="kv-migration",
+                   help="ablation: kv-migration (DORA migrating with KV vs by re-prefill) or weight-serving "
+                        "(the trainer answering weight requests during its step vs between steps)")
     b.add_argument("--out", help="output directory (default results/<what>)")
     b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")

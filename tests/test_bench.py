@@ -43,6 +43,8 @@ def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_
     assert p.returncode == 2 and "dora-k9" in p.stderr and not (tmp_path / "x").exists()
     p = bench("ablation", "--out", str(tmp_path / "y"))
     assert p.returncode == 2 and "CONFIG is required" in p.stderr
+    p = bench("ablation", "configs/tiny-cpu.yaml", "--ablation", "nope", "--out", str(tmp_path / "z"))
+    assert p.returncode == 2 and "nope" in p.stderr and not (tmp_path / "z").exists()
 
 
 def test_bench_convergence_reads_reward_curves_from_the_logs(tmp_path):

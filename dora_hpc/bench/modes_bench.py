@@ -26,14 +26,30 @@ MODES: dict[str, list[str]] = {
     "oversample": ["mode=oversample"],
     "dora-k1": ["mode=dora", "dora.k=1"], "dora-k2": ["mode=dora", "dora.k=2"], "dora-k3": ["mode=dora", "dora.k=3"],
 }
-ABLATION: dict[str, list[str]] = {
-    "kv-migration": ["mode=dora", "dora.kv_migration=true"],
-    "reprefill": ["mode=dora", "dora.kv_migration=false"],
+SERVE, BETWEEN = "runtime.serve_weights_while_training=true", "runtime.serve_weights_while_training=false"
+ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pairs whose ratios are reported
+    "kv-migration": {
+        "title": "DORA: migrate with KV vs by re-prefill",
+        "cases": {"kv-migration": ["mode=dora", "dora.kv_migration=true"],
+                  "reprefill": ["mode=dora", "dora.kv_migration=false"]},
+        "pairs": [("kv-migration", "reprefill")],
+        "panels": [("instance_busy_s", "rollout time: busy seconds per instance"),
+                   ("mean_step_time_s", "mean train-step interval (s)"),
+                   ("reprefill_tokens", "re-prefilled tokens")]},
+    "weight-serving": {
+        "title": "trainer serves weights while its step computes vs only between steps",
+        "cases": {"one_step-serve": ["mode=one_step", SERVE], "one_step-between": ["mode=one_step", BETWEEN],
+                  "dora-k2-serve": ["mode=dora", "dora.k=2", SERVE],
+                  "dora-k2-between": ["mode=dora", "dora.k=2", BETWEEN]},
+        "pairs": [("one_step-serve", "one_step-between"), ("dora-k2-serve", "dora-k2-between")],
+        "panels": [("throughput_tokens_per_s", "trained tokens / s"),
+                   ("weight_load_share", "weight loads: share of instance time"),
+                   ("mean_step_time_s", "mean train-step interval (s)")]},
 }
 FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
            "bubble_fraction", "inter_instance_bubble", "max_staleness", "mean_staleness", "reprefill_tokens",
            "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s", "limit_share",
-           "slot_utilization_limit")
+           "slot_utilization_limit", "weight_load_share")
 
 
 class BenchError(RuntimeError):
@@ -85,6 +101,7 @@ def figures(a: dict, cfg) -> dict:
         "limit_tokens_per_s": limit,
         "limit_share": a["throughput_tokens_per_s"] / limit if limit else 0.0,
         "slot_utilization_limit": min(1.0, limit / full_rate) if full_rate != float("inf") else 1.0,
+        "weight_load_share": a["overheads"].get("weight_load", 0.0),
         "overheads": a["overheads"],
         "reward_first_last": [a["reward_by_step"][0], a["reward_by_step"][-1]] if a["reward_by_step"] else [],
     }
@@ -173,19 +190,26 @@ def _mode_ratios(rows: list[dict]) -> dict:
     return out
 
 
-def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3, console=None) -> dict:
-    """DORA with KV migration vs the same runs migrating by re-prefill (paper §4: 183 s -> 166 s)."""
+def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3, console=None,
+                   which: str = "kv-migration") -> dict:
+    """One mechanism on and off, the same runs otherwise. kv-migration: DORA migrating with KV vs by
+    re-prefill (paper §4: 183 s -> 166 s); weight-serving: the trainer answering weight requests during
+    its step vs only between steps (one_step and DORA K=2)."""
+    if which not in ABLATIONS:
+        raise BenchError(f"unknown ablation {which!r}; one of {', '.join(ABLATIONS)}")
+    spec = ABLATIONS[which]
     sets = list(sets or [])
     _fresh(out)
-    med, rows = run_matrix(config, [*sets, "engine.pacing=true"], ABLATION, out, repeats, console=console)
-    summary = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "variants": med,
-               "ratios": {"reprefill/kv-migration mean_step_time_s": ratio(rows, "reprefill", "kv-migration",
-                                                                            "mean_step_time_s"),
-                          "reprefill/kv-migration engine_steps_per_trained_token":
-                              ratio(rows, "reprefill", "kv-migration", "engine_steps_per_trained_token"),
-                          "kv-migration/reprefill throughput": ratio(rows, "kv-migration", "reprefill")}}
+    med, rows = run_matrix(config, [*sets, "engine.pacing=true"], spec["cases"], out, repeats, console=console)
+    ratios = {}
+    for on, off in spec["pairs"]:
+        ratios[f"{on}/{off} throughput"] = ratio(rows, on, off)
+        ratios[f"{on}/{off} mean_step_time_s"] = ratio(rows, on, off, "mean_step_time_s")
+        ratios[f"{on}/{off} engine_steps_per_trained_token"] = ratio(rows, on, off, "engine_steps_per_trained_token")
+    summary = {"ablation": which, "title": spec["title"], "config": config, "sets": sets, "repeats": repeats,
+               "machine": machine(), "variants": med, "ratios": ratios}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from .plots import plot_ablation
 
-    plot_ablation(summary, out / "ablation.png")
+    plot_ablation(summary, out / "ablation.png", spec["panels"])
     return summary

@@ -45,19 +45,18 @@ def plot_modes(summary: dict, path: Path) -> Path:
     return path
 
 
-def plot_ablation(summary: dict, path: Path) -> Path:
+def plot_ablation(summary: dict, path: Path, panels: list[tuple[str, str]]) -> Path:
     v = summary["variants"]
     names = list(v)
-    panels = [("instance_busy_s", "rollout time: busy seconds per instance"),
-              ("mean_step_time_s", "mean train-step interval (s)"),
-              ("reprefill_tokens", "re-prefilled tokens")]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels) + max(0, len(names) - 2) * 1.5, 4))
+    colors = ["#d62728", "#7f7f7f"] * len(names)
     for ax, (key, label) in zip(axes, panels, strict=True):
-        ax.bar(names, [v[n][key] for n in names], color=["#d62728", "#7f7f7f"][: len(names)])
+        ax.bar(names, [v[n][key] for n in names], color=colors[: len(names)])
         for i, n in enumerate(names):
             ax.scatter([i] * len(v[n]["runs"]), [r[key] for r in v[n]["runs"]], color="black", s=10, zorder=3)
         ax.set_title(label, fontsize=10)
-    fig.suptitle(f"DORA: migrate with KV vs by re-prefill ({summary['repeats']} interleaved repeats, medians)")
+        ax.tick_params(axis="x", labelrotation=20 if len(names) > 2 else 0, labelsize=8)
+    fig.suptitle(f"{summary['title']} ({summary['repeats']} interleaved repeats, medians; dots: runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
