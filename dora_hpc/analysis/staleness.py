@@ -10,8 +10,6 @@ over the given rows; an empty cell is reported with n = 0 and no rate, never as 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 BINS = ((0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.01))
@@ -22,11 +20,9 @@ def _label(lo: float, hi: float) -> str:
 
 
 def _cells(stale: np.ndarray, passed: np.ndarray) -> dict[str, dict]:
-    out = {}
-    for s in sorted(set(stale.tolist())):
-        m = stale == s
-        out[str(s)] = {"n": int(m.sum()), "pass_rate": float(passed[m].mean())}
-    return out
+    values, inverse, n = np.unique(stale, return_inverse=True, return_counts=True)
+    passes = np.bincount(inverse, weights=passed, minlength=len(values))
+    return {str(int(s)): {"n": int(k), "pass_rate": float(p / k)} for s, k, p in zip(values, n, passes, strict=True)}
 
 
 def _delta(cells: dict[str, dict]) -> float | None:
@@ -42,25 +38,28 @@ def _delta(cells: dict[str, dict]) -> float | None:
 def stratified(stale: np.ndarray, reward: np.ndarray, group: np.ndarray, length: np.ndarray,
                threshold: float = 0.5) -> dict:
     stale, reward, group, length = (np.asarray(x) for x in (stale, reward, group, length))
+    stale = stale.astype(np.int64)
+    reward = reward.astype(float)
     passed = (reward >= threshold).astype(float)
-    by_group: dict[int, list[int]] = defaultdict(list)
-    for i, g in enumerate(group.tolist()):
-        by_group[g].append(i)
-    difficulty = np.zeros(len(group))
-    for idx in by_group.values():
-        difficulty[idx] = passed[idx].mean()
+    _, g_idx, g_n = np.unique(group, return_inverse=True, return_counts=True)
+    g_pass = np.bincount(g_idx, weights=passed, minlength=len(g_n)) / np.maximum(g_n, 1)
+    g_mean = np.bincount(g_idx, weights=reward, minlength=len(g_n)) / np.maximum(g_n, 1)
+    g_var = np.bincount(g_idx, weights=(reward - g_mean[g_idx]) ** 2, minlength=len(g_n)) / np.maximum(g_n, 1)
+    difficulty = g_pass[g_idx]
     naive = _cells(stale, passed)
     rows, table3 = [], []
     for lo, hi in BINS:
         m = (difficulty >= lo) & (difficulty < hi)
         cells = _cells(stale[m], passed[m]) if m.any() else {}
         rows.append({"bin": _label(lo, hi), "n": int(m.sum()), "by_staleness": cells, "delta": _delta(cells)})
-        groups_in = [g for g, idx in by_group.items() if lo <= difficulty[idx[0]] < hi]
-        table3.append({"bin": _label(lo, hi), "groups": len(groups_in),
-                       "reward_variance": float(np.mean([reward[by_group[g]].var() for g in groups_in]))
-                       if groups_in else None,
+        groups_in = (g_pass >= lo) & (g_pass < hi)
+        table3.append({"bin": _label(lo, hi), "groups": int(groups_in.sum()),
+                       "reward_variance": float(g_var[groups_in].mean()) if groups_in.any() else None,
                        "mean_length": float(length[m].mean()) if m.any() else None,
                        "mean_staleness": float(stale[m].mean()) if m.any() else None})
-    median_len = {str(s): float(np.median(length[stale == s])) for s in sorted(set(stale.tolist()))}
+    order = np.argsort(stale, kind="stable")
+    values, starts = np.unique(stale[order], return_index=True)
+    median_len = {str(int(s)): float(np.median(chunk))
+                  for s, chunk in zip(values, np.split(length[order], starts[1:]), strict=True)}
     return {"threshold": threshold, "naive": {"by_staleness": naive, "delta": _delta(naive)},
             "rows": rows, "by_difficulty": table3, "median_length_by_staleness": median_len}

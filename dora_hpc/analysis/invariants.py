@@ -1,0 +1,130 @@
+"""DESIGN.md's invariants checked on a run's rows, vectorised: a log of 10^6 trajectories costs a few
+integers per row and a few seconds, never a Python object per row.
+
+Inputs are column dicts of numpy arrays: ``traj`` from ``read_trajectories`` (one row per trajectory
+per attempt that ran it), ``consumed`` and ``ops`` as read from the shards, already cut to the run's
+effective history (analysis/history.py). Invariant: a row joins its consumption by (traj_id, attempt);
+when a trajectory has several rows of one attempt the last one read counts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..store.shards import ShardScan, iter_shard_columns
+
+TRAJ_COLUMNS = ["traj_id", "group_id", "version", "attempt", "response_len", "reprefill_tokens"]
+
+
+def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
+    """The trajectory columns analyze needs, shard by shard and never the token columns: each shard's
+    vlen ``segment_versions`` is reduced at once to the first and lowest version and a switch flag, and
+    ``reward_error`` to a flag, so memory grows by a few integers per trajectory whatever the lengths."""
+    parts: dict[str, list[np.ndarray]] = defaultdict(list)
+    for path in found.files:
+        shard = dict(iter_shard_columns(path, "trajectories", TRAJ_COLUMNS + ["segment_versions", "reward_error"]))
+        seg = shard.pop("segment_versions")
+        parts["has_error"].append(np.fromiter((bool(e) for e in shard.pop("reward_error")), bool, len(seg)))
+        version = shard["version"].astype(np.int64)
+        lens = np.fromiter((len(s) for s in seg), np.int64, len(seg))
+        first, low, switched = version.copy(), version.copy(), np.zeros(len(seg), bool)
+        has = lens > 0
+        if has.any():
+            flat = np.concatenate([np.asarray(s, np.int64) for s in seg[has]])
+            starts = np.concatenate([[0], np.cumsum(lens[has])[:-1]])
+            first[has] = flat[starts]
+            low[has] = np.minimum.reduceat(flat, starts)
+            switched[has] = low[has] != np.maximum.reduceat(flat, starts)
+        for name, col in (("first_version", first), ("min_version", low), ("switched", switched)):
+            parts[name].append(col)
+        for c in TRAJ_COLUMNS:
+            parts[c].append(shard[c].astype(np.int64))
+    names = TRAJ_COLUMNS + ["first_version", "min_version", "switched", "has_error"]
+    return {c: np.concatenate(parts[c]) if parts[c] else np.empty(0, bool if c in ("switched", "has_error")
+                                                                   else np.int64) for c in names}
+
+
+def groups_with_many(group: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """The groups (sorted, unique) whose rows carry more than one distinct value."""
+    if not len(group):
+        return np.empty(0, np.int64)
+    o = np.lexsort((value, group))
+    g, v = group[o], value[o]
+    new = np.ones(len(g), bool)
+    new[1:] = (g[1:] != g[:-1]) | (v[1:] != v[:-1])
+    ug, n = np.unique(g[new], return_counts=True)
+    return ug[n > 1]
+
+
+def last_per_key(key: np.ndarray, order_by: np.ndarray) -> np.ndarray:
+    """Row indices: for each distinct key, the row with the largest (order_by, index)."""
+    if not len(key):
+        return np.empty(0, np.int64)
+    o = np.lexsort((np.arange(len(key)), order_by, key))
+    last = np.ones(len(o), bool)
+    last[:-1] = key[o][1:] != key[o][:-1]
+    return o[last]
+
+
+@dataclass
+class Checked:
+    matched: np.ndarray      # per consumed row: its trajectory row, -1 when no row was stored
+    stale: np.ndarray        # per consumed row: consume step - oldest version that sampled a token
+    mixed: np.ndarray        # traj ids whose tokens come from more than one version
+    over_k: np.ndarray       # traj ids consumed staler than the mode's bound
+    lost: np.ndarray         # groups admitted but neither consumed, dropped nor pending
+    duplicate: np.ndarray    # groups consumed by two steps, or holding a trajectory consumed twice
+    split: np.ndarray        # groups whose samples carry more than one version tag
+    dropped: np.ndarray      # groups oversampling dropped (and never consumed)
+    discarded: int           # trajectory rows outside the run's history (thrown away by preemption)
+
+
+def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: int, bound: int | None,
+          g_size: int) -> Checked:
+    n = len(traj["traj_id"])
+    amax = int(max(traj["attempt"].max(initial=0), consumed["traj_attempt"].max(initial=0))) + 1
+    tkey = traj["traj_id"] * amax + traj["attempt"]
+    order = np.argsort(tkey, kind="stable")
+    ckey = consumed["traj_id"] * amax + consumed["traj_attempt"]
+    pos = np.searchsorted(tkey[order], ckey, side="right") - 1  # the last row of that (traj, attempt)
+    hit = (pos >= 0) & (tkey[order][np.maximum(pos, 0)] == ckey) if n else np.zeros(len(ckey), bool)
+    matched = np.where(hit, order[np.maximum(pos, 0)] if n else 0, -1)
+    ok = matched >= 0
+    row = np.maximum(matched, 0)
+
+    c_group, c_step = consumed["group_id"], consumed["consume_step"]
+    stale = c_step - np.where(ok, traj["min_version"][row] if n else 0, consumed["version"])
+    tag = np.where(ok, traj["first_version"][row] if n else 0, consumed["version"])
+    split = np.union1d(groups_with_many(traj["group_id"] * amax + traj["attempt"], traj["first_version"]) // amax,
+                       groups_with_many(c_group, tag))
+    t_ids, t_count = np.unique(consumed["traj_id"], return_counts=True)
+    duplicate = np.union1d(groups_with_many(c_group, c_step), t_ids[t_count > 1] // g_size)
+    over_k = np.unique(consumed["traj_id"][stale > bound]) if bound is not None else np.empty(0, np.int64)
+
+    consumed_groups, rows_per_group = np.unique(c_group, return_counts=True)
+    drops = [int(d.split()[0].split("=")[1]) for kind, d in zip(ops["kind"], ops["detail"], strict=True)
+             if kind == "drop"]
+    dropped = np.setdiff1d(np.array(drops, np.int64), consumed_groups)
+    pending, next_group = set(), None
+    for kind, a, d in zip(ops["kind"], ops["attempt"], ops["detail"], strict=True):
+        if int(a) != final_attempt:
+            continue
+        if kind == "pending_at_end" and d:
+            pending |= {int(x) for x in d.split(",")}
+        if kind in ("done", "preempted"):
+            next_group = int(str(d).split("next_group=")[1])
+    missing_rows = np.union1d(c_group[~ok], consumed_groups[rows_per_group < g_size])
+    owned = np.isin(traj["attempt"], np.array(sorted(owns), np.int64))
+    admitted = np.arange(next_group) if next_group is not None else np.unique(traj["group_id"][owned])
+    not_done = np.setdiff1d(admitted, np.concatenate([consumed_groups, dropped, np.array(sorted(pending), np.int64)]))
+    lost = np.union1d(missing_rows, not_done)
+
+    live = np.zeros(n, bool)
+    live[matched[ok]] = True
+    waiting = np.flatnonzero(owned & ~np.isin(traj["traj_id"], t_ids))  # never consumed: its latest row is live
+    live[waiting[last_per_key(traj["traj_id"][waiting], traj["attempt"][waiting])]] = True
+    return Checked(matched, stale, traj["traj_id"][traj["switched"]], over_k, lost, duplicate, split, dropped,
+                   int(n - live.sum()))
