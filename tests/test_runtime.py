@@ -43,8 +43,10 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
     if mode == "dora":
         figs = analyze(run_dir, plots=tmp_path / "plots")["plots"]
-        assert sorted(p.rsplit("/", 1)[1] for p in figs) == ["allocation.png", "staleness.png", "stratified.png",
-                                                              "timeline.png"]
+        assert sorted(p.rsplit("/", 1)[1] for p in figs) == ["allocation.png", "staleness.png", "steps.png",
+                                                              "stratified.png", "timeline.png"]
+        rates = a["tokens_per_s_by_step"]
+        assert len(rates) == a["steps"] - 1 and all(r > 0 for r in rates)
         assert all(Path(p).stat().st_size > 10_000 for p in figs)
         rows = a["stratified"]["rows"]
         assert sum(r["n"] for r in rows) == a["consumed"] == sum(a["staleness"]["by_version"].values())

@@ -111,6 +111,9 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "max_live_versions": max_live_versions(esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
+        # step n's trained tokens over the time since step n-1 ended (from step 1; across a resume the
+        # interval includes the restart)
+        "tokens_per_s_by_step": (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist(),
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
     }
     if plots is not None:

@@ -2,8 +2,9 @@
 
 timeline.png (one row per rollout instance, coloured by the version it generates with, lighter =
 fewer filled slots, red lines = train-step starts), allocation.png (instances per version over time,
-like the paper's Fig. 6), staleness.png (histogram of consume step - version) and stratified.png
-(pass rate by staleness, naive and within difficulty bins: Table 1 as a figure).
+like the paper's Fig. 6), staleness.png (histogram of consume step - version), stratified.png
+(pass rate by staleness, naive and within difficulty bins: Table 1 as a figure) and steps.png
+(trained tokens/s and mean reward per train step).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def write_plots(out: Path, esteps: dict, tsteps: dict, result: dict) -> list[Pat
     paths = [timeline(out / "timeline.png", esteps, tsteps, title),
              allocation(out / "allocation.png", esteps, title),
              staleness(out / "staleness.png", result, title),
-             stratified_png(out / "stratified.png", result, title)]
+             stratified_png(out / "stratified.png", result, title),
+             steps_png(out / "steps.png", result, title)]
     return [p for p in paths if p is not None]
 
 
@@ -125,6 +127,29 @@ def stratified_png(path: Path, result: dict, title: str) -> Path:
     ax.set_ylim(0, 1.1)
     ax.set_title(f"{title}: pass rate by staleness, naive and at equal difficulty (Table 1)", fontsize=9)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def steps_png(path: Path, result: dict, title: str) -> Path | None:
+    rate, reward = result["tokens_per_s_by_step"], result["reward_by_step"]
+    if not reward:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    ax.plot(range(1, len(rate) + 1), rate, marker="o", ms=3, color="#4c72b0")
+    if rate:
+        ax.axhline(float(np.median(rate)), color="gray", ls="--", lw=0.8, label=f"median {np.median(rate):.0f}")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("train step")
+    ax.set_ylabel("trained tokens / s")
+    ax.set_title("throughput per step (tokens of step n / time since step n-1 ended)", fontsize=9)
+    ax2.plot(range(len(reward)), reward, marker="o", ms=3, color="#dd8452")
+    ax2.set_xlabel("train step")
+    ax2.set_ylabel("mean reward of the batch")
+    ax2.set_title("reward per step", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
