@@ -123,6 +123,9 @@ class EngineConfig(Section):
     kv_blocks: int = Field(512, ge=1, description="KV blocks per rollout rank")
     block_size: int = Field(16, ge=1)
     max_batched_tokens: int = Field(512, ge=1)
+    on_kv_full: Literal["offload", "recompute"] = Field(
+        "offload", description="builtin: a sequence preempted for KV space moves its KV to host memory and back "
+        "(offload: DORA's hierarchical memory, nothing recomputed) or drops it and recomputes it (recompute)")
 
 
 class ModelConfig(Section):

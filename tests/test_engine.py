@@ -162,16 +162,27 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_dir):
     assert len(run_all(e)[0].output) == 20
 
 
-def test_kv_pressure_preempts_and_recomputes_without_changing_results(tiny_dir):
+@pytest.mark.parametrize("on_kv_full", ["recompute", "offload"])
+def test_kv_pressure_preempts_without_changing_results(tiny_dir, on_kv_full):
+    """A pool too small for every request: the newest running one is preempted, its KV either dropped
+    and recomputed or offloaded to host and restored (nothing recomputed); the tokens do not change."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ps = prompts(512, lens=(20, 20, 20, 20), seed=5)
-    roomy, tight = _engine(tiny_dir, kv_blocks=64, block_size=8), _engine(tiny_dir, kv_blocks=22, block_size=8)
+    roomy = _engine(tiny_dir, kv_blocks=64, block_size=8)
+    tight = _engine(tiny_dir, kv_blocks=22, block_size=8, on_kv_full=on_kv_full)
     for e in (roomy, tight):
         for i, p in enumerate(ps):
             e.add(i, p, params, 0)
     a, b = run_all(roomy), run_all(tight)
-    assert tight.stats()["preemptions"] > 0 and tight.stats()["recompute_tokens"] > 0
+    st = tight.stats()
+    assert st["preemptions"] > 0 and st["kv_blocks_used"] == 0
+    if on_kv_full == "recompute":
+        assert st["recompute_tokens"] > 0 and st["offloads"] == 0
+    else:
+        assert st["recompute_tokens"] == 0 and st["offloads"] == st["preemptions"]
+        assert st["offloaded_tokens"] > 0 and st["free_cache_s"] > 0
     assert all(a[i].output == b[i].output for i in range(4))
+    assert max(abs(x - y) for i in range(4) for x, y in zip(a[i].logprobs, b[i].logprobs, strict=True)) < 1e-4
 
 
 def test_malformed_checkpoint_folders(tiny_dir, tmp_path):

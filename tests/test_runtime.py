@@ -112,6 +112,17 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     assert {1, 2} <= sources, sources
 
 
+def test_a_tight_kv_pool_offloads_to_host_and_logs_the_free_cache_overhead(tmp_path):
+    """16 KV blocks for 8 slots: sequences are preempted for space, their KV goes to host and back
+    (engine.on_kv_full=offload, the default); analyze reports it as the free-cache overhead."""
+    p, run_dir = run(tmp_path, "dora", "--set", "engine.kv_blocks=16", steps=3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run_dir)
+    assert not any(a["invariants"][k] for k in ("mixed_version_trajectories", "staleness_over_k", "lost_groups",
+                                                "duplicate_groups", "split_groups"))
+    assert 0 < a["overheads"]["free_cache"] < 0.01 and a["reprefill_tokens"] == 0
+
+
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", steps=3,
                      env={"PYTHONPATH": str(REPO / "tests")})

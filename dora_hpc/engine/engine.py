@@ -8,8 +8,10 @@ Invariants:
   every token of a trajectory is sampled under its tag;
 * a step schedules each running sequence at most once: a decode (1 token) or a prefill chunk;
   ``max_num_seqs`` sequences run at most, ``max_batched_tokens`` tokens per step at most;
-* when KV blocks run out the newest running sequence is preempted: its blocks are freed and its
-  KV is recomputed when it resumes (counted in ``stats()['recompute_tokens']``);
+* when KV blocks run out the newest running sequence is preempted: with ``on_kv_full="offload"``
+  (DORA's hierarchical memory) its KV is copied to host memory and restored, bit-exact, once blocks
+  free up -- nothing is recomputed (``offloads``, ``free_cache_s`` count it); with "recompute" its
+  blocks are dropped and rebuilt when it resumes (``recompute_tokens``);
 * a migrated (exported then imported) sequence continues exactly as it would have in place, with
   zero re-prefilled tokens; sampling noise depends on (seed, request id, position) only;
 * a bad request (unknown version, too long for the pool) raises before touching engine state.
@@ -33,7 +35,8 @@ class RequestError(ValueError):
     """A request this engine refuses (wrong version, too long, duplicate or unknown id)."""
 
 
-COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions")
+COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions",
+            "offloads", "offloaded_tokens", "free_cache_s")
 
 
 def check_new(hosted: int, live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
@@ -95,7 +98,10 @@ class Finished:
 class Engine:
     def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
-                 min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0) -> None:
+                 min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0,
+                 on_kv_full: str = "offload") -> None:
+        if on_kv_full not in ("offload", "recompute"):
+            raise ValueError(f"on_kv_full must be 'offload' or 'recompute', not {on_kv_full!r}")
         self.model = load_model(model) if isinstance(model, str | Path) else model
         s = self.model.spec
         self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size,
@@ -103,6 +109,7 @@ class Engine:
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.seed, self.version = seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
+        self.on_kv_full = on_kv_full
         self.seqs: dict[int, Sequence] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
 
@@ -185,8 +192,10 @@ class Engine:
     def _try_restore(self, seq: Sequence) -> bool:
         if self.kv.blocks_for(seq.n_cached) > self.kv.free_blocks:
             return False
+        t = time.perf_counter()
         seq.table = self.kv.import_(seq.host_kv) if seq.n_cached else []
         seq.host_kv, seq.status, seq.auto_restore = None, Status.RUNNING, False
+        self.counts["free_cache_s"] += time.perf_counter() - t
         return True
 
     # -- weights -----------------------------------------------------------------------------------
@@ -217,17 +226,27 @@ class Engine:
         return finished
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, new tokens) for this step: decodes first, then prefill chunks, FIFO."""
-        for seq in self.seqs.values():
-            if seq.status is Status.OFFLOADED and seq.auto_restore:
-                self._try_restore(seq)
+        """(sequence, new tokens) for this step: running sequences first, then offloaded ones whose KV
+        fits again (restored from host), then new prefill chunks, each FIFO."""
         running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
         plan: list[tuple[Sequence, int]] = []
         budget = self.max_batched_tokens
         for seq in running:
+            if seq.status is not Status.RUNNING:  # preempted by an earlier one's growth in this loop
+                continue
             n = min(len(seq) - seq.n_cached, budget)
             if n <= 0 or not self._reserve(seq, n, running):
                 continue
+            plan.append((seq, n))
+            budget -= n
+        for seq in [s for s in self.seqs.values() if s.status is Status.OFFLOADED and s.auto_restore]:
+            if budget <= 0 or len(plan) >= self.max_num_seqs or not self._try_restore(seq):
+                break
+            n = min(len(seq) - seq.n_cached, budget)
+            try:
+                self.kv.grow(seq.table, seq.n_cached + n)
+            except KVFull:
+                break  # restored; it runs when the next step has room
             plan.append((seq, n))
             budget -= n
         for seq in [s for s in self.seqs.values() if s.status is Status.WAITING]:
@@ -256,8 +275,17 @@ class Engine:
                 self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.release(seq.table)
         self.counts["preemptions"] += 1
+        if self.on_kv_full == "offload" and seq.n_cached:  # to host, back when blocks free up
+            t = time.perf_counter()
+            seq.host_kv = self.kv.export(seq.table, seq.n_cached).to("cpu", copy=True)
+            self.kv.release(seq.table)
+            seq.table, seq.status, seq.auto_restore = [], Status.OFFLOADED, True
+            self.counts["offloads"] += 1
+            self.counts["offloaded_tokens"] += seq.n_cached
+            self.counts["free_cache_s"] += time.perf_counter() - t
+            return
+        self.kv.release(seq.table)
         self.counts["recompute_tokens"] += seq.n_cached
         seq.table, seq.n_cached, seq.status = [], 0, Status.WAITING
 

@@ -64,4 +64,4 @@ def make_engine(cfg, model_dir) -> RolloutEngine:
         return VllmEngine(model_dir, **kw)
     from .engine import Engine
 
-    return Engine(model_dir, **kw)
+    return Engine(model_dir, **kw, on_kv_full=e.on_kv_full)

@@ -94,6 +94,11 @@ class RolloutRank:
         self.events.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
                                      + before["waiting"], "capacity": self.engine.max_num_seqs, "new_tokens": new,
                                      "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version})
+        freed = st.get("free_cache_s", 0.0) - before.get("free_cache_s", 0.0)
+        if freed > 0:  # KV moved to host and back for space (the paper's free-cache overhead)
+            self.op("free_cache", t_start=self.now() - freed,
+                    detail=f"offloads={st['offloads'] - before['offloads']} tokens="
+                           f"{st['offloaded_tokens'] - before['offloaded_tokens']}")
         for f in finished:
             self.finish(f, st["kv_used_fraction"])
 
