@@ -183,6 +183,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             ("inter-instance bubble (C.3)", lambda r: f"{r['inter_instance_bubble']:.3f}"),
             ("rollout-only fraction", lambda r: f"{r['rollout_only_fraction']:.3f}"),
             ("trained tokens / s", lambda r: f"{r['throughput_tokens_per_s']:.1f}"),
+            ("overheads, % of instance time", lambda r: ", ".join(f"{k} {100 * v:.2f}" for k, v in
+                                                                 r["overheads"].items()) or "-"),
             ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
              if r["reward_by_step"] else "-")]
     rows += [(f"invariant: {k}", lambda r, k=k: r["invariants"][k])
@@ -190,6 +192,11 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     for label, key in rows:
         table.add_row(label, *[str(key(r) if callable(key) else r[key]) for r in results])
     console.print(table)
+    for r in results:  # a run still going, or killed, has incomplete shards: say what was left out
+        for kind, sh in r["shards"].items():
+            if sh["tmp_skipped"] or sh["bad"]:
+                console.print(f"{r['run_dir']}: {kind} shards: {sh['files']} read, {sh['tmp_skipped']} incomplete "
+                              f"*.h5.tmp skipped" + "".join(f"; skipped {p} ({why})" for p, why in sh["bad"].items()))
     if args.json:
         out = results[0] if len(results) == 1 else {"runs": results}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

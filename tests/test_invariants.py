@@ -61,3 +61,15 @@ def test_vectorised_helpers():
     assert groups_with_many(g, v).tolist() == [1]
     key, by = np.array([4, 4, 2, 4, 2]), np.array([0, 1, 0, 1, 0])
     assert sorted(last_per_key(key, by).tolist()) == [3, 4]  # ties on `by` go to the later row
+
+
+def test_the_cli_says_which_shards_it_left_out(tmp_path, capsys):
+    from dora_hpc.cli import main
+
+    build(tmp_path)
+    (tmp_path / "traj-r3-00009.h5.tmp").write_bytes(b"a shard being written")
+    (tmp_path / "traj-r3-00008.h5").write_bytes(b"truncated")
+    assert main(["analyze", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "1 incomplete *.h5.tmp skipped" in out and "traj-r3-00008.h5 (unreadable HDF5" in out
+    assert "lost_groups" in out  # the rest was still analysed
