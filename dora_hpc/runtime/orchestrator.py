@@ -79,7 +79,7 @@ class Orchestrator:
             tbs=b.tbs, rbs=b.tbs if cfg.mode in ("sync", "one_step") else b.rbs, group_size=b.group_size,
             n_instances=len(self.roles.rollout_ranks), slots=cfg.cluster.max_num_seqs, k=cfg.dora.k,
             kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
-            carry_kv=cfg.dora.kv_migration and cfg.engine.backend == "builtin",  # vLLM: by re-prefill
+            carry_kv=cfg.dora.kv_migration,
             legacy_topup=cfg.dora.legacy_topup))
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)

@@ -219,13 +219,13 @@ class RolloutRank:
             info["path"] += f">{self.instance}"  # another version by now)
             self.send_migration(self.forward.pop(rid), meta, kv, t)
             return
-        if kv is None:
-            info["reprefill"] += len(meta["prompt"]) + len(meta["output"])
         meta.pop("info")
+        before = self.engine.stats()["reprefill_tokens"]
         try:
             self.engine.import_(meta, kv)
         except RequestError as e:
             raise RuntimeError(f"rank {self.comm.rank}: migration of {meta['req_id']} refused: {e}") from None
+        info["reprefill"] += self.engine.stats()["reprefill_tokens"] - before  # what the engine recomputes
         info["n_migrations"] += 1
         info["path"] += f">{self.instance}"
         self.info[meta["req_id"]] = info

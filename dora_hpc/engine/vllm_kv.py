@@ -1,0 +1,121 @@
+"""KV migration for the vLLM backend: a KV connector of ours, for vLLM's in-process engine.
+
+Export copies a live request's KV straight out of vLLM's paged cache (the blocks its scheduler gave the
+request, whole blocks only); import parks that tensor here and re-adds the request with all its tokens;
+this connector then tells vLLM's scheduler those tokens are computed externally and, at the start of the
+next forward pass, writes the blocks into the ones vLLM allocated. Nothing crosses a process: the
+engine and its connector share this module's registry of pending imports, keyed by the engine's
+``engine_id``. vLLM keeps one worker-side connector per process, so the worker half takes the engine
+id from the step's metadata (built by that engine's scheduler half) and the caches from the forward
+context, never from itself: several engines in one process (tests, benchmarks) stay apart.
+
+Invariants:
+* only whole blocks move, and never the last token (vLLM computes at least one token of a request to
+  get its next logits): the tail of 1 to block_size tokens is recomputed at the destination, and
+  counted as re-prefill by the engine;
+* a pending import is consumed exactly once, by the forward pass that first schedules the request; if
+  vLLM cannot give it blocks yet, the scheduler asks again later and the KV is still here;
+* both engines run the same model with the same block size, so a block is copied as-is, whatever the
+  attention backend's layout (the block index is dim 0, or dim 1 for [2, blocks, ...] layouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+PENDING: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}  # engine_id -> request id -> (blocks, tokens)
+
+
+def external_id(request_id: str) -> str:
+    """vLLM appends '-<8 chars>' to the id a request was added with."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def block_dim(cache: torch.Tensor, num_blocks: int) -> int:
+    return 0 if cache.shape[0] == num_blocks else 1
+
+
+def layer_caches(layers: dict) -> list[torch.Tensor]:
+    """The paged KV cache of every attention layer, in the model's layer order (a forward context's
+    ``no_compile_layers`` or a config's ``static_forward_context``)."""
+    return [c for layer in layers.values() if isinstance(c := getattr(layer, "kv_cache", None), torch.Tensor)]
+
+
+def read_blocks(caches: list[torch.Tensor], block_ids: list[int], num_blocks: int) -> torch.Tensor:
+    """[layers, blocks, ...]: a copy of those blocks of every layer."""
+    out = []
+    for cache in caches:
+        d = block_dim(cache, num_blocks)
+        out.append(cache.index_select(d, torch.tensor(block_ids, dtype=torch.long)).movedim(d, 0).clone())
+    return torch.stack(out)
+
+
+def write_blocks(caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor, num_blocks: int) -> None:
+    if kv.shape[0] != len(caches):
+        raise ValueError(f"KV of {kv.shape[0]} layers for a model of {len(caches)}")
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    for layer, cache in zip(kv, caches, strict=True):
+        d = block_dim(cache, num_blocks)
+        cache.index_copy_(d, idx, layer.movedim(0, d).to(cache))
+
+
+@dataclass
+class LoadMeta(KVConnectorMetadata):
+    engine_id: str = ""
+    num_blocks: int = 0
+    loads: list[tuple[str, list[int]]] = field(default_factory=list)  # (request id, destination blocks)
+
+
+class DoraKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.engine_id = self._kv_transfer_config.engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        self.allocated: dict[str, list[int]] = {}  # scheduler side: imports that got blocks this step
+        PENDING.setdefault(self.engine_id, {})
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # nothing is handed off when a request finishes
+
+    # -- worker side -------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, LoadMeta) or not meta.loads:
+            return
+        caches = layer_caches(forward_context.no_compile_layers)
+        for req, blocks in meta.loads:
+            kv, _tokens = PENDING[meta.engine_id].pop(req)
+            write_blocks(caches, blocks, kv, meta.num_blocks)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # export reads the paged cache directly, outside a forward pass
+
+    def wait_for_save(self) -> None:
+        return
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        got = PENDING[self.engine_id].get(external_id(request.request_id))
+        if got is None or got[1] <= num_computed_tokens:
+            return 0, False
+        return got[1] - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            req = external_id(request.request_id)
+            n = PENDING[self.engine_id][req][1] // self.block_size
+            self.allocated[req] = list(blocks.get_block_ids()[0][:n])
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = LoadMeta(engine_id=self.engine_id, num_blocks=self.num_blocks, loads=list(self.allocated.items()))
+        self.allocated = {}
+        return meta
