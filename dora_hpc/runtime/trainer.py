@@ -8,8 +8,10 @@ Invariants:
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
   alone logs the step, reports Published, checkpoints; every replica serves weights;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
-  answers SendWeights for versions already held and sets every other message aside, in arrival order,
-  for after the step; it is the only thread touching MPI while it runs (the step itself uses none);
+  answers SendWeights for versions already held, queues arriving trajectories (the step has taken its
+  own out of the queue) and sets every other message aside, in arrival order, for after the step; it
+  is the only thread touching MPI while it runs (the step itself uses none). So ``deferred`` never
+  holds a trajectory: a step waiting for its stragglers finds them in the queue or in MPI;
 * every consumed trajectory is logged with its staleness = consume_step - version;
 * versions are published in order: after step n the trainer holds v_{n+1} and can serve the weights
   of every version still live (the last ``keep_versions`` ones);
@@ -113,6 +115,8 @@ class TrainerRank:
                     got = self.comm.poll()
                     if got is None:
                         time.sleep(0.001)
+                    elif isinstance(got[0], Trajectory):
+                        self.handle(*got)
                     elif isinstance(got[0], SendWeights) and got[0].version in self.versions:
                         self.handle(*got)
                         self.comm.wait_bulk()  # a large send progresses only inside its sender's MPI calls
