@@ -1,0 +1,167 @@
+"""What every rollout policy shares: its config, the cluster view, the ledger, the complete groups
+and the trainer state, and the ``on(event) -> commands`` dispatch (core/policies.py has the five).
+
+Pure, like all of core/: same state + event -> same commands.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .cluster import ClusterView
+from .events import (
+    TRAINER,
+    AssignVersion,
+    Command,
+    Event,
+    InstanceReady,
+    KvPressure,
+    RequestFinished,
+    Start,
+    StartTrain,
+    Tick,
+    VersionPublished,
+)
+from .ledger import Ledger
+from .resume import ResumePlan
+
+MODES = ("sync", "one_step", "partial", "oversample", "dora")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What a policy needs to know about the batch and the cluster (built from RunConfig)."""
+
+    tbs: int                      # groups per train step
+    rbs: int                      # groups in flight (RBS >= TBS)
+    group_size: int               # samples per prompt (GRPO group)
+    n_instances: int              # rollout instances (DP groups)
+    slots: int                    # concurrent sequences per instance
+    k: int = 1                    # Dora staleness bound
+    kv_threshold: float = 0.9     # Dora: rebalance when an instance's KV use exceeds this
+    rebalance_every: int = 1      # Dora: rebalance every N Ticks
+    carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
+    legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tbs <= self.rbs:
+            raise ValueError(f"need 1 <= tbs <= rbs, got tbs={self.tbs}, rbs={self.rbs}")
+        if self.group_size < 1 or self.k < 0:
+            raise ValueError("group_size must be >= 1 and k >= 0")
+
+
+class Policy:
+    """Shared bookkeeping: the cluster view, the ledger, complete groups and the trainer state."""
+
+    name = "policy"
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size)
+        self.ledger = Ledger(cfg.group_size)
+        self.latest = 0
+        self.trainer_busy = False
+        self.next_step = 0
+        self.complete: dict[int, deque[int]] = {}  # version -> complete, unconsumed group ids
+        self.pending_groups = 0  # admitted groups with unfinished samples
+
+    # -- the one entry point -----------------------------------------------------------------------
+    def on(self, event: Event) -> list[Command]:
+        match event:
+            case Start():
+                return self._assign_all(self.latest)
+            case InstanceReady(instance, version):
+                self.view.ready(instance, version)
+                return self.on_ready(instance)
+            case RequestFinished(traj_id, _):
+                if traj_id not in self.view.trajs:
+                    return []  # it finished while our Abort was on the way (a dropped group): nothing to do
+                t = self.view.remove(traj_id)
+                if self.ledger.finish(traj_id):
+                    self.pending_groups -= 1
+                    self.complete.setdefault(self.ledger.groups[t.group_id].version, deque()).append(t.group_id)
+                return self.on_finished(t.instance)
+            case VersionPublished(version):
+                if version != self.latest + 1 or not self.trainer_busy:
+                    raise ValueError(f"unexpected VersionPublished({version}) after v{self.latest}")
+                self.latest, self.trainer_busy = version, False
+                return self.on_published()
+            case KvPressure() | Tick():
+                return self.on_pressure(event)
+        raise TypeError(f"unknown event {event!r}")
+
+    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+        """Continue a run from a checkpoint (core/resume.py); call on a fresh policy before Start.
+        Stored complete groups wait for the trainer; the others are queued again, whole, under
+        ``plan.version``, which is also the latest version and the next train step."""
+        self.ledger = ledger
+        self.latest = self.next_step = plan.version
+        for g in plan.redispatch:
+            ledger.reopen(g, plan.version)
+            self.pending_groups += 1
+            self._redispatch(g)
+        for g in plan.requeue:
+            self.complete.setdefault(ledger.groups[g].version, deque()).append(g)
+
+    def _redispatch(self, group_id: int) -> None:
+        self.view.enqueue_group(group_id, self.latest)
+
+    def snapshot(self) -> dict:
+        """What a checkpoint keeps of the policy (JSON-able): with the checkpoint's weights of version
+        ``next_step`` this is all ``restore`` needs."""
+        out = {"mode": self.name, "next_step": self.next_step, "latest": self.latest,
+               "ledger": self.ledger.to_dict()}
+        if hasattr(self, "window"):
+            out["window"] = self.window.to_dict()
+        return out
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def on_ready(self, instance: int) -> list[Command]:
+        return self.view.place(self.view.instances[instance].version)
+
+    def on_finished(self, instance: int | None) -> list[Command]:
+        raise NotImplementedError
+
+    def on_published(self) -> list[Command]:
+        raise NotImplementedError
+
+    def on_pressure(self, event: KvPressure | Tick) -> list[Command]:
+        return []
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def admit(self, version: int) -> int:
+        gid = self.ledger.new_group(version)
+        self.pending_groups += 1
+        self.view.enqueue_group(gid, version)
+        return gid
+
+    def n_complete(self) -> int:
+        return sum(len(q) for q in self.complete.values())
+
+    def start_train(self, group_ids: list[int]) -> StartTrain:
+        step = self.next_step
+        for g in group_ids:
+            self.ledger.consume(g, step)
+        self.next_step += 1
+        self.trainer_busy = True
+        return StartTrain(step, tuple(group_ids))
+
+    def take_oldest(self, n: int) -> list[int]:
+        out: list[int] = []
+        for v in sorted(self.complete):
+            q = self.complete[v]
+            while q and len(out) < n:
+                out.append(q.popleft())
+            if not q:
+                del self.complete[v]
+        return out
+
+    def _assign_all(self, version: int, keep_requests: bool = False) -> list[Command]:
+        out: list[Command] = []
+        for i, inst in enumerate(self.view.instances):
+            if inst.target != version:
+                cmd = AssignVersion(i, version, TRAINER, keep_requests)
+                self.view.assign(cmd)
+                out.append(cmd)
+        return out
