@@ -228,7 +228,11 @@ class Engine:
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) for this step: running sequences first, then offloaded ones whose KV
         fits again (restored from host), then new prefill chunks, each FIFO."""
+        # candidates as the pass starts: a sequence preempted during this pass waits for the next one
+        # (re-admitting it now would put it in the plan twice)
         running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        offloaded = [s for s in self.seqs.values() if s.status is Status.OFFLOADED and s.auto_restore]
+        waiting = [s for s in self.seqs.values() if s.status is Status.WAITING]
         plan: list[tuple[Sequence, int]] = []
         budget = self.max_batched_tokens
         for seq in running:
@@ -239,7 +243,7 @@ class Engine:
                 continue
             plan.append((seq, n))
             budget -= n
-        for seq in [s for s in self.seqs.values() if s.status is Status.OFFLOADED and s.auto_restore]:
+        for seq in offloaded:
             if budget <= 0 or len(plan) >= self.max_num_seqs or not self._try_restore(seq):
                 break
             n = min(len(seq) - seq.n_cached, budget)
@@ -249,7 +253,7 @@ class Engine:
                 break  # restored; it runs when the next step has room
             plan.append((seq, n))
             budget -= n
-        for seq in [s for s in self.seqs.values() if s.status is Status.WAITING]:
+        for seq in waiting:
             if budget <= 0 or len(plan) >= self.max_num_seqs:
                 break
             n = min(len(seq) - seq.n_cached, budget)
