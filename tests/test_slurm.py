@@ -198,3 +198,26 @@ def test_a_plain_job_when_heterogeneous_is_off(tmp_path, slurm_cluster):
     assert job_state(job)["JobState"] == "COMPLETED"
     a = analyze(run_dir)
     assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0
+
+
+def test_data_parallel_trainers_in_a_heterogeneous_job(tmp_path, slurm_cluster):
+    """Two trainer replicas in component 0 (with the orchestrator), two rollout ranks in component 1:
+    the gloo group bootstraps over the job's one MPI world and each replica trains its own groups."""
+    from dora_hpc.store.shards import read_table
+
+    run_dir = tmp_path / "dp"
+    # the local cluster's nodes have 2 CPUs each: component 0's 3 tasks span 2 of them
+    job = submit(run_dir, 3, "cluster.trainer_ranks=2", "cluster.rollout_ranks=2", "slurm.trainer.nodes=2")
+    try:
+        wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
+                 what="the data-parallel job")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    log = "".join(f.read_text() for f in (run_dir / "slurm").glob(f"{job}_0_log.*"))
+    assert job_state(job)["JobState"] == "COMPLETED", log[-3000:]
+    a = analyze(run_dir)
+    assert a["steps"] == 3 and a["consumed"] == 3 * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories"))
+    c = read_table(run_dir, "train", "consumed", with_rank=True)
+    assert {(int(r), int(g) % 2) for r, g in zip(c["rank"], c["group_id"], strict=True)} == {(1, 0), (2, 1)}
