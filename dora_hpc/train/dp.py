@@ -1,4 +1,4 @@
-"""Data parallelism across the trainer ranks: torch.distributed (gloo on CPU, NCCL on GPU), bootstrapped
+"""Data parallelism across the trainer ranks: torch.distributed (gloo; NCCL for a GPU trainer), bootstrapped
 over the trainers' MPI sub-communicator, no environment variables needed.
 
 Invariants:
@@ -31,7 +31,7 @@ class DataParallel:
             return
         import torch.distributed as dist
 
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or "gloo"  # the trainer computes on CPU; pass "nccl" with a GPU trainer (issue 8)
         hosts = mpi_comm.allgather(socket.gethostname())
         addr = None
         if self.rank == 0:
