@@ -21,17 +21,16 @@ BUCKET_BYTES = 64 << 20  # gradients are all-reduced in flat buckets of at most 
 
 
 class DataParallel:
-    def __init__(self, mpi_comm=None, backend: str | None = None, timeout_s: float = 600.0) -> None:
-        """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank)."""
+    def __init__(self, mpi_comm=None, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+        """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank). The trainer
+        computes on CPU, hence gloo; a GPU trainer (issue 8) passes "nccl"."""
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
         self.mpi = mpi_comm
-        self.device = torch.device("cpu")
         if self.size == 1:
             return
         import torch.distributed as dist
 
-        backend = backend or "gloo"  # the trainer computes on CPU; pass "nccl" with a GPU trainer (issue 8)
         hosts = mpi_comm.allgather(socket.gethostname())
         addr = None
         if self.rank == 0:
@@ -43,8 +42,6 @@ class DataParallel:
         addr = mpi_comm.bcast(addr, root=0)
         dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        if backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def lead(self) -> bool:
