@@ -190,9 +190,10 @@ class VllmEngine:
         kv = self._take_kv(req_id, live)
         self._withdraw(req_id, live)
         del self.reqs[req_id]
-        return {"req_id": req_id, "version": live.version, "prompt": live.prompt, "output": live.carried,
-                "logprobs": live.carried_lp, "n_cached": kv[1] if kv else 0, "params": live.params.__dict__}, \
-            (kv[0] if kv else None)
+        blocks, tokens = kv if kv else (None, 0)
+        meta = {"req_id": req_id, "version": live.version, "prompt": live.prompt, "output": live.carried,
+                "logprobs": live.carried_lp, "n_cached": tokens, "params": live.params.__dict__}
+        return meta, blocks
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
         params = SamplingParams(**meta["params"])
