@@ -33,11 +33,14 @@ class RolloutEngine(Protocol):
     def abort(self, req_id: int) -> None: ...
 
     def export(self, req_id: int) -> tuple[dict, torch.Tensor | None]:
-        """Remove a request; (plain-data metadata, KV [layers, 2, tokens, kv_heads, head_dim] or None
-        when the backend cannot hand out KV)."""
+        """Remove a request; (plain-data metadata with ``n_cached``, the tokens its KV covers, and that KV:
+        the built-in engine's [layers, 2, tokens, kv_heads, head_dim], vLLM's whole blocks
+        [layers, blocks, ...]; None when there is none to hand out)."""
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
-        """Continue an exported request here: with its KV, zero re-prefill; with None, by re-prefill."""
+        """Continue an exported request here: with its KV, recomputing only what it does not cover (the
+        built-in engine: nothing; vLLM: the tail past its last whole block), counted in
+        ``stats()['reprefill_tokens']``; with None, by re-prefill of every token."""
 
     def offload(self, req_id: int) -> None: ...
 
