@@ -282,9 +282,8 @@ class Engine:
         self.counts["preemptions"] += 1
         if self.on_kv_full == "offload" and seq.n_cached:  # to host, back when blocks free up
             t = time.perf_counter()
-            seq.host_kv = self.kv.export(seq.table, seq.n_cached).to("cpu", copy=True)
-            self.kv.release(seq.table)
-            seq.table, seq.status, seq.auto_restore = [], Status.OFFLOADED, True
+            self.offload(seq.req_id)
+            seq.auto_restore = True
             self.counts["offloads"] += 1
             self.counts["offloaded_tokens"] += seq.n_cached
             self.counts["free_cache_s"] += time.perf_counter() - t
