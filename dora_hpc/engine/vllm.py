@@ -169,8 +169,9 @@ class VllmEngine:
         caches = layer_caches(self.llm.vllm_config.compilation_config.static_forward_context)
         return read_blocks(caches, blocks, num_blocks), len(blocks) * self.block_size
 
-    def _give_kv(self, req_id: int, live: _Live, kv: tuple[torch.Tensor, int] | None) -> None:
-        """(Re-)add the request; its KV, if any, is loaded by the connector and only the rest recomputed."""
+    def _give_kv(self, req_id: int, live: _Live, kv: tuple[torch.Tensor, int] | None) -> int:
+        """(Re-)add the request; its KV, if any, is loaded by the connector and only the rest recomputed.
+        Returns how many tokens vLLM computes again (the caller books them as re-prefill or recompute)."""
         from .vllm_kv import PENDING
 
         n_total = len(live.prompt) + len(live.carried)
@@ -182,8 +183,8 @@ class VllmEngine:
                                    f"not fit {n_total} tokens in blocks of {self.block_size}")
             PENDING[self.engine_id][str(req_id)] = (blocks, tokens)
         live.kv_tokens = tokens
-        self.counts["reprefill_tokens"] += n_total - tokens
         self._submit(req_id, live)
+        return n_total - tokens
 
     def export(self, req_id: int) -> tuple[dict, torch.Tensor | None]:
         live = self._get(req_id)
@@ -200,7 +201,8 @@ class VllmEngine:
         self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
         live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["output"]), list(meta["logprobs"]))
         carried = (torch.as_tensor(kv), int(meta["n_cached"])) if kv is not None and kv.numel() else None
-        self._give_kv(meta["req_id"], live, carried)  # validates before the request becomes live here
+        # validates before the request becomes live here
+        self.counts["reprefill_tokens"] += self._give_kv(meta["req_id"], live, carried)
         self.reqs[meta["req_id"]] = live
 
     def offload(self, req_id: int) -> None:
@@ -213,12 +215,9 @@ class VllmEngine:
     def restore(self, req_id: int) -> None:
         live = self._get(req_id)
         if live.parked:
-            before = self.counts["reprefill_tokens"]
             kv, live.parked, live.host_kv = live.host_kv, False, None
-            self._give_kv(req_id, live, kv)
-            # a restore recomputes what did not fit in whole blocks: recompute, not migration re-prefill
-            self.counts["recompute_tokens"] += self.counts["reprefill_tokens"] - before
-            self.counts["reprefill_tokens"] = before
+            # what did not fit in whole blocks is recomputed: a restore's cost, not migration re-prefill
+            self.counts["recompute_tokens"] += self._give_kv(req_id, live, kv)
 
     # -- weights -----------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
@@ -242,8 +241,7 @@ class VllmEngine:
         for req_id, live in self.reqs.items():
             live.version = version
             if not live.parked:
-                self.counts["reprefill_tokens"] += len(live.prompt) + len(live.carried)
-                self._submit(req_id, live)
+                self.counts["reprefill_tokens"] += self._give_kv(req_id, live, None)
 
     # -- stepping ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
