@@ -14,7 +14,7 @@ import numpy as np
 
 from ..store.shards import read_table, scan
 from .history import history
-from .invariants import check, read_trajectories
+from .invariants import check, joined, read_trajectories
 from .staleness import stratified
 from .utilization import utilization
 
@@ -55,8 +55,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     chk = check(traj, consumed, ops, set(hist.owns), hist.chain[-1], bound, g_size)
     mixed = chk.mixed.tolist() if mode != "partial" else []
     stale = chk.stale
-    lengths = np.where(chk.matched >= 0, traj["response_len"][np.maximum(chk.matched, 0)] if len(traj["traj_id"])
-                       else 0, 0)
+    lengths = joined(traj["response_len"], chk.matched, 0)
 
     published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}
     by_attempt = {(int(a), int(st) + 1): str(c) for a, st, c in

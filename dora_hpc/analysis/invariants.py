@@ -59,6 +59,13 @@ def groups_with_many(group: np.ndarray, value: np.ndarray) -> np.ndarray:
     return ug[n > 1]
 
 
+def joined(column: np.ndarray, matched: np.ndarray, fallback) -> np.ndarray:
+    """``column`` of each consumed row's trajectory row (``matched``), ``fallback`` where none was stored."""
+    if not len(column):
+        return np.broadcast_to(np.asarray(fallback), matched.shape).copy()
+    return np.where(matched >= 0, column[np.maximum(matched, 0)], fallback)
+
+
 def last_per_key(key: np.ndarray, order_by: np.ndarray) -> np.ndarray:
     """Row indices: for each distinct key, the row with the largest (order_by, index)."""
     if not len(key):
@@ -93,11 +100,10 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
     hit = (pos >= 0) & (tkey[order][np.maximum(pos, 0)] == ckey) if n else np.zeros(len(ckey), bool)
     matched = np.where(hit, order[np.maximum(pos, 0)] if n else 0, -1)
     ok = matched >= 0
-    row = np.maximum(matched, 0)
 
     c_group, c_step = consumed["group_id"], consumed["consume_step"]
-    stale = c_step - np.where(ok, traj["min_version"][row] if n else 0, consumed["version"])
-    tag = np.where(ok, traj["first_version"][row] if n else 0, consumed["version"])
+    stale = c_step - joined(traj["min_version"], matched, consumed["version"])
+    tag = joined(traj["first_version"], matched, consumed["version"])
     split = np.union1d(groups_with_many(traj["group_id"] * amax + traj["attempt"], traj["first_version"]) // amax,
                        groups_with_many(c_group, tag))
     t_ids, t_count = np.unique(consumed["traj_id"], return_counts=True)
