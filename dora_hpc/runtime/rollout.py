@@ -7,8 +7,8 @@ Invariants:
   the new version must not reach the engine before the weights); weights that overtake their
   LoadVersion (they come from another rank, so MPI does not order them) wait for it;
 * every finished trajectory is rewarded here (a reward function that raises gives reward 0 and a
-  recorded error), written to this rank's HDF5 shard, streamed to the lead trainer, and reported
-  to the orchestrator -- in that order;
+  recorded error), written to this rank's HDF5 shard, streamed to the trainer that owns its group,
+  and reported to the orchestrator -- in that order;
 * a MigrateOut or AbortTraj may name a request that is still on its way here (the orchestrator moved
   it here and then on; MPI does not order messages from different senders): it waits for the
   request, which is then relayed untouched or dropped -- never imported under another version.
@@ -94,7 +94,7 @@ class RolloutRank:
         self.events.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
                                      + before["waiting"], "capacity": self.engine.max_num_seqs, "new_tokens": new,
                                      "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version})
-        freed = st.get("free_cache_s", 0.0) - before.get("free_cache_s", 0.0)
+        freed = st["free_cache_s"] - before["free_cache_s"]  # every backend keeps engine.COUNTERS
         if freed > 0:  # KV moved to host and back for space (the paper's free-cache overhead)
             self.op("free_cache", t_start=self.now() - freed,
                     detail=f"offloads={st['offloads'] - before['offloads']} tokens="
