@@ -102,6 +102,9 @@ class ClusterConfig(Section):
 
 
 class TrainConfig(Section):
+    backend: Literal["torch", "fsdp"] = Field(
+        "torch", description="torch (every trainer rank holds the whole model, gradients all-reduced) or fsdp "
+        "(FSDP2: weights, gradients and optimizer sharded over the trainer ranks)")
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
     keep_checkpoints: int = Field(3, ge=1)

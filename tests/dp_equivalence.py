@@ -1,7 +1,9 @@
-"""Run under ``mpiexec -n R``: R data-parallel GRPO replicas, each given the groups it owns, take the same
-steps as one trainer given every sample. Prints one JSON line from rank 0.
+"""Run under ``mpiexec -n R``: R data-parallel GRPO trainer ranks (replicated ``torch`` or sharded ``fsdp``),
+each given the groups it owns, take the same steps as one replicated trainer given every sample; then the
+distributed trainer's checkpoint resumes a one-rank trainer, and both take one more equal step (the
+checkpoint is backend- and rank-count-independent). Prints one JSON line from rank 0.
 
-    mpiexec -n 2 python tests/dp_equivalence.py MODEL_DIR [loss_agg]
+    mpiexec -n 2 python tests/dp_equivalence.py MODEL_DIR [loss_agg] [backend]
 """
 
 import json
@@ -29,29 +31,38 @@ def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
     return out
 
 
-def main(model_dir: str, loss_agg: str) -> None:
+def main(model_dir: str, loss_agg: str, backend: str) -> None:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
     dp = DataParallel(world)
-    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp)
+    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
     metrics = []
     for step in range(3):
-        samples = batch(step)
+        samples = batch(step, n_groups=5 if step != 1 else 1)  # step 1: one group, so a rank gets none
         mine = [s for s in samples if s.group_id % dp.size == dp.rank]
         m = replica.train_step(mine)
         dp.check_replicas(weights_checksum(replica.state_dict()), step)
         if single is not None:
             metrics.append((m, single.train_step(samples)))
+    weights, rest = replica.checkpoint_state()  # a collective for fsdp
+    samples = batch(3)
+    m = replica.train_step([s for s in samples if s.group_id % dp.size == dp.rank])
+    a = replica.state_dict()  # a collective for fsdp
     if single is not None:
-        a, b = replica.state_dict(), single.state_dict()
-        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+        diff = max(float((weights[k] - v).abs().max()) for k, v in single.state_dict().items())
+        resumed = GRPOTrainer(model_dir, cfg, seed=1)
+        resumed.load_checkpoint(weights, rest)
+        metrics.append((m, resumed.train_step(samples)))
+        c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
-        print(json.dumps({"max_abs_weight_diff": diff, "replicas": dp.size,
+        print(json.dumps({"backend": backend, "max_abs_weight_diff": diff,
+                          "resumed_max_abs_weight_diff": max(float((a[k] - c[k]).abs().max()) for k in a),
+                          "replicas": dp.size,
                           "metrics": [[{k: x[k] for k in keys} for x in pair] for pair in metrics]}))
     dp.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token", sys.argv[3] if len(sys.argv) > 3 else "torch")

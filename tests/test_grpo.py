@@ -70,9 +70,11 @@ def test_bad_samples_are_refused(tiny):
         trainer.train_step([Sample([1, 2], [3, 4], [0.0], 1.0, 0)])
 
 
-def test_data_parallel_replicas_take_the_single_rank_step(tiny):
-    """2 gloo replicas over real MPI, each given the groups it owns, end bit-identical to each other
-    (checked inside) and equal to one trainer given every sample, up to float summation order."""
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_data_parallel_replicas_take_the_single_rank_step(tiny, backend):
+    """2 gloo trainer ranks over real MPI (replicated, or FSDP2-sharded), each given the groups it owns
+    (in one step a rank gets none), end bit-identical to each other (checked inside) and equal to one
+    trainer given every sample, up to float summation order; their checkpoint resumes a one-rank trainer."""
     import json
     import subprocess
     import sys
@@ -81,15 +83,15 @@ def test_data_parallel_replicas_take_the_single_rank_step(tiny):
     from dora_hpc.launch.local import mpiexec
 
     script = Path(__file__).parent / "dp_equivalence.py"
-    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tiny), "token"],
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tiny), "token", backend],
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["replicas"] == 2
+    assert out["replicas"] == 2 and out["backend"] == backend and len(out["metrics"]) == 4
     for dp_m, single_m in out["metrics"]:
         assert dp_m["tokens"] == single_m["tokens"] and dp_m["clip_frac"] == single_m["clip_frac"]
         for k in ("loss", "ratio_mean", "grad_norm", "reward_mean"):
             assert dp_m[k] == pytest.approx(single_m[k], rel=1e-5), k
     # Adam's step is ~lr per weight whatever the gradient's size, so tiny gradients amplify summation-order
     # noise; measured 7e-5 after 3 steps at lr 1e-2 (a wrong normalisation or a missing share is ~1e-2)
-    assert out["max_abs_weight_diff"] < 1e-3
+    assert out["max_abs_weight_diff"] < 1e-3 and out["resumed_max_abs_weight_diff"] < 1e-3

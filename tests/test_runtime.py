@@ -76,10 +76,11 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
                if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
-def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path):
-    """2 trainer replicas (gloo) + 2 rollout ranks, stopped by SIGTERM at a checkpoint and resumed: each
-    group is trained by its owner, both replicas serve weights, and the run keeps every invariant
-    (replicas whose weights diverge -- e.g. one not resumed from the checkpoint -- fail the run)."""
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path, backend):
+    """2 trainer ranks (gloo; replicated, or FSDP2-sharded) + 2 rollout ranks, stopped by SIGTERM at a
+    checkpoint and resumed: each group is trained by its owner, both trainers serve weights, and the run
+    keeps every invariant (trainers whose weights diverge -- e.g. one not resumed -- fail the run)."""
     import collections
 
     from dora_hpc.store.shards import read_table
@@ -87,7 +88,7 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     run_dir = tmp_path / "dp"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", "--set", "batch.tbs=4",
                  "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
-                 "--set", "cluster.rollout_ranks=2", "--run-dir", str(run_dir)]
+                 "--set", "cluster.rollout_ranks=2", "--set", f"train.backend={backend}", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while not (run_dir / "checkpoints" / "step-2").exists():

@@ -128,9 +128,9 @@ class Published:          # lead trainer -> orchestrator: step version-1 finishe
 
 
 @dataclass(frozen=True)
-class Checkpoint:         # orchestrator -> lead trainer: write step-{version}.tmp with this state
+class Checkpoint:         # orchestrator -> every trainer: the lead writes step-{version}.tmp with this state
     version: int
-    state: dict
+    state: dict | None    # None for the other trainer ranks (they only join the backend's gathers)
 
 
 @dataclass(frozen=True)

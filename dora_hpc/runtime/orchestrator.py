@@ -202,7 +202,8 @@ class Orchestrator:
         self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
         for r in self.roles.rollout_ranks:
             self.comm.send(Flush(v), r)
-        self.comm.send(Checkpoint(v, state), self.roles.lead_trainer)
+        for t in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
+            self.comm.send(Checkpoint(v, state if t == self.roles.lead_trainer else None), t)
         self.log.flush()  # so the ops up to here survive a crash too
 
     def on_checkpoint_progress(self, msg: Flushed | Checkpointed) -> None:

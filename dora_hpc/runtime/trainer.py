@@ -6,7 +6,10 @@ Invariants:
 * data parallel over T trainer ranks: every rank gets every Train, trains on the groups it owns
   (``Roles.trainer_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
-  alone logs the step, reports Published, checkpoints; every replica serves weights;
+  alone logs the step, reports Published, writes checkpoints; every replica serves weights. The weights
+  live in a trainer backend (``train.backend``: replicated torch or FSDP2-sharded); every collective of
+  a sharded backend (a step, gathering the weights to publish, gathering the optimizer for a
+  checkpoint) is reached by every trainer rank in the same message order;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
   answers SendWeights for versions already held, queues arriving trajectories (the step has taken its
   own out of the queue) and sets every other message aside, in arrival order, for after the step; it
@@ -43,7 +46,8 @@ class TrainerRank:
         self.lead = comm.rank == comm.roles.lead_trainer
         self.trainer = GRPOTrainer(model_dir, GRPOConfig(
             lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
-            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed, dp=self.dp)
+            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed, dp=self.dp,
+            backend=t.backend)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0
@@ -89,8 +93,9 @@ class TrainerRank:
             case Checkpoint():
                 if msg.version != self.version:
                     raise RuntimeError(f"trainer: checkpoint of v{msg.version} asked while holding v{self.version}")
-                weights, rest = self.trainer.checkpoint_state()
-                ckpt_store.write(self.run_dir, msg.version, weights, rest, msg.state)
+                weights, rest = self.trainer.checkpoint_state()  # a collective for a sharded backend
+                if self.lead:
+                    ckpt_store.write(self.run_dir, msg.version, weights, rest, msg.state)
             case Commit():
                 path = ckpt_store.commit(self.run_dir, msg.version, keep=self.cfg.train.keep_checkpoints)
                 self.comm.send(Checkpointed(msg.version, str(path)), src)

@@ -7,7 +7,8 @@ Invariants:
   proves it after each step by comparing weight checksums and fails loudly when they differ;
 * the loss of a step is normalised by global counts (all ranks' tokens or samples), so the summed
   gradient equals the gradient one rank would compute on the whole batch;
-* with one trainer rank nothing is initialised and every call is the identity.
+* with one trainer rank nothing is initialised and every call is the identity (a sharded backend may
+  still ask for a one-rank process group: ``ensure_process_group``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,25 @@ BUCKET_BYTES = 64 << 20  # gradients are all-reduced in flat buckets of at most 
 class DataParallel:
     def __init__(self, mpi_comm=None, backend: str = "gloo", timeout_s: float = 600.0) -> None:
         """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank). The trainer
-        computes on CPU, hence gloo; a GPU trainer (issue 8) passes "nccl"."""
+        computes on CPU, hence gloo; a GPU trainer passes "nccl" (each rank then uses GPU rank % count)."""
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
         self.mpi = mpi_comm
-        if self.size == 1:
-            return
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.initialised = False
+        if self.size > 1:
+            self.ensure_process_group()
+
+    def ensure_process_group(self) -> None:
+        """Initialise torch.distributed over the trainer ranks (also for one rank) unless done already."""
         import torch.distributed as dist
 
-        hosts = mpi_comm.allgather(socket.gethostname())
+        if self.initialised:
+            return
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised by someone else in this process")
+        hosts = self.mpi.allgather(socket.gethostname()) if self.mpi is not None else [socket.gethostname()]
         addr = None
         if self.rank == 0:
             with socket.socket() as s:  # a free port, chosen by the OS and released just before use
@@ -39,9 +50,12 @@ class DataParallel:
                 port = s.getsockname()[1]
             host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
             addr = f"tcp://{host}:{port}"
-        addr = mpi_comm.bcast(addr, root=0)
-        dist.init_process_group(backend, init_method=addr, rank=self.rank, world_size=self.size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        addr = self.mpi.bcast(addr, root=0) if self.mpi is not None else addr
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        dist.init_process_group(self.backend, init_method=addr, rank=self.rank, world_size=self.size,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.initialised = True
 
     @property
     def lead(self) -> bool:
@@ -49,11 +63,23 @@ class DataParallel:
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over the replicas (the identity with one rank); returns ``t``."""
-        if self.size > 1:
-            import torch.distributed as dist
+        return self._all_reduce(t, "sum")
 
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        op_ = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        if self.backend == "nccl" and not t.is_cuda:  # NCCL reduces device memory only
+            t.copy_(self._all_reduce(t.cuda(), op).cpu())
+        else:
+            dist.all_reduce(t, op=op_)
         return t
+
+    def max_int(self, n: int) -> int:
+        """The largest ``n`` over the replicas."""
+        return int(self._all_reduce(torch.tensor([n], dtype=torch.int64), "max"))
 
     def sum_floats(self, *xs: float) -> list[float]:
         return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
@@ -91,7 +117,8 @@ class DataParallel:
                                f"rank {dict(enumerate(every))}")
 
     def close(self) -> None:
-        if self.size > 1:
+        if self.initialised:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            self.initialised = False

@@ -1,5 +1,6 @@
 """GRPO: group-relative advantages and the PPO-clip objective against each trajectory's own
-behaviour logprobs (the version it was sampled under), on a transformers causal LM.
+behaviour logprobs (the version it was sampled under), on a causal LM held by a trainer backend
+(backend.py: replicated torch, FSDP2 or megatron-core; the objective is the same code for all three).
 
 Invariants:
 * advantages are computed within a GRPO group only (all samples of one prompt, one version);
@@ -10,7 +11,7 @@ Invariants:
   Hugging Face parameter names, ready for ``Engine.load_weights``;
 * data parallel: each replica gets whole groups, normalises its loss by the global token (or sample)
   count and the gradients are summed over replicas, so R replicas take the same step as one rank
-  on the union of their samples (up to float summation order).
+  on the union of their samples (up to float summation order), whichever backend holds the weights.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from .backend import BackendName, build_backend
 from .dp import DataParallel
 
 
@@ -50,6 +52,9 @@ class Sample:
     group_id: int
 
 
+EMPTY = Sample([0], [0], [0.0], 0.0, -1)  # the stand-in of an empty micro-batch (its loss is multiplied by 0)
+
+
 def group_advantages(samples: list[Sample], std_norm: bool = True, eps: float = 1e-6) -> list[float]:
     by_group: dict[int, list[float]] = defaultdict(list)
     for s in samples:
@@ -74,23 +79,16 @@ def weights_checksum(state: dict[str, torch.Tensor]) -> str:
 
 class GRPOTrainer:
     def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0,
-                 dp: DataParallel | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
+                 dp: DataParallel | None = None, backend: BackendName = "torch", **backend_options) -> None:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.dp = dp or DataParallel()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.train()
-        self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            self.ref.requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.backend = build_backend(backend, model_dir, self.dp, reference=cfg.kl_coef > 0, **backend_options)
+        self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
-    def _token_logprobs(self, model, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-token logprobs [B, Lr] under ``model`` (temperature-scaled) and their mask."""
+    def _token_logprobs(self, batch: list[Sample], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and their mask."""
         lens = [len(s.prompt) + len(s.response) for s in batch]
         width = max(lens)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -98,7 +96,7 @@ class GRPOTrainer:
         for i, s in enumerate(batch):
             ids[i, : lens[i]] = torch.tensor(s.prompt + s.response)
             attn[i, : lens[i]] = 1
-        logits = model(input_ids=ids, attention_mask=attn).logits.float() / self.cfg.temperature
+        logits = self.backend.logits(ids, attn, reference) / self.cfg.temperature
         r_max = max(len(s.response) for s in batch)
         out = torch.zeros(len(batch), r_max)
         mask = torch.zeros(len(batch), r_max)
@@ -123,10 +121,13 @@ class GRPOTrainer:
             raise ValueError("a train step needs at least one sample")
         self.opt.zero_grad(set_to_none=True)
         tot = torch.zeros(4, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean
-        for start in range(0, len(samples), cfg.micro_batch):
+        for start in range(0, self.backend.micro_batches(-(-len(samples) // cfg.micro_batch)) * cfg.micro_batch,
+                           cfg.micro_batch):
             batch = samples[start : start + cfg.micro_batch]
-            adv = torch.tensor(adv_all[start : start + cfg.micro_batch])[:, None]
-            new_lp, mask = self._token_logprobs(self.model, batch)
+            weight = 1.0 if batch else 0.0  # an empty micro-batch (sharded backends): joins, moves nothing
+            batch = batch or [EMPTY]
+            adv = torch.tensor(adv_all[start : start + cfg.micro_batch] or [0.0])[:, None]
+            new_lp, mask = self._token_logprobs(batch)
             old_lp = torch.zeros_like(new_lp)
             for i, s in enumerate(batch):
                 old_lp[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
@@ -134,9 +135,9 @@ class GRPOTrainer:
             clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
             per_tok = -torch.minimum(ratio * adv, clipped * adv)
             kl = torch.zeros_like(per_tok)
-            if self.ref is not None:
+            if self.backend.ref is not None:
                 with torch.no_grad():
-                    ref_lp, _ = self._token_logprobs(self.ref, batch)
+                    ref_lp, _ = self._token_logprobs(batch, reference=True)
                 d = ref_lp - new_lp
                 kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
                 per_tok = per_tok + cfg.kl_coef * kl
@@ -144,15 +145,16 @@ class GRPOTrainer:
                 loss = (per_tok * mask).sum() / n_tokens
             else:
                 loss = ((per_tok * mask).sum(1) / mask.sum(1)).sum() / n_samples
-            loss.backward()
+            (loss * weight).backward()
+            if not weight:
+                continue
             with torch.no_grad():
                 tot += torch.tensor([float(loss), float(((ratio != clipped).float() * mask).sum()) / n_tokens,
                                      float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens],
                                     dtype=torch.float64)
-        params = list(self.model.parameters())
-        self.dp.sum_grads_(params)
+        self.backend.finish_grads()
         self.dp.sum_(tot)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = self.backend.clip_grad_norm(cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
         loss, clip_frac, kl, ratio_mean = (float(x) for x in tot)
@@ -161,18 +163,18 @@ class GRPOTrainer:
                 "reward_mean": reward_sum / n_samples}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights with Hugging Face names (detached copies)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank)."""
+        return self.backend.full_state_dict()
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(weights, the rest): what a checkpoint needs to continue this trainer exactly."""
-        return self.state_dict(), {"optimizer": self.opt.state_dict(), "step": self.step,
+        """(weights, the rest): what a checkpoint needs to continue this trainer exactly. A collective for
+        sharded backends: every trainer rank calls it; the optimizer state is keyed by parameter name, so
+        a checkpoint resumes under any backend and rank count."""
+        return self.state_dict(), {"optimizer": self.backend.optimizer_state(self.opt), "step": self.step,
                                    "torch_rng": torch.get_rng_state()}
 
     def load_checkpoint(self, weights: dict[str, torch.Tensor], rest: dict) -> None:
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:  # tied embeddings
-            raise ValueError(f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}")
-        self.opt.load_state_dict(rest["optimizer"])
+        self.backend.load_full_state_dict(weights)
+        self.backend.load_optimizer_state(self.opt, rest["optimizer"])
         self.step = rest["step"]
         torch.set_rng_state(rest["torch_rng"])

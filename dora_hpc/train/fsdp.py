@@ -1,0 +1,95 @@
+"""FSDP2 trainer backend: the Hugging Face model with every decoder layer and then the root wrapped by
+``fully_shard`` over the trainer ranks' process group (gloo on CPU, NCCL on GPUs).
+
+Invariants:
+* each rank stores 1/T of every parameter, gradient and optimizer moment (DTensors sharded on dim 0);
+  forward all-gathers a layer's parameters just before it runs, backward reduce-scatters its gradients;
+* the reduce-scatter *sums* (divide factor 1, plain SUM): the objective already normalises by
+  global counts, exactly as the replicated backend's bucketed all-reduce does, so both take the same step;
+* every rank runs the same number of micro-batches (the maximum over the ranks); a rank short of data
+  runs empty ones whose loss is multiplied by zero, joining the collectives without moving the weights;
+* ``full_state_dict`` all-gathers every parameter: every rank returns the whole weights under Hugging Face
+  names (fully_shard keeps the module's parameter names), so any trainer rank can publish a version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .backend import TrainBackend, check_fit, detached_copy
+from .dp import DataParallel
+
+
+def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # a plain SUM reduce-scatter (gloo has no pre-multiplied sum)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+class FSDPBackend(TrainBackend):
+    name = "fsdp"
+
+    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp.ensure_process_group()
+        super().__init__(model_dir, dp, reference)
+        device = "cuda" if dp.backend == "nccl" else "cpu"
+        self.mesh = init_device_mesh(device, (dp.size,), mesh_dim_names=("dp_shard",))
+        if device == "cuda":
+            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        _shard(self.model, self.mesh)
+        if self.ref is not None:
+            if device == "cuda":
+                self.ref.to(torch.device("cuda", torch.cuda.current_device()))
+            _shard(self.ref, self.mesh)
+
+    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        return super().logits(ids.to(device), attn.to(device), reference).cpu()
+
+    def micro_batches(self, n_local: int) -> int:
+        return self.dp.max_int(n_local)
+
+    def finish_grads(self) -> None:
+        """Nothing left: backward reduce-scattered (summed) each micro-batch's gradients into the shards."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.model.state_dict().items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = v.detach().cpu().clone()
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        names = set(self.model.state_dict())
+        check_fit(sorted(names - set(state)), sorted(set(state) - names))
+        set_model_state_dict(self.model, {k: v for k, v in state.items() if k in names},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True))
+        return detached_copy(state)
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, opt, state, options=StateDictOptions(full_state_dict=True))
+
