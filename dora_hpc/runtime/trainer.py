@@ -7,7 +7,7 @@ Invariants:
   (``Roles.trainer_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
   alone logs the step, reports Published, writes checkpoints; every replica serves weights. The weights
-  live in a trainer backend (``train.backend``: replicated torch or FSDP2-sharded); every collective of
+  live in a trainer backend (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of
   a sharded backend (a step, gathering the weights to publish, gathering the optimizer for a
   checkpoint) is reached by every trainer rank in the same message order;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
@@ -47,7 +47,7 @@ class TrainerRank:
         self.trainer = GRPOTrainer(model_dir, GRPOConfig(
             lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
             temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed, dp=self.dp,
-            backend=t.backend)
+            backend=t.backend, **({"tensor_parallel": t.tensor_parallel} if t.backend == "megatron" else {}))
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

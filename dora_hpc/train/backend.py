@@ -50,6 +50,15 @@ class TrainBackend:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
 
+    @property
+    def counts_metrics(self) -> bool:
+        """Whether this rank's share of the step's metrics is summed (tensor-parallel peers repeat theirs)."""
+        return True
+
+    def gather_batch(self, samples: list) -> list:
+        """The samples this rank trains on, given the ones it received (TP peers train on their union)."""
+        return samples
+
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
         return model(input_ids=ids, attention_mask=attn).logits.float()

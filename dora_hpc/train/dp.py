@@ -61,20 +61,20 @@ class DataParallel:
     def lead(self) -> bool:
         return self.rank == 0
 
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """In-place sum over the replicas (the identity with one rank); returns ``t``."""
-        return self._all_reduce(t, "sum")
+    def sum_(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        """In-place sum over the replicas, or over a subgroup of them (the identity with one rank); returns ``t``."""
+        return self._all_reduce(t, "sum", group)
 
-    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op: str, group=None) -> torch.Tensor:
         if self.size == 1:
             return t
         import torch.distributed as dist
 
         op_ = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         if self.backend == "nccl" and not t.is_cuda:  # NCCL reduces device memory only
-            t.copy_(self._all_reduce(t.cuda(), op).cpu())
+            t.copy_(self._all_reduce(t.cuda(), op, group).cpu())
         else:
-            dist.all_reduce(t, op=op_)
+            dist.all_reduce(t, op=op_, group=group)
         return t
 
     def max_int(self, n: int) -> int:
@@ -84,8 +84,9 @@ class DataParallel:
     def sum_floats(self, *xs: float) -> list[float]:
         return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
 
-    def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
-        """Replace every parameter's gradient with its sum over the replicas (a missing one counts as 0)."""
+    def sum_grads_(self, params: list[torch.nn.Parameter], group=None) -> None:
+        """Replace every parameter's gradient with its sum over the replicas, or over ``group`` (a missing
+        gradient counts as 0)."""
         if self.size == 1:
             return
         for p in params:
@@ -101,7 +102,7 @@ class DataParallel:
             buckets[-1].append(p)
             size += nbytes
         for bucket in buckets:
-            flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]))
+            flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]), group)
             off = 0
             for q in bucket:
                 q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))

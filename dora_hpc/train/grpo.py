@@ -121,12 +121,14 @@ class GRPOTrainer:
             raise ValueError("a train step needs at least one sample")
         self.opt.zero_grad(set_to_none=True)
         tot = torch.zeros(4, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean
-        for start in range(0, self.backend.micro_batches(-(-len(samples) // cfg.micro_batch)) * cfg.micro_batch,
+        mine = self.backend.gather_batch(samples)  # tensor parallel: the union of the TP peers' shares
+        adv_mine = adv_all if mine is samples else group_advantages(mine, cfg.adv_std_norm)
+        for start in range(0, self.backend.micro_batches(-(-len(mine) // cfg.micro_batch)) * cfg.micro_batch,
                            cfg.micro_batch):
-            batch = samples[start : start + cfg.micro_batch]
+            batch = mine[start : start + cfg.micro_batch]
             weight = 1.0 if batch else 0.0  # an empty micro-batch (sharded backends): joins, moves nothing
             batch = batch or [EMPTY]
-            adv = torch.tensor(adv_all[start : start + cfg.micro_batch] or [0.0])[:, None]
+            adv = torch.tensor(adv_mine[start : start + cfg.micro_batch] or [0.0])[:, None]
             new_lp, mask = self._token_logprobs(batch)
             old_lp = torch.zeros_like(new_lp)
             for i, s in enumerate(batch):
@@ -153,7 +155,7 @@ class GRPOTrainer:
                                      float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens],
                                     dtype=torch.float64)
         self.backend.finish_grads()
-        self.dp.sum_(tot)
+        self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
         grad_norm = self.backend.clip_grad_norm(cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
