@@ -39,8 +39,7 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     world = MPI.COMM_WORLD
     cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
     dp = DataParallel(world)
-    options = {"tensor_parallel": tensor_parallel} if backend == "megatron" else {}
-    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, **options)
+    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, tensor_parallel=tensor_parallel)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
     gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
     ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)

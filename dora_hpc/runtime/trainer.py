@@ -33,7 +33,7 @@ from pathlib import Path
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
-from ..train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
+from ..train.grpo import GRPOTrainer, Sample, grpo_config, weights_checksum
 from .comm import Checkpoint, Checkpointed, Comm, Commit, Published, SendWeights, Shutdown, Train, Trajectory
 
 
@@ -44,10 +44,8 @@ class TrainerRank:
         t = cfg.train
         self.dp = DataParallel(comm.trainer_comm)
         self.lead = comm.rank == comm.roles.lead_trainer
-        self.trainer = GRPOTrainer(model_dir, GRPOConfig(
-            lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
-            temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch), seed=cfg.seed, dp=self.dp,
-            backend=t.backend, **({"tensor_parallel": t.tensor_parallel} if t.backend == "megatron" else {}))
+        self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
+                                   tensor_parallel=t.tensor_parallel)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

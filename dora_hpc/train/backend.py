@@ -109,7 +109,9 @@ def check_fit(missing: list[str], unexpected: list[str]) -> None:
 
 
 def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                  **options) -> TrainBackend:
+                  tensor_parallel: int | None = None) -> TrainBackend:
+    if tensor_parallel is not None and name != "megatron":
+        raise ValueError(f"train.tensor_parallel is for the megatron backend, not {name}")
     if name == "torch":
         return TrainBackend(model_dir, dp, reference)
     if name == "fsdp":
@@ -119,5 +121,5 @@ def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel, re
     if name == "megatron":
         from .megatron import MegatronBackend
 
-        return MegatronBackend(model_dir, dp, reference, **options)
+        return MegatronBackend(model_dir, dp, reference, tensor_parallel)
     raise ValueError(f"train.backend: unknown trainer backend {name!r} (torch, fsdp or megatron)")

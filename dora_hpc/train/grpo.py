@@ -43,6 +43,13 @@ class GRPOConfig:
     weight_decay: float = 0.0
 
 
+def grpo_config(cfg) -> GRPOConfig:
+    """The GRPO settings of a RunConfig (train section; the ratio's temperature is the sampling one)."""
+    t = cfg.train
+    return GRPOConfig(lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
+                      temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch)
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt: list[int]
@@ -79,11 +86,13 @@ def weights_checksum(state: dict[str, torch.Tensor]) -> str:
 
 class GRPOTrainer:
     def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0,
-                 dp: DataParallel | None = None, backend: BackendName = "torch", **backend_options) -> None:
+                 dp: DataParallel | None = None, backend: BackendName = "torch",
+                 tensor_parallel: int | None = None) -> None:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.dp = dp or DataParallel()
-        self.backend = build_backend(backend, model_dir, self.dp, reference=cfg.kl_coef > 0, **backend_options)
+        self.backend = build_backend(backend, model_dir, self.dp, reference=cfg.kl_coef > 0,
+                                     tensor_parallel=tensor_parallel)
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
