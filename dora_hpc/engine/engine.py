@@ -104,8 +104,9 @@ class Engine:
             raise ValueError(f"on_kv_full must be 'offload' or 'recompute', not {on_kv_full!r}")
         self.model = load_model(model) if isinstance(model, str | Path) else model
         s = self.model.spec
-        self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size,
-                         dtype=next(self.model.parameters()).dtype)
+        weight = next(self.model.parameters())  # the pool lives where the model does (CPU or a GPU)
+        self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size, dtype=weight.dtype,
+                         device=weight.device)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.seed, self.version = seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
@@ -148,9 +149,9 @@ class Engine:
 
     # -- migration and offload ---------------------------------------------------------------------
     def export(self, req_id: int) -> tuple[dict, torch.Tensor]:
-        """Remove a request and return (metadata, KV [layers, 2, tokens, kvh, d]) for import_."""
+        """Remove a request and return (metadata, KV [layers, 2, tokens, kvh, d] in host memory) for import_."""
         seq = self._get(req_id)
-        kv = seq.host_kv if seq.status is Status.OFFLOADED else self.kv.export(seq.table, seq.n_cached)
+        kv = seq.host_kv if seq.status is Status.OFFLOADED else self.kv.export(seq.table, seq.n_cached).cpu()
         meta = {"req_id": seq.req_id, "version": seq.version, "prompt": seq.prompt, "output": seq.output,
                 "logprobs": seq.logprobs, "n_cached": seq.n_cached, "params": seq.params.__dict__}
         self.kv.release(seq.table)
@@ -297,8 +298,8 @@ class Engine:
         for seq, n in plan:
             ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
         batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], [s.table for s, _ in plan],
-                            self.kv.block_size)
-        logits = self.model(torch.tensor(ids), batch, self.kv)
+                            self.kv.block_size, self.kv.k.device)
+        logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv)
         done = []
         for i, (seq, n) in enumerate(plan):
             seq.n_cached += n
@@ -308,7 +309,7 @@ class Engine:
         if not done:
             return []
         seqs = [plan[i][0] for i in done]
-        toks, lps = sample_batch(logits[done], [s.params for s in seqs],
+        toks, lps = sample_batch(logits[done].cpu(), [s.params for s in seqs],
                                  [uniform(self.seed, s.req_id, len(s.output)) for s in seqs])
         finished = []
         for seq, tok, lp in zip(seqs, toks, lps, strict=True):

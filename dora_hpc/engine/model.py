@@ -157,7 +157,8 @@ class Batch:
     last_index: torch.Tensor  # [B] row in the flat token list of each sequence's last new token
 
     @classmethod
-    def build(cls, q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int) -> Batch:
+    def build(cls, q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int,
+              device: torch.device | str = "cpu") -> Batch:
         b = len(q_lens)
         q, c = torch.tensor(q_lens), torch.tensor(ctx_lens)
         q_max, ctx_max = max(q_lens), max(ctx_lens)
@@ -172,8 +173,8 @@ class Batch:
         # query j of sequence i sits at position c - q + j and sees keys 0 .. c - q + j
         mask = k[None, None, :] <= ((c - q)[:, None] + j[None, :])[:, :, None]
         mask[:, :, 0] |= j[None, :] >= q[:, None]  # padded query rows attend to key 0 (discarded)
-        return cls(b, q_max, pos, rows, cols, grid[rows, pos], grid[:, :ctx_max], mask[:, None],
-                   torch.cumsum(q, 0) - 1)
+        tensors = (pos, rows, cols, grid[rows, pos], grid[:, :ctx_max], mask[:, None], torch.cumsum(q, 0) - 1)
+        return cls(b, q_max, *(t.to(device) for t in tensors))
 
 
 class DecoderLM(nn.Module):

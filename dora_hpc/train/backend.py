@@ -10,7 +10,8 @@ objective (grpo.py) is written once against this interface; ``build_backend`` pi
 Invariants every backend keeps:
 * ``full_state_dict`` returns every weight under its Hugging Face name, whole and on CPU, on every trainer
   rank: publishing, checksums and the rollout engines never see a shard or a backend-specific name;
-* ``logits`` returns full-vocabulary logits [B, L, V] of this rank's micro-batch;
+* ``logits`` returns full-vocabulary float logits [B, L, V] of this rank's micro-batch, on the device the
+  backend computes on (the objective follows them there);
 * sharded backends communicate inside forward and backward, so every trainer rank runs the same number
   of micro-batches in a step (``micro_batches`` agrees on it; a rank short of data runs empty ones);
 * after the last backward every rank holds, for the parameters it owns, the gradient of the *global* loss

@@ -55,7 +55,7 @@ class FSDPBackend(TrainBackend):
 
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
         device = next(self.model.parameters()).device
-        return super().logits(ids.to(device), attn.to(device), reference).cpu()
+        return super().logits(ids.to(device), attn.to(device), reference)
 
     def micro_batches(self, n_local: int) -> int:
         return self.dp.max_int(n_local)

@@ -105,14 +105,15 @@ class GRPOTrainer:
         for i, s in enumerate(batch):
             ids[i, : lens[i]] = torch.tensor(s.prompt + s.response)
             attn[i, : lens[i]] = 1
-        logits = self.backend.logits(ids, attn, reference) / self.cfg.temperature
+        logits = self.backend.logits(ids, attn, reference) / self.cfg.temperature  # on the backend's device
+        dev = logits.device
         r_max = max(len(s.response) for s in batch)
-        out = torch.zeros(len(batch), r_max)
-        mask = torch.zeros(len(batch), r_max)
+        out = torch.zeros(len(batch), r_max, device=dev)
+        mask = torch.zeros(len(batch), r_max, device=dev)
         for i, s in enumerate(batch):
             p, r = len(s.prompt), len(s.response)
             lp = torch.log_softmax(logits[i, p - 1 : p + r - 1], dim=-1)
-            out[i, :r] = lp.gather(1, torch.tensor(s.response)[:, None])[:, 0]
+            out[i, :r] = lp.gather(1, torch.tensor(s.response, device=dev)[:, None])[:, 0]
             mask[i, :r] = 1
         return out, mask
 
@@ -137,8 +138,8 @@ class GRPOTrainer:
             batch = mine[start : start + cfg.micro_batch]
             weight = 1.0 if batch else 0.0  # an empty micro-batch (sharded backends): joins, moves nothing
             batch = batch or [EMPTY]
-            adv = torch.tensor(adv_mine[start : start + cfg.micro_batch] or [0.0])[:, None]
             new_lp, mask = self._token_logprobs(batch)
+            adv = torch.tensor(adv_mine[start : start + cfg.micro_batch] or [0.0], device=new_lp.device)[:, None]
             old_lp = torch.zeros_like(new_lp)
             for i, s in enumerate(batch):
                 old_lp[i, : len(s.logprobs)] = torch.tensor(s.logprobs)

@@ -155,7 +155,7 @@ class MegatronBackend(TrainBackend):
         b, n = ids.shape
         pos = torch.arange(n, device=self.device)[None].expand(b, -1)
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=self.device), 1)[None, None]
-        return model(ids.to(self.device), pos, causal).float().cpu()
+        return model(ids.to(self.device), pos, causal).float()
 
     def finish_grads(self) -> None:
         if self.replicas > 1:
