@@ -168,6 +168,9 @@ class RuntimeConfig(Section):
     timeout_s: float = Field(1800, gt=0, description="the whole run is aborted after this long")
     serve_weights_while_training: bool = Field(
         True, description="trainer ranks answer weight requests during a train step (a helper thread)")
+    data_plane: Literal["mpi", "torch"] = Field(
+        "mpi", description="bulk weights and KV over MPI, or over a torch.distributed group beside the MPI world "
+        "(NCCL where CUDA is available, else gloo)")
 
 
 class ModelSpec(Section):

@@ -77,12 +77,14 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
                if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "fsdp", pytest.param("megatron", marks=pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None, reason="megatron-core not installed"))])
-def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path, backend):
+@pytest.mark.parametrize("backend,plane", [("torch", "mpi"), ("fsdp", "torch"), pytest.param(
+    "megatron", "mpi", marks=pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                                reason="megatron-core not installed"))])
+def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path, backend, plane):
     """2 trainer ranks (gloo; replicated, FSDP2-sharded or megatron TP=2) + 2 rollout ranks, stopped by
-    SIGTERM at a checkpoint and resumed: each group is streamed to its owner, both trainers serve weights,
-    and the run keeps every invariant (trainers whose weights diverge -- e.g. one not resumed -- fail it)."""
+    SIGTERM at a checkpoint and resumed: each group is streamed to its owner, both trainers serve weights
+    (over MPI, or over the torch.distributed data plane), and the run keeps every invariant (trainers whose
+    weights diverge -- e.g. one not resumed -- fail it; weights corrupted in transit fail the checksums)."""
     import collections
 
     from dora_hpc.store.shards import read_table
@@ -90,7 +92,8 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     run_dir = tmp_path / "dp"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", "--set", "batch.tbs=4",
                  "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
-                 "--set", "cluster.rollout_ranks=2", "--set", f"train.backend={backend}", "--run-dir", str(run_dir)]
+                 "--set", "cluster.rollout_ranks=2", "--set", f"train.backend={backend}",
+                 "--set", f"runtime.data_plane={plane}", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while not (run_dir / "checkpoints" / "step-2").exists():

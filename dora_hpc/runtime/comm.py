@@ -4,10 +4,11 @@ Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
   (rollout instance i is rank T+1+i);
 * control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
-* bulk data (weights, KV) goes as flat numpy buffers with ``Isend``/``Recv`` on its own tag, never
-  pickled tensors; a buffer is always announced by a control message that carries its shape and
-  dtype, and is sent right after it by the same sender, which keeps the buffer alive (and goes on
-  generating or training) until the send completes.
+* bulk data (weights, KV) goes as flat buffers over the data plane (data_plane.py: MPI ``Isend``/``Recv``
+  on its own tag, or a torch.distributed gloo/NCCL group beside the MPI world), never pickled tensors;
+  a buffer is always announced by a control message that carries its shape and dtype, and is sent
+  right after it by the same sender, which keeps the buffer alive (and goes on generating or training)
+  until the send completes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .data_plane import make_plane
 from .roles import Roles
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV = 1, 2, 3
@@ -162,7 +164,7 @@ class Shutdown:
 
 # ---------------------------------------------------------------- transport
 class Comm:
-    def __init__(self, trainers: int) -> None:
+    def __init__(self, trainers: int, data_plane: str = "mpi") -> None:
         self.world = MPI.COMM_WORLD
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
@@ -171,7 +173,8 @@ class Comm:
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
         self._pending: list[MPI.Request] = []
-        self._bulk: list[tuple[MPI.Request, np.ndarray]] = []  # non-blocking bulk sends and their buffers
+        self.plane = make_plane(data_plane, self.world)
+        self._bulk: list[tuple[object, np.ndarray]] = []  # non-blocking bulk sends (handles) and their buffers
 
     def send(self, obj, dst: int) -> None:
         self._pending.append(self.world.isend(obj, dest=dst, tag=TAG_CTRL))
@@ -198,7 +201,7 @@ class Comm:
                 self.world.recv(source=MPI.ANY_SOURCE, tag=TAG_CTRL)
                 dropped += 1
             self._pending = [r for r in self._pending if not r.Test()]
-            self._bulk = [(r, b) for r, b in self._bulk if not r.Test()]
+            self._bulk = [(h, b) for h, b in self._bulk if not h.test()]
             if not self._pending and not self._bulk:
                 break
             time.sleep(0.001)
@@ -208,20 +211,19 @@ class Comm:
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
         buf = np.ascontiguousarray(arr)
-        self._bulk.append((self.world.Isend(buf, dest=dst, tag=tag), buf))
-        self._bulk = [(r, b) for r, b in self._bulk if not r.Test()]
+        self._bulk.append((self.plane.isend(buf, dst, tag), buf))
+        self._bulk = [(h, b) for h, b in self._bulk if not h.test()]
 
     def wait_bulk(self) -> None:
         """Complete every bulk send of this rank (its receivers are waiting for them): a rank about to
         compute for a while without MPI calls -- the trainer before a train step -- calls this first,
         since a pending large send only progresses inside MPI calls of the sender."""
-        MPI.Request.Waitall([r for r, _b in self._bulk])
+        for h, _b in self._bulk:
+            h.wait()
         self._bulk = []
 
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
-        buf = np.empty(shape, dtype=dtype)
-        self.world.Recv(buf, source=src, tag=tag)
-        return buf
+        return self.plane.recv(shape, dtype, src, tag)
 
     # -- weights: one flat float32 buffer announced by a WeightsHeader --------------------------------
     def send_weights(self, state: dict[str, torch.Tensor], version: int, checksum: str, dst: int) -> None:

@@ -1,0 +1,112 @@
+"""The data plane: bulk buffers (weights, KV) between ranks, over MPI or over a torch.distributed process
+group spanning the same world (``runtime.data_plane``: mpi | torch).
+
+Invariants:
+* a buffer is always announced by a control message (shape, dtype) on MPI and then sent by the same
+  sender; per sender-receiver pair, buffers arrive in the order they were sent (MPI's non-overtaking
+  rule; one gloo/NCCL channel per pair), so the receiver reads them in the order it reads the headers;
+* sends never block the sender: a send returns a handle, and the sender keeps the buffer alive until
+  the handle completes (``Comm.wait_bulk``);
+* the torch plane is its own process group, built over a TCPStore beside the MPI world (rank 0 picks the
+  port and broadcasts it over MPI); it is independent of the trainers' default group, so FSDP2 and
+  megatron-core keep torch.distributed's world to themselves. On GPUs it is NCCL (buffers pass through
+  device memory, as weights held on GPUs would); on CPU boxes gloo, which the tests run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+
+class MPIPlane:
+    name = "mpi"
+
+    def __init__(self, world) -> None:
+        self.world = world
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int):
+        return _MPIHandle(self.world.Isend(buf, dest=dst, tag=tag))
+
+    def recv(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
+        buf = np.empty(shape, dtype=dtype)
+        self.world.Recv(buf, source=src, tag=tag)
+        return buf
+
+
+class _MPIHandle:
+    def __init__(self, req) -> None:
+        self.req = req
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+
+class TorchPlane:
+    name = "torch"
+
+    def __init__(self, world, timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
+        rank, size = world.Get_rank(), world.Get_size()
+        hosts = world.allgather(socket.gethostname())
+        addr = None
+        if rank == 0:
+            with socket.socket() as s:  # a free port, chosen by the OS and released just before use
+                s.bind(("", 0))
+                addr = ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0], s.getsockname()[1])
+        host, port = world.bcast(addr, root=0)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.pg = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.name = "torch-nccl" if self.cuda else "torch-gloo"
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int):
+        t = torch.from_numpy(buf)
+        if self.cuda:
+            t = t.cuda()
+        return _TorchHandle(self.pg.send([t], dst, tag), t)
+
+    def recv(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
+        t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype,
+                        device="cuda" if self.cuda else "cpu")
+        self.pg.recv([t], src, tag).wait()
+        return t.cpu().numpy()
+
+
+class _TorchHandle:
+    """A send in flight. Gloo's send reports completion only to ``wait()``, so a helper thread waits
+    and ``test`` asks it; the tensor stays alive until the send completed."""
+
+    def __init__(self, work, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.waiter = threading.Thread(target=work.wait, name="data-plane-send", daemon=True)
+        self.waiter.start()
+
+    def test(self) -> bool:
+        return not self.waiter.is_alive()
+
+    def wait(self) -> None:
+        self.waiter.join()
+
+
+def make_plane(kind: str, world=None):
+    world = world or MPI.COMM_WORLD
+    if kind == "mpi":
+        return MPIPlane(world)
+    if kind == "torch":
+        return TorchPlane(world)
+    raise ValueError(f"runtime.data_plane: unknown data plane {kind!r} (mpi or torch)")
