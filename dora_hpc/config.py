@@ -171,6 +171,8 @@ class RuntimeConfig(Section):
     data_plane: Literal["mpi", "torch"] = Field(
         "mpi", description="bulk weights and KV over MPI, or over a torch.distributed group beside the MPI world "
         "(NCCL where CUDA is available, else gloo)")
+    weight_bucket_mb: float = Field(256, gt=0, description="weights travel in buckets of at most this many MiB "
+                                    "(float32; a larger single tensor is a bucket of its own)")
 
 
 class ModelSpec(Section):

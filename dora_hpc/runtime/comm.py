@@ -51,11 +51,12 @@ class SendWeights:        # orchestrator -> trainer or rollout: send `version` t
 
 
 @dataclass(frozen=True)
-class WeightsHeader:      # sender -> receiver, right before the buffer on TAG_WEIGHTS
+class WeightsHeader:      # sender -> receiver, right before the buckets on TAG_WEIGHTS
     version: int
     names: list[str]
     shapes: list[tuple[int, ...]]
     checksum: str
+    buckets: list[int]    # tensors per bucket, in name order: one flat float32 buffer per bucket
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class Shutdown:
 
 # ---------------------------------------------------------------- transport
 class Comm:
-    def __init__(self, trainers: int, data_plane: str = "mpi") -> None:
+    def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256) -> None:
         self.world = MPI.COMM_WORLD
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
@@ -173,7 +174,8 @@ class Comm:
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
         self._pending: list[MPI.Request] = []
-        self.plane = make_plane(data_plane, self.world)
+        self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV))
+        self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
         self._bulk: list[tuple[object, np.ndarray]] = []  # non-blocking bulk sends (handles) and their buffers
 
     def send(self, obj, dst: int) -> None:
@@ -225,21 +227,37 @@ class Comm:
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         return self.plane.recv(shape, dtype, src, tag)
 
-    # -- weights: one flat float32 buffer announced by a WeightsHeader --------------------------------
+    # -- weights: flat float32 buckets announced by a WeightsHeader ------------------------------------
     def send_weights(self, state: dict[str, torch.Tensor], version: int, checksum: str, dst: int) -> None:
+        """Bucketed: no message exceeds ``weight_bucket_bytes`` unless one tensor does (MPI counts are
+        32-bit: one flat buffer of a 7B model would not even be sendable), and the receiver unpacks
+        bucket by bucket."""
         names = sorted(state)
-        flat = torch.cat([state[n].detach().float().reshape(-1) for n in names]).numpy()
-        self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum), dst)
-        self.send_array(flat, dst, TAG_WEIGHTS)
+        buckets: list[list[str]] = [[]]
+        size = 0
+        for n in names:
+            nbytes = state[n].numel() * 4
+            if buckets[-1] and size + nbytes > self.weight_bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(n)
+            size += nbytes
+        self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum,
+                                [len(b) for b in buckets]), dst)
+        for bucket in buckets:
+            self.send_array(torch.cat([state[n].detach().float().reshape(-1) for n in bucket]).numpy(), dst,
+                            TAG_WEIGHTS)
 
     def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor]:
-        total = sum(int(np.prod(s)) for s in header.shapes)
-        flat = torch.from_numpy(self.recv_array((total,), np.float32, src, TAG_WEIGHTS))
-        out, off = {}, 0
-        for name, shape in zip(header.names, header.shapes, strict=True):
-            n = int(np.prod(shape))
-            out[name] = flat[off:off + n].view(shape).clone()
-            off += n
+        out: dict[str, torch.Tensor] = {}
+        first = 0
+        for count in header.buckets:
+            names, shapes = header.names[first:first + count], header.shapes[first:first + count]
+            sizes = [int(np.prod(s)) for s in shapes]
+            flat = torch.from_numpy(self.recv_array((sum(sizes),), np.float32, src, TAG_WEIGHTS))
+            for name, shape, part in zip(names, shapes, flat.split(sizes), strict=True):
+                out[name] = part.view(shape).clone()
+            first += count
         return out
 
     def wait_for(self, kind: type, src: int | None = None, on_other=None):

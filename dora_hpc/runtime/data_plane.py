@@ -3,8 +3,9 @@ group spanning the same world (``runtime.data_plane``: mpi | torch).
 
 Invariants:
 * a buffer is always announced by a control message (shape, dtype) on MPI and then sent by the same
-  sender; per sender-receiver pair, buffers arrive in the order they were sent (MPI's non-overtaking
-  rule; one gloo/NCCL channel per pair), so the receiver reads them in the order it reads the headers;
+  sender; per sender-receiver pair and tag, buffers arrive in the order they were sent (MPI's
+  non-overtaking rule; the torch plane keeps one process group per tag, since NCCL has no tags), so a
+  receiver may read weights and KV in any interleaving, each kind in the order of its headers;
 * sends never block the sender: a send returns a handle, and the sender keeps the buffer alive until
   the handle completes (``Comm.wait_bulk``);
 * the torch plane is its own process group, built over a TCPStore beside the MPI world (rank 0 picks the
@@ -53,7 +54,7 @@ class _MPIHandle:
 class TorchPlane:
     name = "torch"
 
-    def __init__(self, world, timeout_s: float = 600.0) -> None:
+    def __init__(self, world, tags: tuple[int, ...], timeout_s: float = 600.0) -> None:
         import torch.distributed as dist
 
         rank, size = world.Get_rank(), world.Get_size()
@@ -69,21 +70,23 @@ class TorchPlane:
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-            self.pg = dist.ProcessGroupNCCL(store, rank, size)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.pgs = {}  # one group per tag: MPI's tag matching, which NCCL lacks
+        for tag in tags:
+            tagged = dist.PrefixStore(f"tag{tag}", store)
+            self.pgs[tag] = (dist.ProcessGroupNCCL(tagged, rank, size) if self.cuda
+                             else dist.ProcessGroupGloo(tagged, rank, size, timeout))
         self.name = "torch-nccl" if self.cuda else "torch-gloo"
 
     def isend(self, buf: np.ndarray, dst: int, tag: int):
         t = torch.from_numpy(buf)
         if self.cuda:
             t = t.cuda()
-        return _TorchHandle(self.pg.send([t], dst, tag), t)
+        return _TorchHandle(self.pgs[tag].send([t], dst, 0), t)
 
     def recv(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype,
                         device="cuda" if self.cuda else "cpu")
-        self.pg.recv([t], src, tag).wait()
+        self.pgs[tag].recv([t], src, 0).wait()
         return t.cpu().numpy()
 
 
@@ -103,10 +106,10 @@ class _TorchHandle:
         self.waiter.join()
 
 
-def make_plane(kind: str, world=None):
+def make_plane(kind: str, world=None, tags: tuple[int, ...] = ()):
     world = world or MPI.COMM_WORLD
     if kind == "mpi":
         return MPIPlane(world)
     if kind == "torch":
-        return TorchPlane(world)
+        return TorchPlane(world, tags)
     raise ValueError(f"runtime.data_plane: unknown data plane {kind!r} (mpi or torch)")

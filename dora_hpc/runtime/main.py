@@ -110,7 +110,7 @@ def main(run_dir: str) -> int:
                 f"r{w['rank']}@{w['host']}" + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "")
                 for w in where), file=sys.stderr, flush=True)
         attempt = start["attempt"]
-        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane)
+        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
         resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it

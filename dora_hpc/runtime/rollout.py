@@ -59,7 +59,9 @@ class RolloutRank:
         self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, rows, attempt)
         self.info: dict[int, dict] = {}
         self.deferred: list[tuple[object, int]] = []
-        self.early: list[tuple[WeightsHeader, int]] = []  # headers that overtook their LoadVersion
+        # weights that overtook their LoadVersion: received at once (header, source, state), so buffers
+        # from one peer are always read in the order they were sent (NCCL's channels have no tags)
+        self.early: list[tuple[WeightsHeader, int, dict]] = []
         self.running = True
         self.paused = False  # colocated placement: no engine steps while the trainer has the devices
         # requests in flight *to* this rank can be named by the orchestrator before they arrive (it moved
@@ -151,7 +153,7 @@ class RolloutRank:
                 self.events.flush()
                 self.comm.send(Flushed(self.instance, msg.version), 0)
             case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
-                self.early.append((msg, src))
+                self.early.append((msg, src, self.comm.recv_weights(msg, src)))
             case Pause() | Resume():
                 self.paused = isinstance(msg, Pause)
             case Shutdown():
@@ -161,15 +163,15 @@ class RolloutRank:
 
     def load(self, msg: LoadVersion) -> None:
         t = self.now()
-        early = [i for i, (h, s) in enumerate(self.early) if s == msg.source]
+        early = [i for i, (_h, s, _w) in enumerate(self.early) if s == msg.source]
         if early:  # messages from different ranks are not ordered: the weights may have come first
-            header, _ = self.early.pop(early[0])
+            header, _, state = self.early.pop(early[0])
         else:
             header, _ = self.comm.wait_for(WeightsHeader, src=msg.source,
                                            on_other=lambda m, s: self.deferred.append((m, s)))
+            state = self.comm.recv_weights(header, msg.source)
         if header.version != msg.version:
             raise RuntimeError(f"rank {self.comm.rank}: v{header.version} arrived for LoadVersion(v{msg.version})")
-        state = self.comm.recv_weights(header, msg.source)
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
         got = weights_checksum({k: v for k, v in self.engine.weights().items() if k in state})
         if got != header.checksum:

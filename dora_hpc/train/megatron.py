@@ -59,7 +59,7 @@ def _cpu_shims() -> None:
 def local_spec_bridge(hf_config):
     """mbridge's bridge for this HF model, adapted to megatron-core's local layer spec (separate norm
     modules instead of TransformerEngine's fused norm+linear), float32, no sequence parallelism."""
-    from mbridge import AutoBridge
+    import mbridge  # noqa: F401 - importing it registers the model bridges
     from mbridge.core.bridge import _MODEL_REGISTRY
 
     if hf_config.model_type not in ("qwen2", "llama"):
@@ -74,7 +74,6 @@ def local_spec_bridge(hf_config):
                         **base._MLP_MAPPING}
         _OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
 
-    assert AutoBridge  # the registry is filled by importing mbridge
     bridge = LocalSpecBridge(hf_config, dtype=torch.float32)
     bridge.set_extra_args(sequence_parallel=False, use_cpu_initialization=not torch.cuda.is_available(),
                           masked_softmax_fusion=False, gradient_accumulation_fusion=False,
