@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..train.dp import buckets
 from .data_plane import make_plane
 from .roles import Roles
 
@@ -233,18 +234,10 @@ class Comm:
         32-bit: one flat buffer of a 7B model would not even be sendable), and the receiver unpacks
         bucket by bucket."""
         names = sorted(state)
-        buckets: list[list[str]] = [[]]
-        size = 0
-        for n in names:
-            nbytes = state[n].numel() * 4
-            if buckets[-1] and size + nbytes > self.weight_bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(n)
-            size += nbytes
+        groups = buckets(names, lambda n: state[n].numel() * 4, self.weight_bucket_bytes)  # sent as float32
         self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum,
-                                [len(b) for b in buckets]), dst)
-        for bucket in buckets:
+                                [len(b) for b in groups]), dst)
+        for bucket in groups:
             self.send_array(torch.cat([state[n].detach().float().reshape(-1) for n in bucket]).numpy(), dst,
                             TAG_WEIGHTS)
 

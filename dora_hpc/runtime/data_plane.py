@@ -17,17 +17,16 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..train.dp import rendezvous
+
 
 class MPIPlane:
-    name = "mpi"
-
     def __init__(self, world) -> None:
         self.world = world
 
@@ -52,19 +51,11 @@ class _MPIHandle:
 
 
 class TorchPlane:
-    name = "torch"
-
     def __init__(self, world, tags: tuple[int, ...], timeout_s: float = 600.0) -> None:
         import torch.distributed as dist
 
         rank, size = world.Get_rank(), world.Get_size()
-        hosts = world.allgather(socket.gethostname())
-        addr = None
-        if rank == 0:
-            with socket.socket() as s:  # a free port, chosen by the OS and released just before use
-                s.bind(("", 0))
-                addr = ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0], s.getsockname()[1])
-        host, port = world.bcast(addr, root=0)
+        host, port = rendezvous(world)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
         self.cuda = torch.cuda.is_available()
@@ -75,7 +66,6 @@ class TorchPlane:
             tagged = dist.PrefixStore(f"tag{tag}", store)
             self.pgs[tag] = (dist.ProcessGroupNCCL(tagged, rank, size) if self.cuda
                              else dist.ProcessGroupGloo(tagged, rank, size, timeout))
-        self.name = "torch-nccl" if self.cuda else "torch-gloo"
 
     def isend(self, buf: np.ndarray, dst: int, tag: int):
         t = torch.from_numpy(buf)

@@ -35,8 +35,6 @@ BackendName = Literal["torch", "fsdp", "megatron"]
 class TrainBackend:
     """The replicated backend (``torch``): the whole model on every rank, gradients summed over the ranks."""
 
-    name = "torch"
-
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 

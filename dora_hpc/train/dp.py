@@ -21,6 +21,34 @@ import torch
 BUCKET_BYTES = 64 << 20  # gradients are all-reduced in flat buckets of at most this size
 
 
+def buckets(items: list, nbytes, limit: int) -> list[list]:
+    """Consecutive ``items`` grouped so that no group's ``nbytes`` exceed ``limit`` (an item larger than
+    ``limit`` is a group of its own)."""
+    out: list[list] = [[]]
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += n
+    return out
+
+
+def rendezvous(mpi_comm) -> tuple[str, int]:
+    """(host, port) for a torch.distributed rendezvous among the ranks of ``mpi_comm`` (None: this process
+    alone): its rank 0 takes a free port from the OS (released just before use) and broadcasts it over
+    MPI, with 127.0.0.1 when every rank is on one host."""
+    hosts = mpi_comm.allgather(socket.gethostname()) if mpi_comm is not None else [socket.gethostname()]
+    addr = None
+    if mpi_comm is None or mpi_comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            addr = ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0], s.getsockname()[1])
+    return mpi_comm.bcast(addr, root=0) if mpi_comm is not None else addr
+
+
 class DataParallel:
     def __init__(self, mpi_comm=None, backend: str = "gloo", timeout_s: float = 600.0) -> None:
         """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank). The trainer
@@ -42,18 +70,10 @@ class DataParallel:
             return
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised by someone else in this process")
-        hosts = self.mpi.allgather(socket.gethostname()) if self.mpi is not None else [socket.gethostname()]
-        addr = None
-        if self.rank == 0:
-            with socket.socket() as s:  # a free port, chosen by the OS and released just before use
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
-            addr = f"tcp://{host}:{port}"
-        addr = self.mpi.bcast(addr, root=0) if self.mpi is not None else addr
+        host, port = rendezvous(self.mpi)
         if self.backend == "nccl":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        dist.init_process_group(self.backend, init_method=addr, rank=self.rank, world_size=self.size,
+        dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s))
         self.initialised = True
 
@@ -92,16 +112,7 @@ class DataParallel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.nn.Parameter]] = [[]]
-        size = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if buckets[-1] and size + nbytes > BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        for bucket in buckets:
+        for bucket in buckets(params, lambda p: p.numel() * p.element_size(), BUCKET_BYTES):
             flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]), group)
             off = 0
             for q in bucket:

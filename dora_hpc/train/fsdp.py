@@ -36,8 +36,6 @@ def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 class FSDPBackend(TrainBackend):
-    name = "fsdp"
-
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 

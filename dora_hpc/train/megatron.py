@@ -83,8 +83,6 @@ def local_spec_bridge(hf_config):
 
 
 class MegatronBackend(TrainBackend):
-    name = "megatron"
-
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
                  tensor_parallel: int | None = None) -> None:
         import torch.distributed as dist
@@ -119,6 +117,9 @@ class MegatronBackend(TrainBackend):
             self.ref = self._build(model_dir).eval()
             self.ref.requires_grad_(False)
         self.global_names = self.bridge._weight_name_mapping_mcore_local_to_global(self.model)
+        self.params = dict(self.model.named_parameters())
+        # each parameter's Hugging Face tensors (fused QKV and gate/up are several)
+        self.hf_names = {n: self.bridge._weight_name_mapping_mcore_to_hf(self.global_names[n]) for n in self.params}
 
     def _build(self, model_dir):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -183,7 +184,7 @@ class MegatronBackend(TrainBackend):
         import torch.distributed as dist
 
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.params.items():
             t = local[name].detach()
             if self.tp > 1 and getattr(p, "tensor_model_parallel", False):
                 parts = [torch.empty_like(t) for _ in range(self.tp)]
@@ -196,42 +197,43 @@ class MegatronBackend(TrainBackend):
     def _from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole Hugging Face tensors -> this rank's shard of each parameter (no communication)."""
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.params.items():
             g = self.global_names[name]
-            parts = [hf[n] for n in self.bridge._weight_name_mapping_mcore_to_hf(g)]
+            parts = [hf[n] for n in self.hf_names[name]]
             whole = self.bridge._weight_to_mcore_format(g, parts)
             out[name] = self.bridge._weight_split_across_tp(g, whole, p, self.tp)[self.tp_rank].to(self.device)
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self._to_hf(dict(self.model.named_parameters()))
+        state = self._to_hf(self.params)
         if self.hf_config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # as the torch backend has it
         return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.full_state_dict())
+        expected = {h for names in self.hf_names.values() for h in names}
+        if self.hf_config.tie_word_embeddings:
+            expected.add("lm_head.weight")
         check_fit(sorted(expected - set(state)), sorted(set(state) - expected))
         with torch.no_grad():
             for name, t in self._from_hf(state).items():
-                dict(self.model.named_parameters())[name].copy_(t)
+                self.params[name].copy_(t)
 
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         sd = opt.state_dict()
-        names = [n for n, _ in self.model.named_parameters()]
+        names = list(self.params)  # the optimizer's parameter order
         hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-        hf_names = {n: self.bridge._weight_name_mapping_mcore_to_hf(self.global_names[n]) for n in names}
-        all_hf = [h for n in names for h in hf_names[n]]
+        all_hf = [h for n in names for h in self.hf_names[n]]
         if not sd["state"]:
             return {"state": {}, "param_groups": [{**hyper, "params": all_hf}]}
         moments = [k for k in sd["state"][0] if k != "step"]
         per_moment = {m: self._to_hf({n: sd["state"][i][m] for i, n in enumerate(names)}) for m in moments}
         state = {h: {"step": sd["state"][i]["step"].clone(), **{m: per_moment[m][h] for m in moments}}
-                 for i, n in enumerate(names) for h in hf_names[n]}
+                 for i, n in enumerate(names) for h in self.hf_names[n]}
         return {"state": state, "param_groups": [{**hyper, "params": all_hf}]}
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        names = [n for n, _ in self.model.named_parameters()]
+        names = list(self.params)
         group = {**{k: v for k, v in state["param_groups"][0].items() if k != "params"},
                  "params": list(range(len(names)))}
         local: dict[int, dict] = {}
@@ -239,6 +241,6 @@ class MegatronBackend(TrainBackend):
             moments = [k for k in next(iter(state["state"].values())) if k != "step"]
             per_moment = {m: self._from_hf({h: s[m] for h, s in state["state"].items()}) for m in moments}
             for i, n in enumerate(names):
-                first = self.bridge._weight_name_mapping_mcore_to_hf(self.global_names[n])[0]
+                first = self.hf_names[n][0]
                 local[i] = {"step": state["state"][first]["step"], **{m: per_moment[m][n] for m in moments}}
         opt.load_state_dict({"state": local, "param_groups": [group]})
