@@ -130,9 +130,23 @@ class EngineConfig(Section):
     kv_blocks: int = Field(512, ge=1, description="KV blocks per rollout rank")
     block_size: int = Field(16, ge=1)
     max_batched_tokens: int = Field(512, ge=1)
+    tensor_parallel: int = Field(1, ge=1, description="vllm: workers (devices) per rollout instance, vLLM's "
+                                 "tensor parallelism (CPU: gloo worker processes)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="vllm: weights and KV of the instance "
+                                                  "(the trainer computes in float32; bfloat16 rollouts differ by "
+                                                  "rounding, which the importance ratio absorbs)")
     on_kv_full: Literal["offload", "recompute"] = Field(
         "offload", description="builtin: a sequence preempted for KV space moves its KV to host memory and back "
         "(offload: DORA's hierarchical memory, nothing recomputed) or drops it and recomputes it (recompute)")
+
+    @model_validator(mode="after")
+    def _vllm_only(self) -> EngineConfig:
+        if self.backend != "vllm":
+            for name, default in (("tensor_parallel", 1), ("dtype", "float32")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"engine.{name}={getattr(self, name)!r} needs engine.backend=vllm (the "
+                                     f"built-in engine runs one float32 device per instance)")
+        return self
 
 
 class ModelConfig(Section):

@@ -27,6 +27,9 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("cluster.placement.dora=everywhere", "cluster.placement.dora"),
     ("train.tensor_parallel=2", "train.tensor_parallel"),   # for the megatron backend only
     ("train.backend=deepspeed", "train.backend"),
+    ("engine.tensor_parallel=2", "engine.tensor_parallel"),  # vLLM instances only
+    ("engine.dtype=bfloat16", "engine.dtype"),
+    ("engine.dtype=fp8", "engine.dtype"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:

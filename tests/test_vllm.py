@@ -84,7 +84,7 @@ def test_migration_keeps_tokens_and_counts_what_is_recomputed(engines, carry_kv)
     assert not a.has_request(101) and len(meta["output"]) == n
     if carry_kv:
         bs = a.block_size
-        assert kv is not None and meta["n_cached"] == (len(p) + n - 1) // bs * bs == kv.shape[1] * bs
+        assert kv is not None and meta["n_cached"] == (len(p) + n - 1) // bs * bs == kv.shape[2] * bs
         with pytest.raises(RequestError, match="does not fit"):  # KV that does not match the tokens
             b.import_({**meta, "n_cached": meta["n_cached"] + bs}, kv)
         b.import_(meta, kv)
@@ -137,6 +137,14 @@ def test_weight_swap_changes_outputs_and_refuses_the_old_version(engines, tiny_d
         a.add(302, p, greedy, 0)
     a.add(303, p, greedy, 1)
     assert run_all(a)[303].output != old
+    # every weight took, the tied LM head too (vLLM's CPU build packs it once; the engine repacks it)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    hf.load_state_dict(new, strict=False)
+    a.add(304, p, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), 1)
+    got = run_all(a)[304]
+    assert (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.output)).abs().max() <= 1e-4
     a.load_weights(state, 0)  # back to v0 for the other tests
 
 
@@ -176,3 +184,62 @@ def test_a_real_run_on_the_vllm_backend_keeps_every_invariant(tmp_path, mode):
         assert a["staleness"]["max"] <= 2 and a["reprefill_tokens"] <= 32 * a["migrations"]
         print(f"vllm dora: {a['migrations']} migrations, {a['migration']['by_reprefill']} without KV, "
               f"{a['migration']['kv_bytes']} KV bytes, {a['reprefill_tokens']} re-prefilled tokens")
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tiny_dir):
+    """Two instances of two tensor-parallel workers each (vLLM's multiprocess executor, gloo on CPU)."""
+    from dora_hpc.engine.vllm import VllmEngine
+
+    return [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2)
+            for _ in range(2)]
+
+
+def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_engines, engines, tiny_dir):
+    """TP=2: logprobs match transformers before and after a weight reload (shipped to the worker
+    processes); a greedy request moved between two TP=2 instances continues token-identically with its
+    KV (each worker's share of the heads), and KV of another TP size is refused."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    a, b = tp_engines
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    for weights, version in ((None, 0), (new, 1)):
+        if weights is not None:
+            a.load_weights(weights, version)
+            b.load_weights(weights, version)
+            hf.load_state_dict(weights, strict=False)
+        p = prompts(3, seed=6 + version)[2]
+        a.add(500 + version, p, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True), version)
+        got = run_all(a)[500 + version]
+        diff = (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.output)).abs().max()
+        assert diff <= 1e-4, (version, diff)
+
+    p = prompts(3, seed=8)[2]
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    a.add(510, p, greedy, 1)
+    ref = run_all(a)[510]
+    a.add(511, p, greedy, 1)
+    while a.progress(511)[1] < 30:
+        a.step()
+    b.add(512, prompts(1, seed=9)[0], greedy, 1)  # occupies b's first blocks: the import lands elsewhere
+    b.step()
+    meta, kv = a.export(511)
+    assert kv.shape[:2] == (2, 4) and meta["n_cached"] == kv.shape[2] * a.block_size > 0
+    before = b.stats()["reprefill_tokens"]
+    b.import_(meta, kv)
+    out = run_all(b)
+    assert out[511].output == ref.output
+    assert 1 <= b.stats()["reprefill_tokens"] - before <= b.block_size
+
+    single = engines[0]  # a TP=1 instance's KV does not fit a TP=2 one
+    single.add(513, p, greedy, 0)
+    for _ in range(3):
+        single.step()
+    meta, kv = single.export(513)
+    with pytest.raises(RequestError, match="tensor-parallel size"):
+        b.import_({**meta, "version": 1}, kv)
+    assert not b.has_request(513)

@@ -64,7 +64,7 @@ def make_engine(cfg, model_dir) -> RolloutEngine:
     if e.backend == "vllm":
         from .vllm import VllmEngine
 
-        return VllmEngine(model_dir, **kw)
+        return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype)
     from .engine import Engine
 
     return Engine(model_dir, **kw, on_kv_full=e.on_kv_full)

@@ -53,10 +53,24 @@ class _Live:
         return self.carried + self.output
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    """KV bytes one token takes in the whole instance (all TP workers together)."""
     c = _config(model_dir)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def refresh_lm_head(worker) -> None:
+    """Run on every worker after a weight reload. vLLM's CPU build packs the LM head's weight for its
+    GEMM when the model loads; a reload refreshes the layers it loads, but a tied LM head loads nothing
+    (it shares the embedding), so its packed copy kept the first weights. Packing it again fixes that
+    (GPUs read the shared weight directly and have nothing to refresh)."""
+    from vllm.platforms import current_platform
+
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 def _config(model_dir: Path) -> dict:
@@ -66,8 +80,14 @@ def _config(model_dir: Path) -> dict:
 class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
-                 prefill_s_per_token: float = 0.0) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: one engine per MPI rank
+                 prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32") -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: one per MPI rank
+        on_gpu = torch.cuda.is_available()
+        if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # vLLM's auto-binding wants a NUMA node per worker
+            import vllm.envs
+
+            vllm.envs.disable_envs_cache()  # an earlier engine in this process cached the environment
         try:
             from vllm import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
@@ -77,15 +97,18 @@ class VllmEngine:
         self.model_dir = Path(model_dir)
         pool = kv_blocks * block_size
         self.max_len = min(pool, _config(self.model_dir).get("max_position_embeddings", pool))  # one request
-        # the same token capacity as the built-in pool, plus room for vLLM's own (larger) block rounding
-        kv_bytes = int(1.25 * pool * kv_bytes_per_token(self.model_dir)) + (1 << 20)
+        # the same token capacity as the built-in pool, plus room for vLLM's own (larger) block rounding;
+        # vLLM takes this much on each TP worker, which holds 1/tp of the KV heads
+        kv_bytes = int(1.25 * pool * kv_bytes_per_token(self.model_dir, dtype) / tensor_parallel) + (1 << 20)
         from vllm.config import KVTransferConfig
 
         self.engine_id = f"dora-{uuid.uuid4().hex[:12]}"
         # vLLM's CPU attention takes blocks of a multiple of 32 tokens; GPUs take the configured size
-        self.block_size = block_size if torch.cuda.is_available() else -(-block_size // 32) * 32
+        self.block_size = block_size if on_gpu else -(-block_size // 32) * 32
+        self.tp = tensor_parallel
         self.llm = LLMEngine.from_engine_args(EngineArgs(
-            model=str(self.model_dir), dtype="float32", seed=seed, enforce_eager=True, block_size=self.block_size,
+            model=str(self.model_dir), dtype=dtype, seed=seed, enforce_eager=not on_gpu, block_size=self.block_size,
+            tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp" if tensor_parallel > 1 else None,
             kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             max_num_batched_tokens=max(max_batched_tokens, self.max_len), logprobs_mode="processed_logprobs",
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
@@ -152,8 +175,9 @@ class VllmEngine:
 
     # -- migration and offload (KV in whole blocks; the tail re-prefilled) ------------------------------
     def _take_kv(self, req_id: int, live: _Live) -> tuple[torch.Tensor, int] | None:
-        """A copy of the request's KV in whole blocks (never its last token), or None if it has none."""
-        from .vllm_kv import external_id, layer_caches, read_blocks
+        """A host copy of the request's KV in whole blocks (never its last token), [tp, layers, blocks, ...],
+        or None if it has none."""
+        from .vllm_kv import external_id, read_kv
 
         if live.parked:
             return live.host_kv
@@ -166,8 +190,8 @@ class VllmEngine:
         if not blocks:
             return None
         num_blocks = self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        caches = layer_caches(self.llm.vllm_config.compilation_config.static_forward_context)
-        return read_blocks(caches, blocks, num_blocks), len(blocks) * self.block_size
+        shards = self.llm.collective_rpc(read_kv, args=(list(blocks), num_blocks))  # one per TP worker
+        return torch.stack(shards), len(blocks) * self.block_size
 
     def _give_kv(self, req_id: int, live: _Live, kv: tuple[torch.Tensor, int] | None) -> int:
         """(Re-)add the request; its KV, if any, is loaded by the connector and only the rest recomputed.
@@ -178,8 +202,11 @@ class VllmEngine:
         tokens = 0
         if kv is not None and kv[1]:
             blocks, tokens = kv
-            if tokens % self.block_size or tokens > n_total - 1 or blocks.shape[1] * self.block_size != tokens:
-                raise RequestError(f"request {req_id}: KV of {tokens} tokens in {blocks.shape[1]} blocks does "
+            if blocks.dim() < 3 or blocks.shape[0] != self.tp:
+                raise RequestError(f"request {req_id}: KV of shape {tuple(blocks.shape)} is not [tp={self.tp}, "
+                                   "layers, blocks, ...] (instances must share their tensor-parallel size)")
+            if tokens % self.block_size or tokens > n_total - 1 or blocks.shape[2] * self.block_size != tokens:
+                raise RequestError(f"request {req_id}: KV of {tokens} tokens in {blocks.shape[2]} blocks does "
                                    f"not fit {n_total} tokens in blocks of {self.block_size}")
             PENDING[self.engine_id][str(req_id)] = (blocks, tokens)
         live.kv_tokens = tokens
@@ -235,6 +262,7 @@ class VllmEngine:
             self._withdraw(req_id, live)
             live.host_kv = None  # KV of the old weights
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+        self.llm.collective_rpc(refresh_lm_head)
         self.llm.reset_prefix_cache()
         self.state = {**self.state, **state}
         self.version = version

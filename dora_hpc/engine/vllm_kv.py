@@ -1,22 +1,24 @@
-"""KV migration for the vLLM backend: a KV connector of ours, for vLLM's in-process engine.
+"""KV migration for the vLLM backend: a KV connector of ours, for an instance of one or more TP workers.
 
-Export copies a live request's KV straight out of vLLM's paged cache (the blocks its scheduler gave the
-request, whole blocks only); import parks that tensor here and re-adds the request with all its tokens;
-this connector then tells vLLM's scheduler those tokens are computed externally and, at the start of the
-next forward pass, writes the blocks into the ones vLLM allocated. Nothing crosses a process: the
-engine and its connector share this module's registry of pending imports, keyed by the engine's
-``engine_id``. vLLM keeps one worker-side connector per process, so the worker half takes the engine
-id from the step's metadata (built by that engine's scheduler half) and the caches from the forward
-context, never from itself: several engines in one process (tests, benchmarks) stay apart.
+Export reads a live request's KV straight out of vLLM's paged cache on every tensor-parallel worker
+(``collective_rpc(read_kv)``: the blocks its scheduler gave the request, whole blocks only; each worker
+holds its share of the KV heads), giving ``[tp, layers, blocks, ...]`` on the host. Import parks that
+tensor with the scheduler half of this connector (in this process: the engine core runs in-process)
+and re-adds the request with all its tokens; the scheduler half tells vLLM those tokens are computed
+externally and, once vLLM has given the request blocks, hands each worker the KV in the step's
+connector metadata, which vLLM ships to its workers (in-process, or to worker processes when the
+instance is tensor-parallel); the worker half writes its shard into the allocated blocks at the start
+of that forward pass. Between instances (and nodes) the KV travels over the runtime's data plane.
 
 Invariants:
 * only whole blocks move, and never the last token (vLLM computes at least one token of a request to
   get its next logits): the tail of 1 to block_size tokens is recomputed at the destination, and
   counted as re-prefill by the engine;
-* a pending import is consumed exactly once, by the forward pass that first schedules the request; if
-  vLLM cannot give it blocks yet, the scheduler asks again later and the KV is still here;
-* both engines run the same model with the same block size, so a block is copied as-is, whatever the
-  attention backend's layout (the block index is dim 0, or dim 1 for [2, blocks, ...] layouts).
+* a pending import is consumed exactly once, by the step that first gives the request blocks; if vLLM
+  cannot give it blocks yet, the scheduler asks again later and the KV is still here;
+* both instances run the same model with the same block size and tensor-parallel size, so a worker's
+  block is copied as-is, whatever the attention backend's layout (the block index is dim 0, or dim 1
+  for [2, blocks, ...] layouts); a KV of another TP size is refused before it is parked.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-PENDING: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}  # engine_id -> request id -> (blocks, tokens)
+PENDING: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}  # engine_id -> request id -> (KV, tokens)
 
 
 def external_id(request_id: str) -> str:
@@ -46,18 +48,25 @@ def layer_caches(layers: dict) -> list[torch.Tensor]:
 
 
 def read_blocks(caches: list[torch.Tensor], block_ids: list[int], num_blocks: int) -> torch.Tensor:
-    """[layers, blocks, ...]: a copy of those blocks of every layer."""
+    """[layers, blocks, ...] on the host: a copy of those blocks of every layer."""
     out = []
     for cache in caches:
         d = block_dim(cache, num_blocks)
-        out.append(cache.index_select(d, torch.tensor(block_ids, dtype=torch.long)).movedim(d, 0).clone())
+        idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        out.append(cache.index_select(d, idx).movedim(d, 0).to("cpu", copy=True))
     return torch.stack(out)
+
+
+def read_kv(worker, block_ids: list[int], num_blocks: int) -> torch.Tensor:
+    """Run on every worker by ``collective_rpc``: its share of those blocks, [layers, blocks, ...]."""
+    return read_blocks(layer_caches(worker.vllm_config.compilation_config.static_forward_context), block_ids,
+                       num_blocks)
 
 
 def write_blocks(caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor, num_blocks: int) -> None:
     if kv.shape[0] != len(caches):
         raise ValueError(f"KV of {kv.shape[0]} layers for a model of {len(caches)}")
-    idx = torch.tensor(block_ids, dtype=torch.long)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     for layer, cache in zip(kv, caches, strict=True):
         d = block_dim(cache, num_blocks)
         cache.index_copy_(d, idx, layer.movedim(0, d).to(cache))
@@ -65,9 +74,8 @@ def write_blocks(caches: list[torch.Tensor], block_ids: list[int], kv: torch.Ten
 
 @dataclass
 class LoadMeta(KVConnectorMetadata):
-    engine_id: str = ""
     num_blocks: int = 0
-    loads: list[tuple[str, list[int]]] = field(default_factory=list)  # (request id, destination blocks)
+    loads: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # (destination blocks, [tp, ...] KV)
 
 
 class DoraKVConnector(KVConnectorBase_V1):
@@ -88,10 +96,12 @@ class DoraKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, LoadMeta) or not meta.loads:
             return
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         caches = layer_caches(forward_context.no_compile_layers)
-        for req, blocks in meta.loads:
-            kv, _tokens = PENDING[meta.engine_id].pop(req)
-            write_blocks(caches, blocks, kv, meta.num_blocks)
+        rank = get_tensor_model_parallel_rank()
+        for blocks, kv in meta.loads:
+            write_blocks(caches, blocks, kv[rank], meta.num_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -116,6 +126,7 @@ class DoraKVConnector(KVConnectorBase_V1):
             self.allocated[req] = list(blocks.get_block_ids()[0][:n])
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = LoadMeta(engine_id=self.engine_id, num_blocks=self.num_blocks, loads=list(self.allocated.items()))
+        pending = PENDING[self.engine_id]
+        got = [(blocks, pending.pop(req, None)) for req, blocks in self.allocated.items()]
         self.allocated = {}
-        return meta
+        return LoadMeta(num_blocks=self.num_blocks, loads=[(blocks, kv[0]) for blocks, kv in got if kv is not None])
