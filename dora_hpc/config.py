@@ -132,6 +132,8 @@ class EngineConfig(Section):
     max_batched_tokens: int = Field(512, ge=1)
     tensor_parallel: int = Field(1, ge=1, description="vllm: workers (devices) per rollout instance, vLLM's "
                                  "tensor parallelism (CPU: gloo worker processes)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vllm on GPUs: the share of a GPU's "
+                                          "memory an instance may take (lower it when ranks share a GPU)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="vllm: weights and KV of the instance "
                                                   "(the trainer computes in float32; bfloat16 rollouts differ by "
                                                   "rounding, which the importance ratio absorbs)")
@@ -187,6 +189,10 @@ class RuntimeConfig(Section):
         "(NCCL where CUDA is available, else gloo)")
     weight_bucket_mb: float = Field(256, gt=0, description="weights travel in buckets of at most this many MiB "
                                     "(float32; a larger single tensor is a bucket of its own)")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cuda: each trainer rank takes a GPU of its node and each rollout rank "
+        "engine.tensor_parallel of them (in rank order; ranks share GPUs when a node has too few), "
+        "the trainers reduce over NCCL")
 
 
 class ModelSpec(Section):

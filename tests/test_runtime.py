@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dora_hpc.analysis.basic import analyze
 
@@ -178,6 +179,12 @@ def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
 def test_bad_config_exits_2_naming_the_key(tmp_path):
     p, _ = run(tmp_path, "dora", "--set", "batch.group_size=0")
     assert p.returncode == 2 and "batch.group_size" in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_cuda_on_a_machine_without_a_gpu_is_refused_before_anything_starts(tmp_path):
+    p, run_dir = run(tmp_path, "dora", "--set", "runtime.device=cuda")
+    assert p.returncode == 2 and "runtime.device=cuda" in p.stderr and not run_dir.exists()
 
 
 def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):

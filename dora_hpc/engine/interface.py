@@ -64,7 +64,9 @@ def make_engine(cfg, model_dir) -> RolloutEngine:
     if e.backend == "vllm":
         from .vllm import VllmEngine
 
-        return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype)
+        return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype,
+                          gpu_memory_utilization=e.gpu_memory_utilization)
     from .engine import Engine
+    from .model import load_model
 
-    return Engine(model_dir, **kw, on_kv_full=e.on_kv_full)
+    return Engine(load_model(model_dir, device=cfg.runtime.device), **kw, on_kv_full=e.on_kv_full)

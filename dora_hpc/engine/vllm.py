@@ -80,7 +80,8 @@ def _config(model_dir: Path) -> dict:
 class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
-                 prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32") -> None:
+                 prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.9) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: one per MPI rank
         on_gpu = torch.cuda.is_available()
         if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -109,6 +110,7 @@ class VllmEngine:
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             model=str(self.model_dir), dtype=dtype, seed=seed, enforce_eager=not on_gpu, block_size=self.block_size,
             tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp" if tensor_parallel > 1 else None,
+            gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             max_num_batched_tokens=max(max_batched_tokens, self.max_len), logprobs_mode="processed_logprobs",
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(

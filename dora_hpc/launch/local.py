@@ -117,6 +117,12 @@ def _die_with_parent() -> None:  # runs in the child before exec: SIGKILL it whe
 
 def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     """Run the job; returns mpiexec's exit code, or PREEMPTED when a signal stopped it at a checkpoint."""
+    if cfg.runtime.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() == 0:  # NVML: CUDA itself is not initialised here
+            raise LaunchError("runtime.device=cuda, but this machine has no GPU that torch can use "
+                              f"(torch {torch.__version__}); run with runtime.device=cpu")
     prepare(cfg, run_dir, resume)
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
     pid_dir = run_dir / "pids"

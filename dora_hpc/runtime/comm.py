@@ -238,8 +238,8 @@ class Comm:
         self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum,
                                 [len(b) for b in groups]), dst)
         for bucket in groups:
-            self.send_array(torch.cat([state[n].detach().float().reshape(-1) for n in bucket]).numpy(), dst,
-                            TAG_WEIGHTS)
+            flat = torch.cat([state[n].detach().float().reshape(-1) for n in bucket])
+            self.send_array(flat.cpu().numpy(), dst, TAG_WEIGHTS)  # an engine on a GPU serves GPU tensors
 
     def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

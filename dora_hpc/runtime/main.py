@@ -83,6 +83,39 @@ def install_signals(run: Path, rank: int) -> None:
     signal.signal(signal.SIGINT, torn_down)
 
 
+def bind_gpus(world, roles, rollout_gpus: int) -> str | None:
+    """runtime.device=cuda: narrow this rank's CUDA_VISIBLE_DEVICES to its GPUs (roles.assign_gpus over
+    the ranks of its node, in world-rank order) before anything touches CUDA; vLLM's tensor-parallel
+    workers inherit the narrowed list. Where the launcher already gave ranks of one node different GPUs
+    (srun --gpus-per-task), its binding stands. Returns the GPUs this rank sees, or None if unchanged."""
+    import torch
+    from mpi4py import MPI
+
+    from .roles import assign_gpus
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    count = torch.cuda.device_count()  # before CUDA initialises: NVML, honouring CUDA_VISIBLE_DEVICES
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d for d in env.split(",") if d] if env is not None else [str(i) for i in range(count)]
+    rank = world.Get_rank()
+    every = node.allgather((rank, roles.gpus_needed(rank, rollout_gpus), visible[:count]))
+    node.Free()
+    if count == 0:
+        raise RuntimeError(f"runtime.device=cuda but rank {rank} sees no GPU (CUDA_VISIBLE_DEVICES={env!r})")
+    if len({tuple(v) for _, _, v in every}) > 1:
+        return None
+    every.sort()
+    gpus, shared = assign_gpus([need for _, need, _ in every], count)
+    mine = gpus[[r for r, _, _ in every].index(rank)]
+    if not mine:
+        return None
+    if shared and rank == min(r for r, need, _ in every if need):
+        print(f"dora-hpc: {sum(need for _, need, _ in every)} GPUs wanted on {os.uname().nodename}, "
+              f"{count} there: ranks share them", file=sys.stderr, flush=True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in mine)
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
 def main(run_dir: str) -> int:
     from mpi4py import MPI
 
@@ -95,6 +128,7 @@ def main(run_dir: str) -> int:
         from ..data.tasks import make_task
         from ..store import checkpoint
         from .comm import Comm
+        from .roles import Roles
 
         run = Path(run_dir)
         (run / "pids").mkdir(exist_ok=True)
@@ -110,6 +144,9 @@ def main(run_dir: str) -> int:
                 f"r{w['rank']}@{w['host']}" + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "")
                 for w in where), file=sys.stderr, flush=True)
         attempt = start["attempt"]
+        if cfg.runtime.device == "cuda":  # before the data plane or any model touches CUDA
+            bind_gpus(MPI.COMM_WORLD, Roles(MPI.COMM_WORLD.Get_size(), cfg.cluster.trainer_ranks),
+                      cfg.engine.tensor_parallel)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb)
         t0 = meta["t0"]
         role = comm.roles.role(rank)

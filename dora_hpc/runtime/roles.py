@@ -42,3 +42,26 @@ class Roles:
     def trainer_for_instance(self, i: int) -> int:
         """The trainer rank that serves initial/new weights to rollout instance i (spreads the sends)."""
         return 1 + i % self.trainers
+
+    def gpus_needed(self, rank: int, rollout_gpus: int) -> int:
+        """GPUs a rank takes under runtime.device=cuda: none (orchestrator), one (trainer), or a rollout
+        instance's engine.tensor_parallel."""
+        return {"orchestrator": 0, "trainer": 1, "rollout": rollout_gpus}[self.role(rank)]
+
+
+def assign_gpus(needs: list[int], count: int) -> tuple[list[list[int]], bool]:
+    """The GPUs (indices 0..count-1) of each rank on one node, given each rank's need, in rank order:
+    each rank takes the next ``need`` consecutive GPUs; when they run out it starts again at 0, so ranks
+    share GPUs (colocated rollout and training on one GPU, say). A rank's GPUs are always distinct and
+    consecutive (a tensor-parallel instance never wraps). Returns (GPUs per rank, whether any is shared)."""
+    out: list[list[int]] = []
+    nxt = 0
+    for need in needs:
+        if need > count:
+            raise ValueError(f"a rank needs {need} GPUs but its node has {count} (runtime.device=cuda; "
+                             "engine.tensor_parallel must fit one node)")
+        if nxt + need > count:
+            nxt = 0
+        out.append(list(range(nxt, nxt + need)))
+        nxt += need
+    return out, sum(needs) > count

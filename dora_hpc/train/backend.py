@@ -39,11 +39,14 @@ class TrainBackend:
         from transformers import AutoModelForCausalLM
 
         self.dp = dp
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.device = dp.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
         self.ref = None
         if reference:  # the frozen initial weights, for a KL penalty
-            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
             self.ref.requires_grad_(False)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -60,7 +63,7 @@ class TrainBackend:
 
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
-        return model(input_ids=ids, attention_mask=attn).logits.float()
+        return model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
 
     def micro_batches(self, n_local: int) -> int:
         """How many micro-batches this rank runs, given it has data for ``n_local`` (replicas need not agree)."""
@@ -73,7 +76,7 @@ class TrainBackend:
         return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(state, strict=False)

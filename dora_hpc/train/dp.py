@@ -72,10 +72,17 @@ class DataParallel:
             raise RuntimeError("torch.distributed is already initialised by someone else in this process")
         host, port = rendezvous(self.mpi)
         if self.backend == "nccl":
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s))
         self.initialised = True
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its GPU (rank % visible GPUs) under NCCL, else the CPU."""
+        if self.backend == "nccl":
+            return torch.device("cuda", self.rank % torch.cuda.device_count())
+        return torch.device("cpu")
 
     @property
     def lead(self) -> bool:

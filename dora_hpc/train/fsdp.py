@@ -40,20 +40,11 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         dp.ensure_process_group()
-        super().__init__(model_dir, dp, reference)
-        device = "cuda" if dp.backend == "nccl" else "cpu"
-        self.mesh = init_device_mesh(device, (dp.size,), mesh_dim_names=("dp_shard",))
-        if device == "cuda":
-            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        super().__init__(model_dir, dp, reference)  # the whole model on this rank's device, then sharded
+        self.mesh = init_device_mesh(self.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
         _shard(self.model, self.mesh)
         if self.ref is not None:
-            if device == "cuda":
-                self.ref.to(torch.device("cuda", torch.cuda.current_device()))
             _shard(self.ref, self.mesh)
-
-    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        return super().logits(ids.to(device), attn.to(device), reference)
 
     def micro_batches(self, n_local: int) -> int:
         return self.dp.max_int(n_local)

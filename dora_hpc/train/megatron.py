@@ -107,7 +107,7 @@ class MegatronBackend(TrainBackend):
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
         self.replicas = dist.get_world_size(self.dp_group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = dp.device
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.bridge = local_spec_bridge(self.hf_config)
         self.model = self._build(model_dir)
