@@ -25,3 +25,38 @@ def test_assign_gpus(needs, count, want, shared):
 def test_an_instance_wider_than_its_node_is_refused():
     with pytest.raises(ValueError, match="needs 4 GPUs but its node has 2"):
         assign_gpus([0, 1, 4], 2)
+
+
+BIND = """
+import json, os, sys
+import torch
+from mpi4py import MPI
+torch.cuda.device_count = lambda: 3  # a node with three GPUs, as NVML would count them
+from dora_hpc.runtime.main import bind_gpus
+from dora_hpc.runtime.roles import Roles
+got = bind_gpus(MPI.COMM_WORLD, Roles(MPI.COMM_WORLD.Get_size(), trainers=1), rollout_gpus=2)
+every = MPI.COMM_WORLD.gather([got, os.environ.get("CUDA_VISIBLE_DEVICES")])
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(json.dumps(every))
+"""
+
+
+def test_bind_gpus_narrows_each_rank_to_its_gpus_under_mpi(tmp_path):
+    """Four ranks on one node that shows GPUs 2,3,5: the orchestrator keeps them all, the trainer takes
+    the first, the first rollout pair the next two, the second pair wraps around to share them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dora_hpc.launch.local import mpiexec
+
+    script = tmp_path / "bind.py"
+    script.write_text(BIND)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2,3,5"}
+    p = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [
+        [None, "2,3,5"], ["2", "2"], ["3,5", "3,5"], ["2,3", "2,3"]]
+    assert "5 GPUs wanted" in p.stderr and "ranks share them" in p.stderr

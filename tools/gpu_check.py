@@ -15,6 +15,8 @@ Sections:
   fsdp      one FSDP2 GRPO step (NCCL, one rank) on the model: seconds and trained tokens/s
   megatron  one megatron-core GRPO step (TP=1, NCCL) on the model
   vllm      vLLM generation tokens/s at the same batch sizes (where vLLM is installed)
+  runtime   a real DORA run of the tiny config with runtime.device=cuda (mpiexec: orchestrator, one
+            trainer, three rollout ranks sharing the GPU): steps, invariants, migrations, verified loads
 
 Every figure is measured after a warm-up, with torch.cuda.synchronize() around it; nothing is estimated.
 """
@@ -39,7 +41,7 @@ SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_a
              num_key_value_heads=2, vocab_size=4096)    # --small: a quick dry run of the script
 
 
-SECTIONS = ["model", "engine", "kv", "weights", "fsdp", "megatron", "vllm"]
+SECTIONS = ["model", "engine", "kv", "weights", "fsdp", "megatron", "vllm", "runtime"]
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
@@ -211,6 +213,26 @@ def section_vllm(work: Path, small: bool) -> dict:
         n = sum(len(r.outputs[0].token_ids) for r in res)
         rows.append({"batch": batch, "new_tokens": n, "seconds": s, "tokens_per_s": n / s})
     return {"runs": rows}
+
+
+def section_runtime(work: Path, small: bool) -> dict:
+    import shutil
+    import subprocess
+
+    from dora_hpc.analysis.basic import analyze
+
+    run_dir = work / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", f"runtime.device={DEVICE}",
+           "--set", "train.max_steps=4", "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
+    s, p = timed(lambda: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110))
+    if p.returncode != 0:
+        raise RuntimeError(f"dora-hpc run exited {p.returncode}: {p.stderr[-3000:]}")
+    a = analyze(run_dir)
+    return {"command": " ".join(cmd[1:]), "seconds": s, "steps": a["steps"], "consumed": a["consumed"],
+            "invariants": {k: v for k, v in a["invariants"].items() if k != "offenders"},
+            "migrations": a["migrations"], "reprefill_tokens": a["reprefill_tokens"], "weights": a["weights"],
+            "staleness": a["staleness"], "gpu_binding": [line for line in p.stderr.splitlines() if "GPU" in line]}
 
 
 def summary(work: Path, out: Path) -> None:

@@ -19,7 +19,8 @@ if [ "${1:-}" = "--fetch" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
   exec "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1 mbridge==0.15.1
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl megatron-core==0.16.1 mbridge==0.15.1 \
+    mpi4py==4.1.2 mpich==5.0.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 fi
 
 DRY=()
@@ -32,14 +33,16 @@ WORK=${WORK:-/tmp/dora-gpu-check}
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1 && [ ${#DRY[@]} -eq 0 ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
+  # mpi4py 4 loads whichever MPI it finds; point it at the carried MPICH
+  [ -e /tmp/site/lib/libmpi.so.12 ] && export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 {
   echo "gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
-  # section:seconds -- 465 s in all, so the whole check ends inside 8 minutes
-  for spec in model:45 engine:60 kv:90 weights:30 fsdp:75 megatron:75 vllm:90; do
+  # section:seconds -- 470 s in all, so the whole check ends inside 8 minutes
+  for spec in model:40 engine:50 kv:75 weights:25 fsdp:55 megatron:55 vllm:50 runtime:120; do
     name=${spec%%:*}
     timeout "${spec##*:}" "$PY" tools/gpu_check.py "$name" --work "$WORK" "${DRY[@]}" \
       || echo "section $name: exit $? (timeout 124: it ran past its ${spec##*:} s)"

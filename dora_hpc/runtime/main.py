@@ -100,8 +100,6 @@ def bind_gpus(world, roles, rollout_gpus: int) -> str | None:
     rank = world.Get_rank()
     every = node.allgather((rank, roles.gpus_needed(rank, rollout_gpus), visible[:count]))
     node.Free()
-    if count == 0:
-        raise RuntimeError(f"runtime.device=cuda but rank {rank} sees no GPU (CUDA_VISIBLE_DEVICES={env!r})")
     if len({tuple(v) for _, _, v in every}) > 1:
         return None
     every.sort()
@@ -137,16 +135,19 @@ def main(run_dir: str) -> int:
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"])
         start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
-        where = MPI.COMM_WORLD.gather({"rank": rank, "host": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
-                                       "slurm_job_id": os.environ.get("SLURM_JOB_ID")}, root=0)
-        if rank == 0:  # one world across the job's components: say so, once per launch
-            print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
-                f"r{w['rank']}@{w['host']}" + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "")
-                for w in where), file=sys.stderr, flush=True)
-        attempt = start["attempt"]
+        gpus = None
         if cfg.runtime.device == "cuda":  # before the data plane or any model touches CUDA
             bind_gpus(MPI.COMM_WORLD, Roles(MPI.COMM_WORLD.Get_size(), cfg.cluster.trainer_ranks),
                       cfg.engine.tensor_parallel)
+            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+        where = MPI.COMM_WORLD.gather({"rank": rank, "host": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+                                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "gpus": gpus}, root=0)
+        if rank == 0:  # one world across the job's components: say so, once per launch
+            print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
+                f"r{w['rank']}@{w['host']}" + (f"[GPU {w['gpus']}]" if w["gpus"] is not None else "")
+                + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "") for w in where),
+                file=sys.stderr, flush=True)
+        attempt = start["attempt"]
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
