@@ -225,7 +225,7 @@ def section_runtime(work: Path, small: bool) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", f"runtime.device={DEVICE}",
            "--set", "train.max_steps=4", "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
-    s, p = timed(lambda: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110))
+    s, p = timed(lambda: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=95))
     if p.returncode != 0:
         raise RuntimeError(f"dora-hpc run exited {p.returncode}: {p.stderr[-3000:]}")
     a = analyze(run_dir)

@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 {
   echo "gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
   # section:seconds -- 470 s in all, so the whole check ends inside 8 minutes
-  for spec in model:40 engine:50 kv:75 weights:25 fsdp:55 megatron:55 vllm:50 runtime:120; do
+  for spec in model:40 engine:50 kv:75 weights:25 fsdp:55 megatron:55 vllm:70 runtime:100; do
     name=${spec%%:*}
     timeout "${spec##*:}" "$PY" tools/gpu_check.py "$name" --work "$WORK" "${DRY[@]}" \
       || echo "section $name: exit $? (timeout 124: it ran past its ${spec##*:} s)"
