@@ -100,7 +100,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"run finished: {a['steps']} steps, {a['consumed']} trajectories trained on; mean reward "
                   f"{rewards[0]:.3f} (step 0) -> {rewards[-1]:.3f} (step {len(rewards) - 1}); staleness "
                   f"{a['staleness']['histogram']}; {a['migrations']} migrations, {a['reprefill_tokens']} "
-                  f"re-prefilled tokens; max {a['max_live_versions']} versions live at once")
+                  f"re-prefilled tokens; max {a['max_live_versions']} versions live at once"
+                  + (f"; logprob gap rollout vs trainer <= {a['logprob_gap']['max']:.1e}"
+                     if a["logprob_gap"]["max"] is not None else ""))
     console.print(f"invariants: {inv}")
     console.print(f"HDF5 logs in {run_dir}; more: dora-hpc analyze {run_dir} --json out.json")
     return 0
@@ -186,7 +188,10 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             ("overheads, % of instance time", lambda r: ", ".join(f"{k} {100 * v:.2f}" for k, v in
                                                                  r["overheads"].items()) or "-"),
             ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
-             if r["reward_by_step"] else "-")]
+             if r["reward_by_step"] else "-"),
+            ("logprob gap rollout vs trainer, max (on-policy tokens)",
+             lambda r: f"{r['logprob_gap']['max']:.2e} ({r['logprob_gap']['tokens']})"
+             if r["logprob_gap"]["max"] is not None else "-")]
     rows += [(f"invariant: {k}", lambda r, k=k: r["invariants"][k])
              for k in results[0]["invariants"] if k != "offenders"]
     for label, key in rows:

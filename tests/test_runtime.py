@@ -43,6 +43,11 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     assert 0 < a["slot_utilization"] <= 1 and a["bubble_fraction"] == pytest.approx(1 - a["slot_utilization"])
     assert 0 <= a["inter_instance_bubble"] < 1 and 0 < a["rollout_only_fraction"] <= 1
     assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
+    gap = a["logprob_gap"]  # the engine's logprobs against the trainer's, on tokens of the same weights
+    if mode == "partial":
+        assert gap["tokens"] == 0  # its trajectories may span versions: none is counted
+    else:
+        assert gap["tokens"] > 0 and gap["max"] < 1e-4, gap
     if mode == "dora":
         figs = analyze(run_dir, plots=tmp_path / "plots")["plots"]
         assert sorted(p.rsplit("/", 1)[1] for p in figs) == ["allocation.png", "staleness.png", "steps.png",

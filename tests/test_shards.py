@@ -23,7 +23,7 @@ def test_rows_round_trip_with_vlen_columns_and_rotation(tmp_path):
     assert t["logprobs"][3].dtype == np.float32 and t["finish_reason"][6] == "stop"
     assert t["n_migrations"][0] == -1  # unset columns get their documented default
     with h5py.File(tmp_path / "traj-r3-00000.h5") as f:
-        assert dict(f.attrs) == {"schema_version": 2, "run_id": "r1", "rank": 3, "role": "rollout",
+        assert dict(f.attrs) == {"schema_version": 3, "run_id": "r1", "rank": 3, "role": "rollout",
                                  "config_json": '{"seed": 0}', "attempt": 0}
     assert t["attempt"].tolist() == [0] * 7  # every row says which launch wrote it
     # a new writer (after a restart) continues the numbering instead of overwriting
@@ -53,3 +53,20 @@ def test_readers_skip_tmp_corrupt_and_foreign_schema_naming_the_file(tmp_path):
 def test_unknown_columns_are_refused(tmp_path):
     with pytest.raises(KeyError, match="trajectory_id"):
         writer(tmp_path).append("trajectories", {"trajectory_id": 1})
+
+
+def test_a_version_2_train_shard_reads_its_newer_columns_as_defaults(tmp_path):
+    """Schema 3 added logprob_gap/gap_tokens to the train steps; a run logged before (or a resumed run
+    whose first launch was) still reads, the missing columns as their defaults."""
+    w = ShardWriter(tmp_path, "train", rank=1, role="trainer", run_id="r1")
+    w.append("steps", {"step": 0, "loss": 0.5, "logprob_gap": 1e-6, "gap_tokens": 40})
+    p = w.flush()
+    with h5py.File(p, "a") as f:
+        f.attrs["schema_version"] = 2
+        del f["steps"]["logprob_gap"], f["steps"]["gap_tokens"]
+    w.append("steps", {"step": 1, "loss": 0.25, "logprob_gap": 2e-6, "gap_tokens": 30})
+    w.flush()
+    t = read_table(tmp_path, "train", "steps")
+    assert t["step"].tolist() == [0, 1] and t["loss"].tolist() == [0.5, 0.25]
+    assert np.isnan(t["logprob_gap"][0]) and t["logprob_gap"][1] == 2e-6
+    assert t["gap_tokens"].tolist() == [-1, 30]

@@ -110,6 +110,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "max_live_versions": max_live_versions(esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
+        "logprob_gap": logprob_gap(tsteps),
         # step n's trained tokens over the time since step n-1 ended (from step 1; across a resume the
         # interval includes the restart)
         "tokens_per_s_by_step": (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist(),
@@ -120,6 +121,18 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
     return result
+
+
+def logprob_gap(tsteps: dict[str, np.ndarray]) -> dict:
+    """The rollout engine against the trainer: mean |log pi_trainer - log pi_rollout| over tokens sampled
+    under the very weights the trainer held (train/grpo.py). Float noise when the engine is right; a
+    large gap means rollouts sampled from other weights than they were tagged with."""
+    n = np.maximum(tsteps["gap_tokens"], 0)
+    has = (n > 0) & np.isfinite(tsteps["logprob_gap"])
+    gap = tsteps["logprob_gap"][has]
+    return {"max": float(gap.max()) if has.any() else None,
+            "mean": float((gap * n[has]).sum() / n[has].sum()) if has.any() else None,
+            "tokens": int(n[has].sum()), "steps": int(has.sum())}
 
 
 def max_live_versions(esteps: dict[str, np.ndarray], bucket_s: float = 0.25) -> int:

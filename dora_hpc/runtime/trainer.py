@@ -159,7 +159,10 @@ class TrainerRank:
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
         trajs = [t for g in mine for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
-        samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id) for t in trajs]
+        # partial rollout: a trajectory's tokens may span versions, so none counts as sampled under one
+        tagged = self.cfg.mode != "partial"
+        samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id, t.version if tagged else -1)
+                   for t in trajs]
         with self.serving_weights():
             metrics = self.trainer.train_step(samples)
         state = self.trainer.state_dict()
@@ -178,7 +181,8 @@ class TrainerRank:
             self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
                                       "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
                                       "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
-                                      "tokens": metrics["tokens"], "weights_checksum": checksum})
+                                      "tokens": metrics["tokens"], "weights_checksum": checksum,
+                                      "logprob_gap": metrics["logprob_gap"], "gap_tokens": metrics["gap_tokens"]})
         self.log.flush()
         if self.lead:
             self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}),

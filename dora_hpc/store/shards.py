@@ -24,7 +24,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: every table has `attempt` (which launch of the run wrote the row)
+SCHEMA_VERSION = 3  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3)   # have logprob_gap/gap_tokens (a version-2 shard reads them as their defaults)
 
 # column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
 TRAJECTORIES = {
@@ -41,7 +42,8 @@ OPS = {"t_start": "f8", "t_end": "f8", "kind": "str", "traj_id": "i8", "peer": "
 CONSUMED = {"traj_id": "i8", "group_id": "i8", "consume_step": "i8", "version": "i8", "staleness": "i8",
             "advantage": "f8", "reward": "f8", "attempt": "i8", "traj_attempt": "i8"}
 TRAIN_STEPS = {"step": "i8", "t_start": "f8", "t_end": "f8", "loss": "f8", "reward_mean": "f8",
-               "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str", "attempt": "i8"}
+               "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str", "attempt": "i8",
+               "logprob_gap": "f8", "gap_tokens": "i8"}
 
 FILE_KINDS = {  # file prefix -> its tables
     "traj": {"trajectories": TRAJECTORIES},
@@ -156,8 +158,8 @@ def scan(run_dir: Path, kind: str) -> ShardScan:
         try:
             with h5py.File(p, "r") as f:
                 version = int(f.attrs.get("schema_version", -1))
-                if version != SCHEMA_VERSION:
-                    bad[str(p)] = f"schema_version {version}, expected {SCHEMA_VERSION}"
+                if version not in READABLE:
+                    bad[str(p)] = f"schema_version {version}, expected one of {READABLE}"
                     continue
         except OSError as e:
             bad[str(p)] = f"unreadable HDF5 ({e})"
@@ -191,11 +193,21 @@ def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None =
     return out
 
 
+def _kind_of(path: Path) -> str:
+    """A shard's kind from its name: traj-r3-00001.h5, events-r3-00001.h5, train-00001.h5."""
+    return Path(path).name.split("-")[0]
+
+
 def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     try:
         with h5py.File(path, "r") as f:
             g = f[table]
+            rows = g[next(iter(g))].shape[0] if len(g) else 0
             for c in cols:
+                if c not in g:  # a column newer than the shard's schema version
+                    kind = FILE_KINDS[_kind_of(path)][table][c]
+                    yield c, _column(kind, [_default(kind)] * rows)
+                    continue
                 arr = g[c][()]
                 if arr.dtype.kind == "O" and len(arr) and isinstance(arr[0], bytes):
                     arr = np.array([x.decode() for x in arr], dtype=object)

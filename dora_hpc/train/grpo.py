@@ -9,6 +9,10 @@ Invariants:
   generated under one version (DORA) -- so no cross-version correction is needed;
 * ``train_step`` computes a real gradient and takes one optimizer step; ``state_dict`` returns
   Hugging Face parameter names, ready for ``Engine.load_weights``;
+* ``logprob_gap`` measures the rollout engine against the trainer: the mean |log pi_theta - log
+  pi_behaviour| over the tokens of samples generated under the weights the trainer holds when the step
+  starts (``Sample.version == step``), i.e. the same policy computed twice; it is float noise (~1e-6 in
+  float32) unless the engine samples from other weights than it was sent;
 * data parallel: each replica gets whole groups, normalises its loss by the global token (or sample)
   count and the gradients are summed over replicas, so R replicas take the same step as one rank
   on the union of their samples (up to float summation order), whichever backend holds the weights.
@@ -57,6 +61,7 @@ class Sample:
     logprobs: list[float]   # behaviour logprob of each response token
     reward: float
     group_id: int
+    version: int = -1       # the policy version it was sampled under (-1: unknown)
 
 
 EMPTY = Sample([0], [0], [0.0], 0.0, -1)  # the stand-in of an empty micro-batch (its loss is multiplied by 0)
@@ -130,7 +135,7 @@ class GRPOTrainer:
         if not n_samples:
             raise ValueError("a train step needs at least one sample")
         self.opt.zero_grad(set_to_none=True)
-        tot = torch.zeros(4, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean
+        tot = torch.zeros(6, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean, |gap| sum, gap tokens
         mine = self.backend.gather_batch(samples)  # tensor parallel: the union of the TP peers' shares
         adv_mine = adv_all if mine is samples else group_advantages(mine, cfg.adv_std_norm)
         for start in range(0, self.backend.micro_batches(-(-len(mine) // cfg.micro_batch)) * cfg.micro_batch,
@@ -161,18 +166,22 @@ class GRPOTrainer:
             if not weight:
                 continue
             with torch.no_grad():
+                same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
+                on_policy = mask * same  # tokens sampled under exactly these weights
                 tot += torch.tensor([float(loss), float(((ratio != clipped).float() * mask).sum()) / n_tokens,
-                                     float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens],
+                                     float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens,
+                                     float(((new_lp - old_lp).abs() * on_policy).sum()), float(on_policy.sum())],
                                     dtype=torch.float64)
         self.backend.finish_grads()
         self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
         grad_norm = self.backend.clip_grad_norm(cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
-        loss, clip_frac, kl, ratio_mean = (float(x) for x in tot)
+        loss, clip_frac, kl, ratio_mean, gap_sum, gap_tokens = (float(x) for x in tot)
         return {"loss": loss, "clip_frac": clip_frac, "kl": kl, "ratio_mean": ratio_mean,
                 "grad_norm": float(grad_norm), "tokens": int(n_tokens), "advantages": adv_all,
-                "reward_mean": reward_sum / n_samples}
+                "reward_mean": reward_sum / n_samples, "gap_tokens": int(gap_tokens),
+                "logprob_gap": gap_sum / gap_tokens if gap_tokens else math.nan}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank)."""
