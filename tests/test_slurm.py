@@ -111,6 +111,16 @@ def test_dry_run_prints_a_heterogeneous_script_and_the_config(tmp_path):
     assert "#SBATCH --partition=gpu" in out and "#SBATCH --exclusive" in out
 
 
+def test_the_gpu_cluster_template_renders_gpus_for_both_components(tmp_path):
+    p = subprocess.run(CLI + ["submit", "configs/cluster-gpu.yaml", "--dry-run", "--run-dir", str(tmp_path / "x")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    head, second = p.stdout.split("#SBATCH hetjob")
+    assert "#SBATCH --ntasks=9" in head and "#SBATCH --ntasks=8" in second  # orchestrator + 8 trainers; 8 rollout
+    assert "#SBATCH --gpus-per-node=8" in head and "#SBATCH --gpus-per-node=8" in second
+    assert "device: cuda" in p.stdout and "tensor_parallel: 2" in p.stdout
+
+
 def test_submit_requeue_twice_and_a_killed_rank_then_complete(tmp_path, slurm_cluster):
     run_dir = tmp_path / "run"
     steps = 16
