@@ -195,8 +195,11 @@ def tp_engines(tiny_dir):
     """Two instances of two tensor-parallel workers each (vLLM's multiprocess executor, gloo on CPU)."""
     from dora_hpc.engine.vllm import VllmEngine
 
-    return [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2)
-            for _ in range(2)]
+    engines = [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2)
+               for _ in range(2)]
+    yield engines
+    for e in engines:  # their four worker processes go now, not at the end of the whole session
+        e.close()
 
 
 def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_engines, engines, tiny_dir):

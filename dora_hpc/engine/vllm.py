@@ -309,6 +309,10 @@ class VllmEngine:
         return {"version": self.version, "running": running, "waiting": 0, "offloaded": len(self.reqs) - running,
                 "kv_blocks_used": -1, "kv_blocks_free": -1, "kv_used_fraction": usage, **self.counts}
 
+    def close(self) -> None:
+        """Stop vLLM's engine core and its worker processes (a tensor-parallel instance has some)."""
+        self.llm.engine_core.shutdown()
+
     def _kv_usage(self) -> float:
         try:  # in-process engine core; a private path, so a missing attribute only costs the figure
             return float(self.llm.engine_core.engine_core.scheduler.kv_cache_manager.usage)
