@@ -108,6 +108,8 @@ class TrainConfig(Section):
         "GPTModel, tensor-parallel; pip install -e '.[megatron]')")
     tensor_parallel: int | None = Field(None, ge=1, description="megatron: trainer ranks per tensor-parallel "
                                         "group (must divide cluster.trainer_ranks; default: all of them)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward "
+                                           "(memory for long responses; the same gradient, ~1/3 more compute)")
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
     keep_checkpoints: int = Field(3, ge=1)

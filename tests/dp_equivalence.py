@@ -6,10 +6,12 @@ checkpoint is backend- and rank-count-independent). Prints one JSON line from ra
     mpiexec -n 2 python tests/dp_equivalence.py MODEL_DIR [loss_agg] [backend] [tensor_parallel]
 
 With ``megatron`` the ranks form TP groups of ``tensor_parallel`` (default: all of them); it also reports the
-largest difference of its logits from the Hugging Face model's on a right-padded batch.
+largest difference of its logits from the Hugging Face model's on a right-padded batch. ``DORA_AC=1``
+turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off).
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -39,7 +41,9 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     world = MPI.COMM_WORLD
     cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
     dp = DataParallel(world)
-    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, tensor_parallel=tensor_parallel)
+    ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
+    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, tensor_parallel=tensor_parallel,
+                          activation_checkpointing=ac)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
     gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
     ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)
@@ -68,7 +72,8 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         metrics.append((m, resumed.train_step(samples)))
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
-        print(json.dumps({"backend": backend, "max_abs_weight_diff": diff, "max_abs_logits_diff": logits_diff,
+        print(json.dumps({"backend": backend, "activation_checkpointing": ac, "max_abs_weight_diff": diff,
+                          "max_abs_logits_diff": logits_diff,
                           "resumed_max_abs_weight_diff": max(float((a[k] - c[k]).abs().max()) for k in a),
                           "replicas": dp.size,
                           "metrics": [[{k: x[k] for k in keys} for x in pair] for pair in metrics]}))

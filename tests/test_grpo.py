@@ -75,14 +75,17 @@ def test_bad_samples_are_refused(tiny):
 megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
-@pytest.mark.parametrize("backend,tp", [("torch", None), ("fsdp", None), pytest.param("megatron", 2, marks=megatron),
-                                        pytest.param("megatron", 1, marks=megatron)])
-def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp):
+@pytest.mark.parametrize("backend,tp,ac", [("torch", None, False), ("fsdp", None, False), ("fsdp", None, True),
+                                           pytest.param("megatron", 2, False, marks=megatron),
+                                           pytest.param("megatron", 1, True, marks=megatron)])
+def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac):
     """2 gloo trainer ranks over real MPI -- replicated, FSDP2-sharded, megatron-core tensor-parallel (TP=2)
     or megatron data-parallel (TP=1) -- each given the groups it owns (in one step a rank gets none), end
     bit-identical to each other (checked inside) and equal to one torch trainer given every sample, up to
-    float summation order; their logits equal the HF model's; their checkpoint resumes a torch trainer."""
+    float summation order; their logits equal the HF model's; their checkpoint resumes a torch trainer.
+    With activation checkpointing (``ac``: recomputed layers) the step is the same."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -92,10 +95,11 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp):
     script = Path(__file__).parent / "dp_equivalence.py"
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tiny), "token", backend,
                         str(tp or "")],
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "DORA_AC": "1" if ac else "0"})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2 and out["backend"] == backend and len(out["metrics"]) == 4
+    assert out["activation_checkpointing"] == ac
     for dp_m, single_m in out["metrics"]:
         assert dp_m["tokens"] == single_m["tokens"] and dp_m["clip_frac"] == single_m["clip_frac"]
         for k in ("loss", "ratio_mean", "grad_norm", "reward_mean"):

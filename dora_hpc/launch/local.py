@@ -45,7 +45,8 @@ def mpiexec() -> str:
 
 
 # config keys a resumed run may change; any other difference from the checkpointed run is refused
-RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints", "runtime.", "slurm.")
+RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.activation_checkpointing", "runtime.", "slurm.")
 PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
 
 

@@ -45,7 +45,8 @@ class TrainerRank:
         self.dp = DataParallel(comm.trainer_comm, backend="nccl" if cfg.runtime.device == "cuda" else "gloo")
         self.lead = comm.rank == comm.roles.lead_trainer
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
-                                   tensor_parallel=t.tensor_parallel)
+                                   tensor_parallel=t.tensor_parallel,
+                                   activation_checkpointing=t.activation_checkpointing)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

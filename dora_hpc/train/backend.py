@@ -35,7 +35,8 @@ BackendName = Literal["torch", "fsdp", "megatron"]
 class TrainBackend:
     """The replicated backend (``torch``): the whole model on every rank, gradients summed over the ranks."""
 
-    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
+                 activation_checkpointing: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         self.dp = dp
@@ -44,6 +45,8 @@ class TrainBackend:
             torch.cuda.set_device(self.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
+        if activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref = None
         if reference:  # the frozen initial weights, for a KL penalty
             self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
@@ -111,17 +114,19 @@ def check_fit(missing: list[str], unexpected: list[str]) -> None:
 
 
 def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                  tensor_parallel: int | None = None) -> TrainBackend:
+                  tensor_parallel: int | None = None, activation_checkpointing: bool = False) -> TrainBackend:
+    """``activation_checkpointing``: every decoder layer keeps only its input for backward and recomputes
+    the rest (memory grows with layers x tokens instead of everything; the gradient is the same)."""
     if tensor_parallel is not None and name != "megatron":
         raise ValueError(f"train.tensor_parallel is for the megatron backend, not {name}")
     if name == "torch":
-        return TrainBackend(model_dir, dp, reference)
+        return TrainBackend(model_dir, dp, reference, activation_checkpointing)
     if name == "fsdp":
         from .fsdp import FSDPBackend
 
-        return FSDPBackend(model_dir, dp, reference)
+        return FSDPBackend(model_dir, dp, reference, activation_checkpointing)
     if name == "megatron":
         from .megatron import MegatronBackend
 
-        return MegatronBackend(model_dir, dp, reference, tensor_parallel)
+        return MegatronBackend(model_dir, dp, reference, tensor_parallel, activation_checkpointing)
     raise ValueError(f"train.backend: unknown trainer backend {name!r} (torch, fsdp or megatron)")

@@ -36,11 +36,13 @@ def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 class FSDPBackend(TrainBackend):
-    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
+                 activation_checkpointing: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         dp.ensure_process_group()
-        super().__init__(model_dir, dp, reference)  # the whole model on this rank's device, then sharded
+        # the whole model on this rank's device, then sharded
+        super().__init__(model_dir, dp, reference, activation_checkpointing)
         self.mesh = init_device_mesh(self.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
         _shard(self.model, self.mesh)
         if self.ref is not None:

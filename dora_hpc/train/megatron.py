@@ -54,6 +54,9 @@ def _cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"  # megatron places new tensors on the "current CUDA device"
     mrandom._CUDA_RNG_STATE_TRACKER = NoRNGTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # activation recompute saves and restores RNG states: the CPU's is all there is
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def local_spec_bridge(hf_config):
@@ -84,7 +87,7 @@ def local_spec_bridge(hf_config):
 
 class MegatronBackend(TrainBackend):
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 tensor_parallel: int | None = None) -> None:
+                 tensor_parallel: int | None = None, activation_checkpointing: bool = False) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
         from transformers import AutoConfig
@@ -110,6 +113,8 @@ class MegatronBackend(TrainBackend):
         self.device = dp.device
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.bridge = local_spec_bridge(self.hf_config)
+        if activation_checkpointing:  # megatron's full recompute, one layer per checkpoint
+            self.bridge.set_extra_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.model = self._build(model_dir)
         self.model.train()
         self.ref = None
