@@ -110,6 +110,8 @@ class TrainConfig(Section):
                                         "group (must divide cluster.trainer_ranks; default: all of them)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward "
                                            "(memory for long responses; the same gradient, ~1/3 more compute)")
+    mixed_precision: Literal["no", "bf16"] = Field("no", description="bf16: float32 master weights and "
+                                                   "optimizer, bfloat16 compute (torch and fsdp backends)")
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
     keep_checkpoints: int = Field(3, ge=1)
@@ -119,6 +121,14 @@ class TrainConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     loss_agg: Literal["token", "sequence"] = "token"
     micro_batch: int = Field(8, ge=1)
+
+
+    @model_validator(mode="after")
+    def _megatron_in_float32(self) -> TrainConfig:
+        if self.backend == "megatron" and self.mixed_precision != "no":
+            raise ValueError("train.mixed_precision=bf16 is for the torch and fsdp backends (megatron's needs "
+                             "its distributed optimizer, not wired here)")
+        return self
 
 
 class EngineConfig(Section):

@@ -7,7 +7,8 @@ checkpoint is backend- and rank-count-independent). Prints one JSON line from ra
 
 With ``megatron`` the ranks form TP groups of ``tensor_parallel`` (default: all of them); it also reports the
 largest difference of its logits from the Hugging Face model's on a right-padded batch. ``DORA_AC=1``
-turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off).
+turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off);
+``DORA_MP=bf16`` its bf16 mixed precision.
 """
 
 import json
@@ -42,8 +43,9 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
     dp = DataParallel(world)
     ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
+    mp = os.environ.get("DORA_MP", "no")  # mixed precision likewise
     replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, tensor_parallel=tensor_parallel,
-                          activation_checkpointing=ac)
+                          activation_checkpointing=ac, mixed_precision=mp)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
     gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
     ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)
@@ -72,7 +74,9 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         metrics.append((m, resumed.train_step(samples)))
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
-        print(json.dumps({"backend": backend, "activation_checkpointing": ac, "max_abs_weight_diff": diff,
+        print(json.dumps({"backend": backend, "activation_checkpointing": ac, "mixed_precision": mp,
+                          "master_dtypes": sorted({str(p.dtype) for p in replica.backend.parameters()}),
+                          "max_abs_weight_diff": diff,
                           "max_abs_logits_diff": logits_diff,
                           "resumed_max_abs_weight_diff": max(float((a[k] - c[k]).abs().max()) for k in a),
                           "replicas": dp.size,

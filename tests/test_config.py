@@ -28,6 +28,7 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("train.tensor_parallel=2", "train.tensor_parallel"),   # for the megatron backend only
     ("train.backend=deepspeed", "train.backend"),
     ("engine.tensor_parallel=2", "engine.tensor_parallel"),  # vLLM instances only
+    ("train.mixed_precision=fp16", "train.mixed_precision"),
     ("engine.dtype=bfloat16", "engine.dtype"),
     ("engine.dtype=fp8", "engine.dtype"),
 ])

@@ -165,7 +165,9 @@ def _train(work: Path, backend: str) -> dict:
     from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample
 
     dp = DataParallel(None, backend="nccl" if DEVICE == "cuda" else "gloo")
-    trainer = GRPOTrainer(model_dir(work), GRPOConfig(lr=1e-6, micro_batch=4), dp=dp, backend=backend)
+    mp = "bf16" if DEVICE == "cuda" and backend == "fsdp" else "no"  # megatron runs in float32
+    trainer = GRPOTrainer(model_dir(work), GRPOConfig(lr=1e-6, micro_batch=4), dp=dp, backend=backend,
+                          mixed_precision=mp)
     gen = torch.Generator().manual_seed(0)
     samples = []
     for g in range(4):
@@ -181,7 +183,7 @@ def _train(work: Path, backend: str) -> dict:
                      "loss": m["loss"], "grad_norm": m["grad_norm"]})
     t_gather, state = timed(trainer.state_dict)
     dp.close()
-    return {"backend": backend, "samples": len(samples), "sequence_tokens": 512, "runs": rows,
+    return {"backend": backend, "mixed_precision": mp, "samples": len(samples), "sequence_tokens": 512, "runs": rows,
             "gather_full_weights_s": t_gather,
             "max_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
             "weights": len(state)}

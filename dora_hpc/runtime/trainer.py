@@ -46,7 +46,8 @@ class TrainerRank:
         self.lead = comm.rank == comm.roles.lead_trainer
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,
-                                   activation_checkpointing=t.activation_checkpointing)
+                                   activation_checkpointing=t.activation_checkpointing,
+                                   mixed_precision=t.mixed_precision)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

@@ -36,10 +36,12 @@ class TrainBackend:
     """The replicated backend (``torch``): the whole model on every rank, gradients summed over the ranks."""
 
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, mixed_precision: str = "no") -> None:
         from transformers import AutoModelForCausalLM
 
         self.dp = dp
+        # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
+        self.autocast = mixed_precision == "bf16"
         self.device = dp.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -66,7 +68,9 @@ class TrainBackend:
 
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
-        return model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
+        return out.logits.float()
 
     def micro_batches(self, n_local: int) -> int:
         """How many micro-batches this rank runs, given it has data for ``n_local`` (replicas need not agree)."""
@@ -114,17 +118,23 @@ def check_fit(missing: list[str], unexpected: list[str]) -> None:
 
 
 def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                  tensor_parallel: int | None = None, activation_checkpointing: bool = False) -> TrainBackend:
+                  tensor_parallel: int | None = None, activation_checkpointing: bool = False,
+                  mixed_precision: str = "no") -> TrainBackend:
     """``activation_checkpointing``: every decoder layer keeps only its input for backward and recomputes
-    the rest (memory grows with layers x tokens instead of everything; the gradient is the same)."""
+    the rest (memory grows with layers x tokens instead of everything; the gradient is the same).
+    ``mixed_precision="bf16"``: float32 master weights, gradients and optimizer state, bfloat16 compute
+    (torch: autocast; fsdp: FSDP2's MixedPrecisionPolicy, bf16 all-gathers, float32 reduce-scatters)."""
     if tensor_parallel is not None and name != "megatron":
         raise ValueError(f"train.tensor_parallel is for the megatron backend, not {name}")
+    if mixed_precision not in ("no", "bf16") or (mixed_precision == "bf16" and name == "megatron"):
+        raise ValueError(f"train.mixed_precision={mixed_precision!r}: 'no', or 'bf16' with the torch or fsdp "
+                         "backend (megatron's needs its distributed optimizer, not wired here)")
     if name == "torch":
-        return TrainBackend(model_dir, dp, reference, activation_checkpointing)
+        return TrainBackend(model_dir, dp, reference, activation_checkpointing, mixed_precision)
     if name == "fsdp":
         from .fsdp import FSDPBackend
 
-        return FSDPBackend(model_dir, dp, reference, activation_checkpointing)
+        return FSDPBackend(model_dir, dp, reference, activation_checkpointing, mixed_precision)
     if name == "megatron":
         from .megatron import MegatronBackend
 

@@ -22,12 +22,14 @@ from .backend import TrainBackend, check_fit, detached_copy
 from .dp import DataParallel
 
 
-def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def _shard(model: torch.nn.Module, mesh, bf16: bool = False) -> torch.nn.Module:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):  # a plain SUM reduce-scatter (gloo has no pre-multiplied sum)
             m.set_gradient_divide_factor(1.0)
@@ -37,16 +39,18 @@ def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 class FSDPBackend(TrainBackend):
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, mixed_precision: str = "no") -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         dp.ensure_process_group()
         # the whole model on this rank's device, then sharded
-        super().__init__(model_dir, dp, reference, activation_checkpointing)
+        super().__init__(model_dir, dp, reference, activation_checkpointing, mixed_precision)
+        self.autocast = False  # FSDP2 casts the gathered parameters itself
+        bf16 = mixed_precision == "bf16"
         self.mesh = init_device_mesh(self.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
-        _shard(self.model, self.mesh)
+        _shard(self.model, self.mesh, bf16)
         if self.ref is not None:
-            _shard(self.ref, self.mesh)
+            _shard(self.ref, self.mesh, bf16)
 
     def micro_batches(self, n_local: int) -> int:
         return self.dp.max_int(n_local)

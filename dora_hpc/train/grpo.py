@@ -92,12 +92,14 @@ def weights_checksum(state: dict[str, torch.Tensor]) -> str:
 class GRPOTrainer:
     def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0,
                  dp: DataParallel | None = None, backend: BackendName = "torch",
-                 tensor_parallel: int | None = None, activation_checkpointing: bool = False) -> None:
+                 tensor_parallel: int | None = None, activation_checkpointing: bool = False,
+                 mixed_precision: str = "no") -> None:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.dp = dp or DataParallel()
         self.backend = build_backend(backend, model_dir, self.dp, reference=cfg.kl_coef > 0,
-                                     tensor_parallel=tensor_parallel, activation_checkpointing=activation_checkpointing)
+                                     tensor_parallel=tensor_parallel, activation_checkpointing=activation_checkpointing,
+                                     mixed_precision=mixed_precision)
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 

@@ -68,7 +68,8 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
     task = make_task(cfg, meta["vocab_size"], model_dir)
     dp = DataParallel(mpi_comm)
     trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=dp, backend=backend,
-                          tensor_parallel=tensor_parallel, activation_checkpointing=cfg.train.activation_checkpointing)
+                          tensor_parallel=tensor_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+                          mixed_precision=cfg.train.mixed_precision if backend != "megatron" else "no")
     out = []
     for step, rows in enumerate(batches):
         mine = [Sample(task.prompt(g), resp, lps, r, g) for g, resp, lps, r in rows if g % dp.size == dp.rank]
