@@ -15,7 +15,8 @@ Invariants:
   and layouts (fused QKV and gate/up split back), so a checkpoint written under megatron resumes under
   torch or fsdp and back; ``load_*`` convert and split the other way;
 * on CPU (gloo) a few shims stand in for CUDA-only pieces: torch.cuda.current_device names the CPU, the
-  model-parallel CUDA RNG tracker is a no-op (dropout is 0 in these models) and fused kernels are off.
+  model-parallel CUDA RNG tracker is a no-op (dropout is 0 in these models), activation recompute
+  saves and restores only the CPU's RNG state, and fused kernels are off.
 """
 
 from __future__ import annotations
