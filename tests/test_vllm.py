@@ -47,6 +47,18 @@ def hf_logprobs(hf, prompt, output):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
+def greedy_reference_and_midway(eng, req_id, prompt, max_tokens, version, midway):
+    """A greedy request run to its end on ``eng`` (the reference), then the same request added again as
+    ``req_id + 1`` and stepped until ``midway`` tokens are out; returns (reference, its params)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    eng.add(req_id, prompt, greedy, version)
+    ref = run_all(eng)[req_id]
+    eng.add(req_id + 1, prompt, greedy, version)
+    while eng.progress(req_id + 1)[1] < midway:
+        eng.step()
+    return ref, greedy
+
+
 def test_sampled_token_logprobs_and_greedy_tokens_match_transformers(engines, hf_model):
     eng = engines[0]
     ps = prompts()
@@ -72,12 +84,7 @@ def test_migration_keeps_tokens_and_counts_what_is_recomputed(engines, carry_kv)
     by re-prefill, every token."""
     a, b = engines
     p = prompts(3, seed=3)[2]  # 40 prompt tokens
-    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    a.add(100, p, greedy, 0)
-    ref = run_all(a)[100]
-    a.add(101, p, greedy, 0)
-    while a.progress(101)[1] < 40:
-        a.step()
+    ref, _ = greedy_reference_and_midway(a, 100, p, 60, 0, midway=40)
     n = a.progress(101)[1]
     before = b.stats()["reprefill_tokens"]
     meta, kv = a.export(101)
@@ -226,12 +233,7 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
         assert diff <= 1e-4, (version, diff)
 
     p = prompts(3, seed=8)[2]
-    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    a.add(510, p, greedy, 1)
-    ref = run_all(a)[510]
-    a.add(511, p, greedy, 1)
-    while a.progress(511)[1] < 30:
-        a.step()
+    ref, greedy = greedy_reference_and_midway(a, 510, p, 50, 1, midway=30)
     b.add(512, prompts(1, seed=9)[0], greedy, 1)  # occupies b's first blocks: the import lands elsewhere
     b.step()
     meta, kv = a.export(511)
