@@ -8,6 +8,10 @@ Invariants:
   global counts, exactly as the replicated backend's bucketed all-reduce does, so both take the same step;
 * every rank runs the same number of micro-batches (the maximum over the ranks); a rank short of data
   runs empty ones whose loss is multiplied by zero, joining the collectives without moving the weights;
+* no rank ever holds the whole model on its device: rank 0 reads the checkpoint into host memory, every
+  rank builds the model on the meta device, shards it, allocates only its shards and receives them
+  from rank 0 (a broadcast), so a model too big for one device loads; non-persistent buffers (rotary
+  frequencies) are recomputed, never taken from the meta device;
 * ``full_state_dict`` all-gathers every parameter: every rank returns the whole weights under Hugging Face
   names (fully_shard keeps the module's parameter names), so any trainer rank can publish a version.
 """
@@ -43,14 +47,40 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         dp.ensure_process_group()
-        # the whole model on this rank's device, then sharded
-        super().__init__(model_dir, dp, reference, activation_checkpointing, mixed_precision)
+        self.dp, self.device = dp, dp.device
         self.autocast = False  # FSDP2 casts the gathered parameters itself
-        bf16 = mixed_precision == "bf16"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.mesh = init_device_mesh(self.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
-        _shard(self.model, self.mesh, bf16)
-        if self.ref is not None:
-            _shard(self.ref, self.mesh, bf16)
+        self.bf16 = mixed_precision == "bf16"
+        self.model = self._load(model_dir)
+        self.model.train()
+        if activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.ref = None
+        if reference:
+            self.ref = self._load(model_dir).eval()
+            self.ref.requires_grad_(False)
+
+    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+        """The sharded model: built on the meta device, sharded, its shards allocated on this rank's device
+        and filled from rank 0's copy of the checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        full = {}
+        if self.dp.rank == 0:
+            full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+        _shard(model, self.mesh, self.bf16)
+        model.to_empty(device=self.device)
+        for m in model.modules():  # non-persistent buffers are in no state dict: compute them again
+            if "RotaryEmbedding" in type(m).__name__:
+                model._init_weights(m)
+        set_model_state_dict(model, {k: v for k, v in full.items() if k in model.state_dict()},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        return model
 
     def micro_batches(self, n_local: int) -> int:
         return self.dp.max_int(n_local)
