@@ -37,22 +37,27 @@ class TrainBackend:
 
     def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
                  activation_checkpointing: bool = False, mixed_precision: str = "no") -> None:
-        from transformers import AutoModelForCausalLM
-
         self.dp = dp
         # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
+        self.mixed_precision = mixed_precision
         self.autocast = mixed_precision == "bf16"
         self.device = dp.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.model = self._load(model_dir)
         self.model.train()
         if activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref = None
         if reference:  # the frozen initial weights, for a KL penalty
-            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+            self.ref = self._load(model_dir).eval()
             self.ref.requires_grad_(False)
+
+    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+        """The whole float32 model on this rank's device (sharded backends load their own way)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())

@@ -47,20 +47,9 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         dp.ensure_process_group()
-        self.dp, self.device = dp, dp.device
+        self.mesh = init_device_mesh(dp.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
+        super().__init__(model_dir, dp, reference, activation_checkpointing, mixed_precision)
         self.autocast = False  # FSDP2 casts the gathered parameters itself
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.mesh = init_device_mesh(self.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
-        self.bf16 = mixed_precision == "bf16"
-        self.model = self._load(model_dir)
-        self.model.train()
-        if activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.ref = None
-        if reference:
-            self.ref = self._load(model_dir).eval()
-            self.ref.requires_grad_(False)
 
     def _load(self, model_dir: str | Path) -> torch.nn.Module:
         """The sharded model: built on the meta device, sharded, its shards allocated on this rank's device
@@ -73,12 +62,13 @@ class FSDPBackend(TrainBackend):
             full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-        _shard(model, self.mesh, self.bf16)
+        _shard(model, self.mesh, self.mixed_precision == "bf16")
         model.to_empty(device=self.device)
         for m in model.modules():  # non-persistent buffers are in no state dict: compute them again
             if "RotaryEmbedding" in type(m).__name__:
                 model._init_weights(m)
-        set_model_state_dict(model, {k: v for k, v in full.items() if k in model.state_dict()},
+        names = set(model.state_dict())
+        set_model_state_dict(model, {k: v for k, v in full.items() if k in names},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
         return model
 
