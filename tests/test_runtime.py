@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dora_hpc.analysis.basic import analyze
+from dora_hpc.launch.local import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
@@ -33,6 +34,8 @@ def run(tmp_path, mode, *extra, steps=4, env=None, name=None):
 def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     p, run_dir = run(tmp_path, mode, steps=8 if mode == "dora" else 4)
     assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr  # model loading is quiet: rank 0 names the model once, no progress bars
+    assert out.count("dora-hpc: model ") == 1 and "Loading weights" not in out and "it/s]" not in out
     a = analyze(run_dir)
     inv = a["invariants"]
     assert a["steps"] == (8 if mode == "dora" else 4) and a["consumed"] == a["steps"] * 4 * 4
@@ -134,7 +137,6 @@ def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path,
     float-level weight difference flips a sampled token sooner or later, and the trajectories part ways.
     At the config's lr 1e-2 Adam turns float-order differences in near-zero gradients into +-lr steps,
     and megatron's replay drifts to ~1e-3 within a few steps; in float64 that drift shrinks 100-300x.)"""
-    from dora_hpc.launch.local import mpiexec
 
     out = tmp_path / "replay.json"
     cmd = [sys.executable, "-m", "dora_hpc.train.replay", str(dora_run), "--backend", backend, "--out", str(out)]
@@ -209,3 +211,12 @@ def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
     # The launcher names the rank it saw die first. MPICH sometimes takes a peer down within the same
     # millisecond, so the name is right in most runs but not all (see launch/local.py DeathWatch).
     assert re.search(r"rank \d \((orchestrator|trainer|rollout)\) died first", err), err[-2000:]
+
+
+@pytest.mark.parametrize("plane", ["mpi", "torch"])
+def test_close_returns_when_a_run_ends_with_buffers_in_flight(plane):
+    """A run that ends while a KV migration or a weight transfer is under way still ends: the receivers
+    of the announced buffers take them, so the sender's sends complete (a hang before this was fixed)."""
+    p = subprocess.run([mpiexec(), "-n", "3", sys.executable, "tests/close_driver.py", plane], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "closed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]

@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .. import quiet_hf
 from ..config import RunConfig
 from ..runtime.roles import Roles
 
@@ -124,6 +125,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
         if torch.cuda.device_count() == 0:  # NVML: CUDA itself is not initialised here
             raise LaunchError("runtime.device=cuda, but this machine has no GPU that torch can use "
                               f"(torch {torch.__version__}); run with runtime.device=cpu")
+    quiet_hf()  # before the model is converted or cached here, and for every rank mpiexec starts
     prepare(cfg, run_dir, resume)
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
     pid_dir = run_dir / "pids"
@@ -132,7 +134,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     # which rank died first and then ends the whole job itself (within milliseconds)
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n),
            sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
     env.pop("SLURM_JOB_ID", None)  # a local run inside an allocation is still a local run (signals)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -193,15 +193,18 @@ class Comm:
 
     def close(self) -> int:
         """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
-        is addressed to it until its own sends completed, so MPI_Finalize finds no message in flight.
+        is addressed to it (with the buffers a message announces) until its own sends completed, so
+        MPI_Finalize finds no message in flight.
         Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
         import time
 
         self.world.Barrier()
         dropped = 0
         while True:
-            while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL):
-                self.world.recv(source=MPI.ANY_SOURCE, tag=TAG_CTRL)
+            status = MPI.Status()
+            while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
+                src = status.Get_source()
+                self.discard(self.world.recv(source=src, tag=TAG_CTRL), src)
                 dropped += 1
             self._pending = [r for r in self._pending if not r.Test()]
             self._bulk = [(h, b) for h, b in self._bulk if not h.test()]
@@ -210,6 +213,15 @@ class Comm:
             time.sleep(0.001)
         self.world.Barrier()
         return dropped
+
+    def discard(self, msg: object, src: int) -> None:
+        """Drop a control message nobody will act on, receiving the buffers it announces: their sender
+        waits for its sends to complete before it may finish (a weight or KV send to a rank that has
+        already stopped would otherwise never complete)."""
+        if isinstance(msg, WeightsHeader):
+            self.recv_weights(msg, src)
+        elif isinstance(msg, MigrateIn) and msg.kv_shape is not None:
+            self.recv_array(msg.kv_shape, np.float32, src, TAG_KV)
 
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""

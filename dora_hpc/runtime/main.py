@@ -23,6 +23,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from .. import quiet_hf
+
 STOP = threading.Event()     # rank 0: a stop was requested by a signal
 STOP_SIGNAL: list[int] = []
 
@@ -119,6 +121,7 @@ def main(run_dir: str) -> int:
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
+        quiet_hf()
         import torch
 
         torch.set_num_threads(1)
@@ -147,6 +150,8 @@ def main(run_dir: str) -> int:
                 f"r{w['rank']}@{w['host']}" + (f"[GPU {w['gpus']}]" if w["gpus"] is not None else "")
                 + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "") for w in where),
                 file=sys.stderr, flush=True)
+            print(f"dora-hpc: model {meta['model_dir']} loads on every trainer and rollout rank", file=sys.stderr,
+                  flush=True)
         attempt = start["attempt"]
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb)
         t0 = meta["t0"]

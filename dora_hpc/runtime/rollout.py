@@ -83,6 +83,8 @@ class RolloutRank:
                 self.step()
             else:
                 time.sleep(0.001)
+        for msg, src in self.deferred:  # set aside while loading weights; the run ended first
+            self.comm.discard(msg, src)
         self.traj_log.flush()
         self.events.flush()
 
