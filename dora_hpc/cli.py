@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .config import ConfigError, load_config
@@ -166,9 +168,11 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         if args.plots:
             plots = Path(args.plots) / Path(run_dir).name if len(args.run_dirs) > 1 else Path(args.plots)
         try:
-            results.append(analyze(run_dir, plots))
+            with warnings.catch_warnings():  # each skipped shard is named below, on one line
+                warnings.simplefilter("ignore")
+                results.append(analyze(run_dir, plots))
         except ShardError as e:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {e}")
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {escape(str(e))}", highlight=False)
             return 2
     table = Table(title="runs side by side" if len(results) > 1 else "run")
     table.add_column("figure")
@@ -197,11 +201,10 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     for label, key in rows:
         table.add_row(label, *[str(key(r) if callable(key) else r[key]) for r in results])
     console.print(table)
-    for r in results:  # a run still going, or killed, has incomplete shards: say what was left out
-        for kind, sh in r["shards"].items():
-            if sh["tmp_skipped"] or sh["bad"]:
-                console.print(f"{r['run_dir']}: {kind} shards: {sh['files']} read, {sh['tmp_skipped']} incomplete "
-                              f"*.h5.tmp skipped" + "".join(f"; skipped {p} ({why})" for p, why in sh["bad"].items()))
+    for r in results:  # a run still going, or killed, has incomplete logs: say what was left out
+        if r["missing"]:
+            console.print(f"{r['run_dir']}: partial logs, analysed without: " + "; ".join(r["missing"]),
+                          soft_wrap=True, highlight=False, markup=False)
     if args.json:
         out = results[0] if len(results) == 1 else {"runs": results}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -2,14 +2,19 @@
 answers (the runtime tests only ever see logs where every count is 0)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.analysis.invariants import groups_with_many, last_per_key
 from dora_hpc.store.shards import ShardWriter
 
-CONFIG = json.dumps({"mode": "dora", "dora": {"k": 1}, "batch": {"group_size": 2, "tbs": 2}})
+CONFIG = json.dumps({"mode": "dora", "dora": {"k": 1}, "batch": {"group_size": 2, "tbs": 2},
+                     "cluster": {"trainer_ranks": 1, "rollout_ranks": 2}})  # rollout ranks 2 and 3
 
 
 def build(run_dir):
@@ -71,5 +76,36 @@ def test_the_cli_says_which_shards_it_left_out(tmp_path, capsys):
     (tmp_path / "traj-r3-00008.h5").write_bytes(b"truncated")
     assert main(["analyze", str(tmp_path)]) == 0
     out = capsys.readouterr().out.replace("\n", "")
-    assert "1 incomplete *.h5.tmp skipped" in out and "traj-r3-00008.h5 (unreadable HDF5" in out
+    assert "partial logs, analysed without: skipped traj-r3-00008.h5 (unreadable HDF5" in out
+    assert "1 unfinished traj-*.h5.tmp skipped; no traj shard from rollout rank 2; no events shard from " \
+           "rollout ranks 2, 3" in out
     assert "lost_groups" in out  # the rest was still analysed
+    assert analyze(tmp_path)["missing"][-2:] == ["no traj shard from rollout rank 2",
+                                                 "no events shard from rollout ranks 2, 3"]
+
+
+def _killed_before_its_first_step(run_dir):
+    for kind in ("traj", "events"):
+        w = ShardWriter(run_dir, kind, 2, "rollout", "r", CONFIG)
+        w.append("trajectories" if kind == "traj" else "ops", {"traj_id": 0, "group_id": 0, "version": 0}
+                 if kind == "traj" else {"kind": "weight_load", "version": 0})
+        w.flush()
+    (run_dir / "traj-r3-00000.h5.tmp").write_bytes(b"a shard being written when the job was killed")
+
+
+@pytest.mark.parametrize("case", ["empty", "one corrupt shard", "killed before its first train step"])
+def test_analyze_without_a_train_step_exits_2_on_one_line(tmp_path, case):
+    if case == "one corrupt shard":
+        (tmp_path / "train-00000.h5").write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+    elif case != "empty":
+        _killed_before_its_first_step(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "dora_hpc.cli", "analyze", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr, p.stderr
+    line, = p.stderr.splitlines()  # one line, however long
+    assert line.startswith(f"analyze: {tmp_path}: nothing to analyse: ")
+    assert {"empty": "no HDF5 shard in it",
+            "one corrupt shard": "shards read: 0 traj, 0 events, 0 train; skipped train-00000.h5 (unreadable HDF5",
+            "killed before its first train step": "no train step logged (the run stopped before its first step, "
+            "or no train shard is readable); shards read: 1 traj, 1 events, 0 train; 1 unfinished traj-*.h5.tmp "
+            "skipped; no traj shard from rollout rank 3; no events shard from rollout rank 3"}[case] in line

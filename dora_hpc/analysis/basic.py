@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..store.shards import read_table, scan
+from ..store.shards import ShardError, ShardScan, read_table, scan
 from .history import history
 from .invariants import check, joined, read_trajectories
 from .staleness import stratified
@@ -29,14 +29,47 @@ def _config(run_dir: Path) -> dict:
     return {}
 
 
+class NothingToAnalyse(ShardError):
+    """A run directory without one readable train step; the message names the dir and what was skipped."""
+
+
+def _rank(path: str | Path) -> int:
+    return int(Path(path).name.split("-")[1][1:])  # traj-r3-00001.h5 -> 3
+
+
+def missing_logs(scans: dict[str, ShardScan], cfg: dict) -> list[str]:
+    """What the logs lack, one phrase each: unreadable shards, unfinished writes (``*.h5.tmp``: a writer
+    stopped mid-write) and rollout ranks that left no shard of a kind. Empty for a complete run."""
+    out = [f"skipped {Path(p).name} ({why})" for s in scans.values() for p, why in s.bad.items()]
+    out += [f"{s.tmp_skipped} unfinished {kind}-*.h5.tmp skipped" for kind, s in scans.items() if s.tmp_skipped]
+    cluster = cfg.get("cluster", {})
+    first = 1 + cluster.get("trainer_ranks", 0)
+    for kind in ("traj", "events"):
+        have = {_rank(p) for p in scans[kind].files}
+        absent = [r for r in range(first, first + cluster.get("rollout_ranks", 0)) if r not in have]
+        if absent:
+            out.append(f"no {kind} shard from rollout rank{'s' if len(absent) > 1 else ''} "
+                       + ", ".join(map(str, absent)))
+    return out
+
+
 def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
+    """Every figure of a run (see the module docstring). Partial logs are analysed and what they lack is
+    listed under ``missing``; a run dir without one readable train step raises NothingToAnalyse."""
     run_dir = Path(run_dir)
     scans = {k: scan(run_dir, k) for k in ("traj", "events", "train")}
     cfg = _config(run_dir)
     mode, k, g_size = cfg.get("mode"), cfg.get("dora", {}).get("k"), cfg.get("batch", {}).get("group_size", 1)
-    traj = read_trajectories(scans["traj"])
     consumed = read_table(run_dir, "train", "consumed", scan_result=scans["train"])
     tsteps = read_table(run_dir, "train", "steps", scan_result=scans["train"])
+    if not len(tsteps["step"]):
+        read = ", ".join(f"{len(s.files)} {kind}" for kind, s in scans.items())
+        raise NothingToAnalyse(f"{run_dir}: nothing to analyse: no train step logged (the run stopped before its "
+                               f"first step, or no train shard is readable); shards read: {read}"
+                               + "".join(f"; {m}" for m in missing_logs(scans, cfg))
+                               if any(s.files or s.bad or s.tmp_skipped for s in scans.values()) else
+                               f"{run_dir}: nothing to analyse: no HDF5 shard in it (is it a run directory?)")
+    traj = read_trajectories(scans["traj"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
     esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True,
                         columns=["t_start", "t_end", "batch_size", "capacity", "version"])
@@ -115,6 +148,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         # interval includes the restart)
         "tokens_per_s_by_step": (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist(),
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
+        "missing": missing_logs(scans, cfg),
     }
     if plots is not None:
         from .plots import write_plots

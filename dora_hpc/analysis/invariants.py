@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..store.shards import ShardScan, iter_shard_columns
+from ..store.shards import ShardScan
 
 TRAJ_COLUMNS = ["traj_id", "group_id", "version", "attempt", "response_len", "reprefill_tokens"]
 
@@ -24,8 +24,7 @@ def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
     vlen ``segment_versions`` is reduced at once to the first and lowest version and a switch flag, and
     ``reward_error`` to a flag, so memory grows by a few integers per trajectory whatever the lengths."""
     parts: dict[str, list[np.ndarray]] = defaultdict(list)
-    for path in found.files:
-        shard = dict(iter_shard_columns(path, "trajectories", TRAJ_COLUMNS + ["segment_versions", "reward_error"]))
+    for _path, shard in found.read("trajectories", TRAJ_COLUMNS + ["segment_versions", "reward_error"]):
         seg = shard.pop("segment_versions")
         parts["has_error"].append(np.fromiter((bool(e) for e in shard.pop("reward_error")), bool, len(seg)))
         version = shard["version"].astype(np.int64)

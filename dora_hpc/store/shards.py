@@ -53,7 +53,11 @@ FILE_KINDS = {  # file prefix -> its tables
 
 
 class ShardError(RuntimeError):
-    """A shard that cannot be read; the message names the file."""
+    """A shard (or run directory) that cannot be read; the message names it, ``why`` says why alone."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message
 
 
 def _dtype(kind: str):
@@ -147,6 +151,19 @@ class ShardScan:
     tmp_skipped: int
     bad: dict[str, str]
 
+    def read(self, table: str, cols: list[str]) -> Iterator[tuple[Path, dict[str, np.ndarray]]]:
+        """Each readable shard's ``cols`` of ``table``, in file order. A shard that opens but cannot be read
+        leaves ``files`` for ``bad`` (with a warning naming it); the others are still read."""
+        for p in list(self.files):
+            try:
+                got = dict(iter_shard_columns(p, table, cols))
+            except ShardError as e:
+                self.files.remove(p)
+                self.bad[str(p)] = e.why
+                warnings.warn(f"skipping shard {p}: {e.why}", stacklevel=2)
+                continue
+            yield p, got
+
 
 def scan(run_dir: Path, kind: str) -> ShardScan:
     run_dir = Path(run_dir)
@@ -180,8 +197,8 @@ def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None =
     cols = columns or list(schema)
     parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
     ranks: list[np.ndarray] = []
-    for p in found.files:
-        for c, arr in iter_shard_columns(p, table, cols):
+    for p, got in found.read(table, cols):
+        for c, arr in got.items():
             parts[c].append(arr)
         if with_rank:
             with h5py.File(p, "r") as f:
@@ -213,4 +230,4 @@ def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tupl
                     arr = np.array([x.decode() for x in arr], dtype=object)
                 yield c, arr
     except (OSError, KeyError) as e:
-        raise ShardError(f"{path}: cannot read /{table} ({e})") from None
+        raise ShardError(f"{path}: cannot read /{table} ({e})", f"cannot read /{table} ({e})") from None
