@@ -1,7 +1,7 @@
 """A driver that executes a policy's commands and delivers their completions in a random order.
 
 It keeps its own record of what happened (independent of the policy's bookkeeping) and checks the
-DESIGN.md invariants on every command: single version per trajectory, groups never split across
+run invariants (docs/invariants.md) on every command: single version per trajectory, groups never split across
 versions, staleness bounds, exactly-once consumption, nothing lost.
 """
 

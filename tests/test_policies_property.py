@@ -1,4 +1,4 @@
-"""Property tests: every policy, random configs, random completion orders -> DESIGN.md invariants."""
+"""Property tests: every policy, random configs, random completion orders -> the run invariants (docs/invariants.md)."""
 
 import random
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's invariants checked on a run's rows, vectorised: a log of 10^6 trajectories costs a few
+"""The run invariants (docs/invariants.md) checked on a run's rows, vectorised: a log of 10^6 trajectories costs a few
 integers per row and a few seconds, never a Python object per row.
 
 Inputs are column dicts of numpy arrays: ``traj`` from ``read_trajectories`` (one row per trajectory

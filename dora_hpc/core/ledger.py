@@ -1,6 +1,6 @@
 """Ledger: exactly-once accounting of prompt groups and their trajectories.
 
-Invariant (DESIGN.md, invariant 3): every group taken from the data stream is, at any moment, in
+Invariant (docs/invariants.md, invariant 3): every group taken from the data stream is, at any moment, in
 exactly one state -- pending (dispatched, some samples unfinished), complete (all samples finished,
 waiting for training), consumed (by exactly one train step) or dropped (recorded with a reason).
 Transitions only go forward (the one exception, ``reopen``, is resume's: an unconsumed group is

@@ -1,6 +1,6 @@
 """Resume: from a checkpointed ledger and what the HDF5 shards hold, decide what to continue with.
 
-Invariants (DESIGN.md invariant 3, across preemption):
+Invariants (docs/invariants.md, invariant 3, across preemption):
 * consumed and dropped groups keep their state: nothing is consumed twice, no drop is forgotten;
 * a group complete at the checkpoint whose G trajectories are all in the shards under its tag is
   re-queued as complete: its data is trained on as it is, never regenerated;

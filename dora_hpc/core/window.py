@@ -1,6 +1,6 @@
 """VersionWindow: which policy versions may receive prompts, and when training may proceed.
 
-Staleness (DESIGN.md, invariant 2): a group sampled under v_j and consumed by train step n (the step
+Staleness (docs/invariants.md, invariant 2): a group sampled under v_j and consumed by train step n (the step
 that turns v_n into v_{n+1}) has staleness n - j. The window keeps n - j <= K for every consumed group
 *by construction*, through two rules:
 

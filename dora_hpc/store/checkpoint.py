@@ -1,4 +1,4 @@
-"""Atomic checkpoints: ``RUN_DIR/checkpoints/step-{n}/`` (DESIGN.md), the nanoGPT way -- resume is
+"""Atomic checkpoints: ``RUN_DIR/checkpoints/step-{n}/`` (docs/hdf5-schema.md), the nanoGPT way -- resume is
 just loading the dict back.
 
 Invariants:

@@ -1,4 +1,4 @@
-"""HDF5 shards: the contract between the runtime (writers) and analysis (readers). DESIGN.md, "HDF5 logs".
+"""HDF5 shards: the contract between the runtime (writers) and analysis (readers): docs/hdf5-schema.md.
 
 Invariants:
 * one writer per rank and file prefix; a shard is written to ``*.h5.tmp``, flushed, fsync'd and
