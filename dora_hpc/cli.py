@@ -1,7 +1,8 @@
 """The one entry point: ``dora-hpc <command>``.
 
 Exit codes: 0 success, 1 a failure while running, 2 bad usage or a bad config (the message names
-the key), 3 stopped by SIGTERM/SIGINT after committing a checkpoint (continue with ``run --resume``).
+the key), 3 stopped by a signal (SIGTERM/SIGINT/SIGUSR1) after committing a checkpoint of the current
+step (continue with ``run --resume``), 128 + N stopped at once by a second signal N.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     except LaunchError as e:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot launch[/]: {e}", highlight=False)
         return 2
-    if code == PREEMPTED:
-        return PREEMPTED
+    if code == PREEMPTED or code > 128:  # stopped by a signal: at a checkpoint (3), or at once (128 + signal)
+        return code
     if code != 0:
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}; continue with: "

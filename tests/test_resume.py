@@ -1,11 +1,15 @@
 """Preemption and resume of real local runs (mpiexec, tiny model): SIGTERM, SIGKILL, corrupt checkpoints,
 no checkpoint -- and afterwards, from the HDF5 logs alone, nothing lost, nothing twice, staleness <= K."""
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.launch.local import DeathWatch
@@ -68,6 +72,51 @@ def test_sigterm_then_sigkill_then_resume_loses_nothing(tmp_path):
     a = assert_whole(run_dir, steps=10, k=2)
     assert a["preemption"]["attempts"] == 2 and a["preemption"]["resumed_at_steps"][0] < newest
     assert a["preemption"]["discarded_trajectories"] > 0  # the thrown-away future is in the logs, not trained on
+
+
+def job_processes(launcher: int) -> list[int]:
+    """The launcher, its mpiexec and mpiexec's descendants (hydra's proxy and every rank), from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [launcher], [launcher]
+    while frontier:
+        frontier = [pid for pid, pp in parent.items() if pp in frontier]
+        found += frontier
+    return found
+
+
+@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to every process"])
+def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path, how):
+    """A terminal's Ctrl-C (SIGINT to the foreground process group), or SIGTERM to each process of the job
+    (a container stop, Slurm's preemption): one stop request, a checkpoint of the step the run is at --
+    with no periodic checkpoint, so it can only be that one -- exit 3, and --resume finishes the run."""
+    run_dir = tmp_path / "dora"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", *BASE,
+                 "--set", "train.checkpoint_every=0", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a shell's foreground job
+    wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 3)  # the trainer writes a shard per step
+    if how.startswith("SIGINT"):
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        everyone = job_processes(proc.pid)
+        assert len(everyone) >= 7  # launcher, mpiexec, its proxy, 5 ranks
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err[-3000:]
+    assert "died first" not in err and "stopped at checkpoint" in err, err[-3000:]
+    stopped_at, = checkpoints(run_dir)
+    assert 3 <= stopped_at < 8
+    p = resume(run_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = assert_whole(run_dir, steps=8, k=2)
+    assert a["preemption"]["resumed_at_steps"] == [stopped_at]
 
 
 def test_graceful_preemption_of_a_barrier_mode_resumes(tmp_path):

@@ -4,12 +4,14 @@ Invariants:
 * everything a rank needs is in ``RUN_DIR/launch.json`` (the validated config, the model folder, the
   run id, the shared clock origin, whether to resume), written before any rank starts; a resume keeps
   the run id and clock origin, and refuses a config that changes what the checkpoint depends on;
-* SIGTERM/SIGINT to the launcher become SIGUSR1 to rank 0 (commit a checkpoint, then end); a second
-  one tears the job down; if the launcher itself is killed, mpiexec and every rank die with it.
+* mpiexec and the ranks run in a session of their own: SIGTERM/SIGINT to the launcher (or to its
+  process group: a terminal's Ctrl-C) become one SIGUSR1 to rank 0 (commit a checkpoint, then end);
+  a second one kills the job's session; if the launcher itself is killed, mpiexec and every rank die with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -137,9 +139,18 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
     env.pop("SLURM_JOB_ID", None)  # a local run inside an allocation is still a local run (signals)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent)
-    watcher = DeathWatch(pid_dir, n, on_death=proc.terminate)
+    # a session of its own: a terminal's Ctrl-C or a signal to our process group reaches this launcher
+    # alone, which turns it into one stop request to rank 0 (mpiexec would forward it to every rank)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def end_job() -> None:  # every rank at once: ranks take SIGTERM as a stop request, not as an end
+        pids = [int(f.read_text()) for f in pid_dir.glob("rank-*") if f.name[5:].isdigit() and f.read_text()]
+        for pid in [*pids, proc.pid]:  # hydra starts each rank in a session of its own: one by one
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(pid, signal.SIGKILL)
+
+    watcher = DeathWatch(pid_dir, n, on_death=end_job)
     watcher.start()
     asked = []
 
@@ -151,7 +162,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
                              "(send it again to stop at once)\n")
             os.kill(int(rank0.read_text()), signal.SIGUSR1)
         else:
-            proc.terminate()
+            end_job()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -162,6 +173,10 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         watcher.stop()
+    if len(asked) > 1:
+        sys.stderr.write("dora-hpc: stopped at once by a second signal; the last committed checkpoint stands; "
+                         f"continue with: dora-hpc run --resume --run-dir {run_dir}\n")
+        return 128 + asked[-1]  # as a shell reports a process a signal ended
     if code != 0 and watcher.first_dead is not None:
         r = watcher.first_dead
         role = Roles(n, cfg.cluster.trainer_ranks).role(r)

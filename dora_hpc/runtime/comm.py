@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,14 +161,21 @@ class Flushed:            # rollout -> orchestrator
 
 
 @dataclass(frozen=True)
+class StopRequest:        # any rank -> orchestrator: a signal asked this rank to stop
+    rank: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     reason: str = ""
 
 
 # ---------------------------------------------------------------- transport
 class Comm:
-    def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256) -> None:
+    def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
+                 stop: threading.Event | None = None) -> None:
         self.world = MPI.COMM_WORLD
+        self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
@@ -184,7 +192,11 @@ class Comm:
         self._pending = [r for r in self._pending if not r.Test()]
 
     def poll(self) -> tuple[object, int] | None:
-        """The next control message and its sender, or None when there is none right now."""
+        """The next control message and its sender, or None when there is none right now. A stop request
+        this rank received (a signal) is passed on to rank 0 first, once."""
+        if self.stop is not None and self.stop.is_set() and not self._stop_told and self.rank != 0:
+            self._stop_told = True
+            self.send(StopRequest(self.rank), 0)
         status = MPI.Status()
         if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
             return None

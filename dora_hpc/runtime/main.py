@@ -5,9 +5,9 @@ The role comes from the world rank (runtime/roles.py). Invariants:
   MPI_Abort, so no rank hangs on a dead peer;
 * rank 0 alone decides where this launch starts (a fresh run, or the newest checkpoint that verifies)
   and records it as one line of ``RUN_DIR/attempts.jsonl``; every rank gets the same decision;
-* SIGUSR1 (and SIGTERM under Slurm, which sends it on preemption and requeue) asks rank 0 to commit a
-  checkpoint and end the run; the other ranks ignore those signals and follow rank 0. Outside Slurm a
-  SIGTERM is the launcher tearing the job down.
+* SIGINT, SIGTERM and SIGUSR1 -- a Ctrl-C, a process manager, Slurm's preemption, requeue or time-limit
+  warning -- reach any rank as a stop request: the rank sets a flag, rank 0 (told by the others) commits
+  a checkpoint of the current step and ends the run, which exits 3; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import quiet_hf
 
-STOP = threading.Event()     # rank 0: a stop was requested by a signal
+STOP = threading.Event()     # a stop was requested by a signal (to this rank; rank 0: to any rank)
 STOP_SIGNAL: list[int] = []
 
 
@@ -68,21 +68,27 @@ def decide_start(run: Path, meta: dict) -> dict:
     return record
 
 
+SAME_REQUEST_S = 0.25  # signals this close together are one request (a launcher's forward and a direct one)
+
+
 def install_signals(run: Path, rank: int) -> None:
-    under_slurm = "SLURM_JOB_ID" in os.environ
+    """SIGINT, SIGTERM and SIGUSR1 only set STOP, on every rank: rank 0 then commits a checkpoint of the
+    current step and ends the run (other ranks tell it: Comm.poll). A second signal, later than
+    SAME_REQUEST_S after the first, ends this rank at once (the launcher then ends the job)."""
+    first: list[float] = []
 
-    def torn_down(signum, frame):  # the launcher tearing the job down: this rank did not fail itself
-        (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))
-        os._exit(128 + signum)
+    def on_signal(signum, frame):
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            STOP_SIGNAL.append(signum)
+            STOP.set()
+        elif now - first[0] > SAME_REQUEST_S:
+            (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))  # stopped, not failed
+            os._exit(128 + signum)
 
-    def stop(signum, frame):
-        STOP_SIGNAL.append(signum)
-        STOP.set()
-
-    ignore = signal.SIG_IGN
-    signal.signal(signal.SIGUSR1, stop if rank == 0 else ignore)
-    signal.signal(signal.SIGTERM, (stop if rank == 0 else ignore) if under_slurm else torn_down)
-    signal.signal(signal.SIGINT, torn_down)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, on_signal)
 
 
 def bind_gpus(world, roles, rollout_gpus: int) -> str | None:
@@ -153,7 +159,7 @@ def main(run_dir: str) -> int:
             print(f"dora-hpc: model {meta['model_dir']} loads on every trainer and rollout rank", file=sys.stderr,
                   flush=True)
         attempt = start["attempt"]
-        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb)
+        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
         resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it

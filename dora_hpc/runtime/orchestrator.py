@@ -4,8 +4,9 @@ Invariants:
 * the policy is the same object the simulator drives; this loop adds no scheduling decision;
 * every command becomes exactly one message to the rank that executes it (AssignVersion becomes
   two: SendWeights to the weight source, LoadVersion to the instance);
-* the run ends after ``train.max_steps`` published versions, or on a stop request (SIGTERM/SIGUSR1:
-  preemption) once a checkpoint of the current state is committed; then every rank gets Shutdown;
+* the run ends after ``train.max_steps`` published versions, or on a stop request (a signal to any
+  rank: Ctrl-C, preemption, requeue) once a checkpoint of the current state is committed; then every
+  rank gets Shutdown;
 * a checkpoint is two-phase: the policy's snapshot goes to the trainer (which writes its weights of
   the same version beside it) and every rollout rank flushes its trajectory shard; only when all
   confirmed is it committed, so every group it calls complete is on disk (store/resume.py);
@@ -63,6 +64,7 @@ from .comm import (
     Resume,
     SendWeights,
     Shutdown,
+    StopRequest,
     Trajectory,
 )
 from .comm import Train as TrainMsg
@@ -161,6 +163,8 @@ class Orchestrator:
             match msg:
                 case Flushed() | Checkpointed():
                     self.on_checkpoint_progress(msg)
+                case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
+                    self.stop.set()
                 case _ if self.stopping:
                     pass  # frozen: the final snapshot is taken; what happens now is not kept
                 case Ready():
