@@ -52,3 +52,34 @@ def test_no_checkpoint_and_only_corrupt_ones(tmp_path):
     (p / "manifest.json").unlink()
     with pytest.warns(UserWarning), pytest.raises(checkpoint.CheckpointError, match="no usable checkpoint"):
         checkpoint.latest(tmp_path)
+
+
+class RunsCode:
+    """What a tampered optimizer.pt could hold: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_an_optimizer_pickle_that_would_run_code_is_refused_and_the_previous_checkpoint_used(tmp_path):
+    import hashlib
+    import json
+
+    checkpoint.save(tmp_path, 1, weights(1), {"adam": {"lr": 0.1}}, state_for(1))
+    p = checkpoint.save(tmp_path, 2, weights(2), {"adam": {"lr": 0.2}}, state_for(2))
+    marker = tmp_path / "code-ran"
+    torch.save({"adam": RunsCode(marker)}, p / "optimizer.pt")
+    manifest = json.loads((p / "manifest.json").read_text())  # rewritten too: the hashes match
+    manifest["optimizer.pt"] = hashlib.sha256((p / "optimizer.pt").read_bytes()).hexdigest()
+    (p / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match=f"skipping checkpoint {p}: optimizer.pt holds more than tensors"):
+        ck = checkpoint.latest(tmp_path)
+    assert ck.step == 1 and ck.optimizer() == {"adam": {"lr": 0.1}}
+    with pytest.raises(checkpoint.CheckpointError, match="could run code"):
+        checkpoint.load(p)
+    assert not marker.exists()

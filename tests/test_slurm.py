@@ -175,15 +175,21 @@ def test_the_sbatch_template_runs_as_documented(tmp_path, slurm_cluster):
     assert a["steps"] == 3 and a["invariants"]["lost_groups"] == 0 and a["invariants"]["duplicate_groups"] == 0
 
 
-def test_the_time_limit_warning_checkpoints_and_requeues(tmp_path, slurm_cluster):
+@pytest.mark.parametrize("how", ["time limit warning", "scontrol requeue"])
+def test_a_preemption_checkpoints_the_current_step_and_resumes(tmp_path, slurm_cluster, how):
     """SIGUSR1 (what --signal=USR1@T sends before the time limit): rank 0 commits a checkpoint of the
-    current state, ends the step and requeues the job itself; the next start resumes from it."""
+    current state, ends the step and requeues the job itself. ``scontrol requeue`` (a preemption): Slurm
+    sends SIGTERM to every task and requeues the job; rank 0 commits within KillWait. Either way the next
+    start resumes from the step the run was at, not from a periodic checkpoint (there is none)."""
     run_dir = tmp_path / "usr1"
     job = submit(run_dir, 10, "train.checkpoint_every=0", "slurm.requeue_on_failure=0")
     try:
         wait_for(lambda: attempts(run_dir) == 1 and (run_dir / "train-00002.h5").exists(), job,
                  what="two train steps")
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the job's steps
+        if how == "scontrol requeue":
+            subprocess.run(["scontrol", "requeue", job], check=True)
+        else:
+            subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the job's steps
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 2, job,
                  timeout=300, what="the requeued run to complete")
     finally:

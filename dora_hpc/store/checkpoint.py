@@ -6,8 +6,10 @@ Invariants:
   sha256 of every file written last, then the folder is renamed: a ``step-{n}`` folder is complete.
   The two phases are separate calls (``write``, ``commit``) so the runtime can rename only once the
   rollout ranks confirmed that the trajectories the checkpoint relies on are on disk;
-* ``latest`` returns the newest checkpoint whose manifest and file hashes verify; a corrupt or
-  partial one is skipped with a warning naming it, and the previous one is used;
+* ``latest`` returns the newest checkpoint whose manifest and file hashes verify and whose optimizer
+  pickle holds only tensors and plain data; a corrupt, partial or tampered one is skipped with a
+  warning naming it, and the previous one is used. Loading never executes code: safetensors, JSON and
+  ``torch.load(weights_only=True)``;
 * only the newest ``keep`` complete checkpoints are kept.
 
 Contents: ``weights.safetensors`` (HF names), ``optimizer.pt``, ``state.json`` (step, version, the
@@ -42,7 +44,7 @@ class Checkpoint:
         return load_file(self.path / "weights.safetensors")
 
     def optimizer(self) -> dict:
-        return torch.load(self.path / "optimizer.pt", weights_only=False)
+        return torch.load(self.path / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
 def _sha256(path: Path) -> str:
@@ -120,6 +122,13 @@ def verify(path: Path) -> str | None:
             return f"{f} is missing"
         if _sha256(path / f) != digest:
             return f"{f} does not match its hash (truncated or corrupt)"
+    missing = {"weights.safetensors", "optimizer.pt", "state.json"} - set(manifest)
+    if missing:
+        return f"its manifest does not list {', '.join(sorted(missing))}"
+    try:  # mmap: the pickle is checked, the tensors' bytes are not read
+        torch.load(path / "optimizer.pt", weights_only=True, mmap=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - whatever torch raises, the file is not a plain state dict
+        return f"optimizer.pt holds more than tensors and plain data; loading it could run code ({type(e).__name__})"
     return None
 
 
