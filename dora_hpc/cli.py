@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 a failure while running, 2 bad usage or a bad config (the message names
 the key), 3 stopped by a signal (SIGTERM/SIGINT/SIGUSR1) after committing a checkpoint of the current
-step (continue with ``run --resume``), 128 + N stopped at once by a second signal N.
+step (continue with ``run --resume``), 75 stopped by a full disk (free space, then ``run --resume``),
+128 + N stopped at once by a second signal N.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from .config import parse_overrides, validate, with_overrides
-    from .launch.local import PREEMPTED, LaunchError, launch, saved_config
+    from .launch.local import PREEMPTED, RESUMABLE, LaunchError, launch, saved_config
 
     run_dir = Path(args.run_dir)
     if args.allow_fresh and not args.resume:
@@ -88,8 +89,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     except LaunchError as e:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot launch[/]: {e}", highlight=False)
         return 2
-    if code == PREEMPTED or code > 128:  # stopped by a signal: at a checkpoint (3), or at once (128 + signal)
-        return code
+    if code in (PREEMPTED, RESUMABLE) or code > 128:  # said why: a signal (3: at a checkpoint; 128 + N: at
+        return code                                     # once) or a full disk (75)
     if code != 0:
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}; continue with: "

@@ -151,3 +151,38 @@ def test_resume_without_a_checkpoint_says_so_and_starts_fresh_only_when_asked(tm
     assert p.returncode == 0, p.stderr[-3000:]
     a = assert_whole(run_dir, steps=3, k=2)
     assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 2 and a["preemption"]["chain"] == [1]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 20 MiB tmpfs (the tests run as root): room for the tiny model's first checkpoint (13 MiB) and
+    its logs, not for a second checkpoint."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_stops_the_run_resumably_with_every_checkpoint_intact(small_tmpfs):
+    from dora_hpc.launch.local import RESUMABLE
+    from dora_hpc.store import checkpoint
+
+    run_dir = small_tmpfs / "run"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", *BASE, "--run-dir", str(run_dir)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == RESUMABLE, p.stderr[-3000:]
+    assert f"no space left on device writing {run_dir}/" in p.stderr and "Traceback" not in p.stderr
+    assert "free space, then continue with: dora-hpc run --resume" in p.stderr
+    assert checkpoint.latest(run_dir).step == 2  # the previous checkpoint still verifies
+    from dora_hpc.store.shards import scan
+
+    assert not any(scan(run_dir, kind).bad for kind in ("traj", "events", "train"))  # every *.h5 is whole
+    assert not (run_dir / "checkpoints" / "step-4.tmp").exists()  # the failed checkpoint was removed
+    subprocess.run(["mount", "-o", "remount,size=200m", str(small_tmpfs)], check=True)  # space freed
+    p = resume(run_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = assert_whole(run_dir, steps=8, k=2)
+    assert a["preemption"]["resumed_at_steps"] == [2]

@@ -199,7 +199,12 @@ def main(run_dir: str) -> int:
             (Path(run_dir) / "pids" / f"rank-{rank}.failed").write_text(f"{type(e).__name__}: {e}")
         except OSError:
             pass
-        sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        from ..store import DiskFull
+
+        if isinstance(e, DiskFull):  # not a bug: the message says all (what was written stays whole)
+            sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror}\n")
+        else:
+            sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.flush()
         time.sleep(0.2)
         MPI.COMM_WORLD.Abort(1)

@@ -5,7 +5,8 @@ Invariants:
 * a checkpoint is written into ``step-{n}.tmp``, every file fsync'd, a ``manifest.json`` with the
   sha256 of every file written last, then the folder is renamed: a ``step-{n}`` folder is complete.
   The two phases are separate calls (``write``, ``commit``) so the runtime can rename only once the
-  rollout ranks confirmed that the trajectories the checkpoint relies on are on disk;
+  rollout ranks confirmed that the trajectories the checkpoint relies on are on disk. A write that
+  fails (a full disk: DiskFull, naming it) leaves no ``.tmp`` and every earlier checkpoint as it was;
 * ``latest`` returns the newest checkpoint whose manifest and file hashes verify and whose optimizer
   pickle holds only tensors and plain data; a corrupt, partial or tampered one is skipped with a
   warning naming it, and the previous one is used. Loading never executes code: safetensors, JSON and
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from . import writing
 
 
 class CheckpointError(RuntimeError):
@@ -66,15 +69,16 @@ def write(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "weights.safetensors")
-    torch.save(optimizer, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
-    files = ["weights.safetensors", "optimizer.pt", "state.json"]
-    for f in files:
-        _fsync(tmp / f)
-    (tmp / "manifest.json").write_text(json.dumps({f: _sha256(tmp / f) for f in files}))
-    _fsync(tmp / "manifest.json")
+    with writing(root / f"step-{step}", tmp):
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "weights.safetensors")
+        torch.save(optimizer, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+        files = ["weights.safetensors", "optimizer.pt", "state.json"]
+        for f in files:
+            _fsync(tmp / f)
+        (tmp / "manifest.json").write_text(json.dumps({f: _sha256(tmp / f) for f in files}))
+        _fsync(tmp / "manifest.json")
     return tmp
 
 

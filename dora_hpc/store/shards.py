@@ -2,7 +2,8 @@
 
 Invariants:
 * one writer per rank and file prefix; a shard is written to ``*.h5.tmp``, flushed, fsync'd and
-  renamed to ``*.h5`` -- a file named ``*.h5`` is always complete, a crash leaves only a ``.tmp``;
+  renamed to ``*.h5`` -- a file named ``*.h5`` is always complete, a crash leaves only a ``.tmp``, a
+  failed write (a full disk: DiskFull, naming the shard) none;
 * every file carries attrs schema_version, run_id, rank, role, config_json, attempt; every row carries
   the ``attempt`` (0 for the first launch, +1 per resume) that wrote it, so readers can tell a resumed
   run's history from the future a preemption threw away;
@@ -14,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+from . import writing
 
 SCHEMA_VERSION = 3  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
 READABLE = (2, 3)   # have logprob_gap/gap_tokens (a version-2 shard reads them as their defaults)
@@ -124,7 +128,8 @@ class ShardWriter:
             return None
         final = self.run_dir / f"{self._stem()}-{self.seq:05d}.h5"
         tmp = final.with_suffix(".h5.tmp")
-        with h5py.File(tmp, "w") as f:
+        image = io.BytesIO()  # the whole file in memory first: the disk sees one plain write
+        with h5py.File(image, "w") as f:
             f.attrs.update({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "rank": self.rank,
                             "role": self.role, "config_json": self.config_json,
                             "attempt": self.attempt})
@@ -134,10 +139,12 @@ class ShardWriter:
                 for col, kind in schema.items():
                     g.create_dataset(col, data=_column(kind, [r.get(col, _default(kind)) for r in rows]),
                                      dtype=_dtype(kind))
-            f.flush()
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        with writing(final, tmp):
+            with open(tmp, "wb") as fh:
+                fh.write(image.getbuffer())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
         self._rows = {t: [] for t in self.tables}
         self.seq += 1
         return final
