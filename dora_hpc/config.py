@@ -194,6 +194,11 @@ class StoreConfig(Section):
 class RuntimeConfig(Section):
     tick_s: float = Field(0.5, gt=0, description="orchestrator Tick period (temporal rebalancing)")
     timeout_s: float = Field(1800, gt=0, description="the whole run is aborted after this long")
+    heartbeat_s: float = Field(2.0, gt=0, description="every rank reports to rank 0 at least this often "
+                               "(any message counts)")
+    hang_timeout_s: float = Field(120.0, gt=0, description="a rank silent this long is hung: a rollout rank is "
+                                  "fenced and its work done elsewhere; a hung trainer ends the job (resumable). "
+                                  "Longer than a train step when serve_weights_while_training is off")
     serve_weights_while_training: bool = Field(
         True, description="trainer ranks answer weight requests during a train step (a helper thread)")
     data_plane: Literal["mpi", "torch"] = Field(
@@ -205,6 +210,13 @@ class RuntimeConfig(Section):
         "cpu", description="cuda: each trainer rank takes a GPU of its node and each rollout rank "
         "engine.tensor_parallel of them (in rank order; ranks share GPUs when a node has too few), "
         "the trainers reduce over NCCL")
+
+    @model_validator(mode="after")
+    def _hang_outlasts_heartbeats(self) -> RuntimeConfig:
+        if self.hang_timeout_s < 3 * self.heartbeat_s:
+            raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least 3 heartbeat_s "
+                             f"({self.heartbeat_s}): a rank that is merely slow would be declared hung")
+        return self
 
 
 class ModelSpec(Section):

@@ -30,6 +30,7 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("engine.tensor_parallel=2", "engine.tensor_parallel"),  # vLLM instances only
     ("train.mixed_precision=fp16", "train.mixed_precision"),
     ("engine.dtype=bfloat16", "engine.dtype"),
+    ("runtime.hang_timeout_s=1", "runtime"),       # shorter than 3 heartbeats
     ("engine.dtype=fp8", "engine.dtype"),
 ])
 def test_bad_values_name_the_key(override, key):

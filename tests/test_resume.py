@@ -186,3 +186,27 @@ def test_a_full_disk_stops_the_run_resumably_with_every_checkpoint_intact(small_
     assert p.returncode == 0, p.stderr[-3000:]
     a = assert_whole(run_dir, steps=8, k=2)
     assert a["preemption"]["resumed_at_steps"] == [2]
+
+
+def test_a_hung_trainer_ends_the_job_naming_it_and_the_run_resumes(tmp_path):
+    """SIGSTOP stands in for a trainer stuck in a collective or on a dead node: rank 0 hears nothing from
+    it for hang_timeout_s, commits nothing it cannot vouch for and ends the job, naming the rank, with
+    the resumable exit code; --resume continues from the last committed checkpoint."""
+    from dora_hpc.launch.local import RESUMABLE
+
+    run_dir = tmp_path / "dora"
+    hang = ["--set", "runtime.hang_timeout_s=10", "--set", "runtime.heartbeat_s=1"]
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", *BASE, *hang, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(checkpoints(run_dir)) >= 1 and len(list(run_dir.glob("train-*.h5"))) >= 3)
+    trainer = int((run_dir / "pids" / "rank-1").read_text())
+    os.kill(trainer, signal.SIGSTOP)
+    t = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == RESUMABLE, err[-3000:]
+    assert time.time() - t < 10 + 30
+    assert "rank 1 (trainer) sent nothing for" in err and "continue with: dora-hpc run --resume" in err
+    wait_for(lambda: not DeathWatch._alive(trainer), timeout=30)  # the stopped rank was ended too
+    p = resume(run_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_whole(run_dir, steps=8, k=2)

@@ -51,7 +51,8 @@ def mpiexec() -> str:
 RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints",
                      "train.activation_checkpointing", "runtime.", "slurm.")
 PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
-RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside the run (a full disk); fix it,
+RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside the run (a full disk, a hung
+#                 rank); fix it,
 #                 then continue with --resume from the last committed checkpoint
 
 
@@ -179,11 +180,13 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
         sys.stderr.write("dora-hpc: stopped at once by a second signal; the last committed checkpoint stands; "
                          f"continue with: dora-hpc run --resume --run-dir {run_dir}\n")
         return 128 + asked[-1]  # as a shell reports a process a signal ended
-    full = [m.read_text() for m in pid_dir.glob("rank-*.failed") if m.read_text().startswith("DiskFull")]
-    if code != 0 and full:
-        sys.stderr.write(f"dora-hpc: {full[0].split('] ', 1)[-1]}; every complete shard and checkpoint is intact: "
-                         f"free space, then continue with: dora-hpc run --resume --run-dir {run_dir}\n")
-        return RESUMABLE
+    failed = [m.read_text() for m in sorted(pid_dir.glob("rank-*.failed"))]
+    for why, then in (("DiskFull", "free space, then continue"), ("RankHung", "continue")):
+        found = [m.split(": ", 1)[1].split("] ", 1)[-1] for m in failed if m.startswith(f"{why}:")]
+        if code != 0 and found:
+            sys.stderr.write(f"dora-hpc: {found[0]}; every complete shard and checkpoint is intact: {then} "
+                             f"with: dora-hpc run --resume --run-dir {run_dir}\n")
+            return RESUMABLE
     if code != 0 and watcher.first_dead is not None:
         r = watcher.first_dead
         role = Roles(n, cfg.cluster.trainer_ranks).role(r)

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,11 @@ class Flushed:            # rollout -> orchestrator
 
 
 @dataclass(frozen=True)
+class Heartbeat:          # any rank -> orchestrator, when it has sent rank 0 nothing for heartbeat_s
+    rank: int
+
+
+@dataclass(frozen=True)
 class StopRequest:        # any rank -> orchestrator: a signal asked this rank to stop
     rank: int
 
@@ -173,9 +179,10 @@ class Shutdown:
 # ---------------------------------------------------------------- transport
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, heartbeat_s: float = 2.0) -> None:
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
+        self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
@@ -188,17 +195,23 @@ class Comm:
         self._bulk: list[tuple[object, np.ndarray]] = []  # non-blocking bulk sends (handles) and their buffers
 
     def send(self, obj, dst: int) -> None:
+        if dst == 0:
+            self._last_to_0 = time.monotonic()
         self._pending.append(self.world.isend(obj, dest=dst, tag=TAG_CTRL))
         self._pending = [r for r in self._pending if not r.Test()]
 
-    def poll(self) -> tuple[object, int] | None:
-        """The next control message and its sender, or None when there is none right now. A stop request
-        this rank received (a signal) is passed on to rank 0 first, once."""
-        if self.stop is not None and self.stop.is_set() and not self._stop_told and self.rank != 0:
-            self._stop_told = True
-            self.send(StopRequest(self.rank), 0)
+    def poll(self, src: int | None = None) -> tuple[object, int] | None:
+        """The next control message and its sender, or None when there is none right now. Every call is
+        also this rank's sign of life: a stop request it received (a signal) is passed on to rank 0 once,
+        and a Heartbeat goes to rank 0 when it has sent rank 0 nothing for heartbeat_s."""
+        if self.rank != 0:
+            if self.stop is not None and self.stop.is_set() and not self._stop_told:
+                self._stop_told = True
+                self.send(StopRequest(self.rank), 0)
+            if time.monotonic() - self._last_to_0 > self.heartbeat_s:
+                self.send(Heartbeat(self.rank), 0)
         status = MPI.Status()
-        if not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
+        if not self.world.Iprobe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status):
             return None
         src = status.Get_source()
         return self.world.recv(source=src, tag=TAG_CTRL), src
@@ -208,8 +221,6 @@ class Comm:
         is addressed to it (with the buffers a message announces) until its own sends completed, so
         MPI_Finalize finds no message in flight.
         Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
-        import time
-
         self.world.Barrier()
         dropped = 0
         while True:
@@ -278,12 +289,14 @@ class Comm:
         return out
 
     def wait_for(self, kind: type, src: int | None = None, on_other=None):
-        """Block until a control message of ``kind`` (from ``src``) arrives; others go to on_other."""
+        """Wait until a control message of ``kind`` (from ``src``) arrives; others go to on_other. Polls,
+        so the wait keeps sending heartbeats."""
         while True:
-            status = MPI.Status()
-            self.world.Probe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status)
-            s = status.Get_source()
-            msg = self.world.recv(source=s, tag=TAG_CTRL)
+            got = self.poll(src)
+            if got is None:
+                time.sleep(0.0005)
+                continue
+            msg, s = got
             if isinstance(msg, kind):
                 return msg, s
             if on_other is None:

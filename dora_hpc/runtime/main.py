@@ -159,7 +159,8 @@ def main(run_dir: str) -> int:
             print(f"dora-hpc: model {meta['model_dir']} loads on every trainer and rollout rank", file=sys.stderr,
                   flush=True)
         attempt = start["attempt"]
-        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP)
+        comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
+                    heartbeat_s=cfg.runtime.heartbeat_s)
         t0 = meta["t0"]
         role = comm.roles.role(rank)
         resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it
@@ -200,9 +201,10 @@ def main(run_dir: str) -> int:
         except OSError:
             pass
         from ..store import DiskFull
+        from .orchestrator import RankHung
 
-        if isinstance(e, DiskFull):  # not a bug: the message says all (what was written stays whole)
-            sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror}\n")
+        if isinstance(e, DiskFull | RankHung):  # not a bug: the message says all; the job is resumable
+            sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror if isinstance(e, DiskFull) else e}\n")
         else:
             sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.flush()

@@ -56,6 +56,7 @@ from .comm import (
     Flush,
     Flushed,
     Generate,
+    Heartbeat,
     LoadVersion,
     MigrateOut,
     Pause,
@@ -69,6 +70,10 @@ from .comm import (
 )
 from .comm import Train as TrainMsg
 from .dashboard import Dashboard
+
+
+class RankHung(RuntimeError):
+    """A rank sent nothing for ``runtime.hang_timeout_s``; the run cannot continue without it (resumable)."""
 
 
 class Orchestrator:
@@ -98,6 +103,8 @@ class Orchestrator:
         # ranks stop stepping while a train step runs (sync, partial and oversample by default)
         self.colocated = cfg.cluster.placement_of(cfg.mode) == "colocated"
         self.paused = False
+        # liveness: a rank is watched from its first message on (model loading may take long before it)
+        self.last_heard: dict[int, float] = {}
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -153,14 +160,19 @@ class Orchestrator:
                 self.start_checkpoint()
             got = self.comm.poll()
             if got is None:
-                if time.time() >= next_tick and not self.stopping:
+                if time.time() >= next_tick:
                     next_tick = time.time() + self.cfg.runtime.tick_s
-                    self.feed(Tick())
-                    self.report()
+                    self.watch()
+                    if not self.stopping:
+                        self.feed(Tick())
+                        self.report()
                 time.sleep(0.0005)
                 continue
-            msg, _src = got
+            msg, src = got
+            self.last_heard[src] = time.monotonic()
             match msg:
+                case Heartbeat():
+                    pass
                 case Flushed() | Checkpointed():
                     self.on_checkpoint_progress(msg)
                 case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
@@ -197,6 +209,17 @@ class Orchestrator:
             self.comm.send(Shutdown(outcome), r)
         self.log.flush()
         return outcome
+
+    def watch(self) -> None:
+        """Declare a rank silent for ``hang_timeout_s`` hung. Nothing is committed for it: the last
+        checkpoint stands, and the job ends naming the rank (resumable: a requeued job continues)."""
+        now = time.monotonic()
+        for r, t in self.last_heard.items():
+            if now - t > self.cfg.runtime.hang_timeout_s:
+                self.op("hung", peer=r, detail=f"silent {now - t:.0f}s")
+                self.log.flush()
+                raise RankHung(f"rank {r} ({self.roles.role(r)}) sent nothing for {now - t:.0f} s "
+                               f"(runtime.hang_timeout_s={self.cfg.runtime.hang_timeout_s:g})")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def start_checkpoint(self) -> None:
