@@ -15,6 +15,7 @@ from dora_hpc.core.events import (
     AssignVersion,
     Dispatch,
     Drop,
+    InstanceLost,
     InstanceReady,
     KvPressure,
     Migrate,
@@ -34,9 +35,14 @@ class InvariantBroken(AssertionError):
 
 
 class RandomDriver:
-    def __init__(self, policy: Policy, rng: random.Random) -> None:
+    def __init__(self, policy: Policy, rng: random.Random, lose: int = 0) -> None:
+        """``lose``: instances to fence at random moments (InstanceLost), at least one always kept."""
         self.p, self.rng = policy, rng
         n = policy.cfg.n_instances
+        self.to_lose = min(lose, n - 1)
+        self.lost: set[int] = set()
+        self.regenerated: set[int] = set()  # trajectories that were running on a lost instance
+        self.started = False
         self.version: list[int | None] = [None] * n   # ready version per instance
         self.loading: dict[int, int] = {}              # instance -> version being loaded
         self.where: dict[int, int] = {}                # live traj -> instance
@@ -76,7 +82,10 @@ class RandomDriver:
                 if self.version[i] != v:
                     raise InvariantBroken(f"{cmd}: instance {i} holds v{self.version[i]}")
                 cfg = self.p.cfg
-                may_split = self.p.name == "partial" and cfg.group_size > cfg.slots * cfg.n_instances
+                # partial rollout moves a group's samples to each new version; one started again after a
+                # loss starts under the version of the moment, as its group's other samples run under
+                may_split = self.p.name == "partial" and (cfg.group_size > cfg.slots * cfg.n_instances
+                                                          or t in self.regenerated)
                 if self.group_tag.setdefault(g, v) != v and not may_split:
                     raise InvariantBroken(f"group {g} split across v{self.group_tag[g]} and v{v}")
                 if t in self.where or t in self.finished:
@@ -134,8 +143,13 @@ class RandomDriver:
         return acts
 
     def run(self, steps: int, max_events: int = 200_000) -> None:
-        self.feed(Start())
+        if not self.started:
+            self.start()
         self.advance(steps, max_events)
+
+    def start(self) -> None:
+        self.started = True
+        self.feed(Start())
 
     def advance(self, steps: int, max_events: int = 200_000) -> None:
         """Deliver random events until ``steps`` train steps are done (or ``max_events`` if fewer)."""
@@ -150,6 +164,9 @@ class RandomDriver:
         if not acts:
             raise InvariantBroken(f"deadlock after {self.steps_done} steps: nothing can happen")
         r = self.rng.random()
+        if r < 0.01 and self.to_lose:
+            self.lose(self.rng.choice([i for i in range(len(self.version)) if i not in self.lost]))
+            return
         if r < 0.03:
             self.feed(Tick())
         elif r < 0.05 and self.version.count(None) < len(self.version):
@@ -169,6 +186,21 @@ class RandomDriver:
             step, self.train_step = self.train_step, None
             self.steps_done += 1
             self.feed(VersionPublished(step + 1))
+
+    def lose(self, i: int) -> None:
+        """Fence instance i: what ran there is gone and must start again from its prompt elsewhere."""
+        self.to_lose -= 1
+        self.lost.add(i)
+        self.version[i] = None
+        self.loading.pop(i, None)
+        for t in [t for t, j in self.where.items() if j == i]:
+            del self.where[t]
+            self.segments[t] = []  # its tokens are discarded: it is generated again, whole
+            self.regenerated.add(t)
+        self.feed(InstanceLost(i))
+        for cmd_target in (self.where.values(), self.loading):
+            if i in cmd_target:
+                raise InvariantBroken(f"instance {i} was given work after it was lost")
 
     @classmethod
     def resumed(cls, policy: Policy, rng: random.Random, snapshot: dict, requeue: tuple[int, ...]) -> RandomDriver:

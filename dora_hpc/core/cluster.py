@@ -4,7 +4,8 @@ Invariants kept here (checked on every change, so a policy bug fails loudly in t
 * an instance hosts at most one version; a trajectory is placed only on an instance whose ready
   version equals the trajectory's version (single version per trajectory);
 * an instance never holds more live trajectories than it has slots;
-* every live trajectory is in exactly one place: its version's queue or one instance's active set.
+* every live trajectory is in exactly one place: its version's queue or one instance's active set;
+* a lost (fenced) instance hosts nothing and is never given work again.
 
 A trajectory admitted but not yet placed waits in ``queues[version]``; ``place`` turns waiting
 trajectories into Dispatch commands on the least-loaded ready instance of that version.
@@ -16,7 +17,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .events import AssignVersion, Dispatch, Migrate
+from .events import Abort, AssignVersion, Dispatch, Migrate
 
 
 @dataclass
@@ -25,10 +26,11 @@ class InstanceView:
     version: int | None = None
     loading: int | None = None
     active: set[int] = field(default_factory=set)
+    lost: bool = False  # fenced by the driver: hosts nothing, ever again
 
     @property
     def ready(self) -> bool:
-        return self.loading is None and self.version is not None
+        return self.loading is None and self.version is not None and not self.lost
 
     @property
     def target(self) -> int | None:
@@ -62,6 +64,11 @@ class ClusterView:
         self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (load, instance)
 
     # -- queries -----------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        """Instances not lost."""
+        return [i for i, inst in enumerate(self.instances) if not inst.lost]
+
     def hosts(self, version: int, ready_only: bool = False) -> list[int]:
         return [i for i, inst in enumerate(self.instances)
                 if (inst.version == version and inst.ready) or (not ready_only and inst.target == version)]
@@ -135,6 +142,29 @@ class ClusterView:
         self.instances[cmd.src].active.discard(cmd.traj_id)
         self._refresh(cmd.src)
         self._put(cmd.traj_id, cmd.dst)
+
+    def lose(self, instance: int, in_transit: tuple[int, ...] = ()) -> list[Abort]:
+        """Fence ``instance``: its trajectories and ``in_transit`` (migrating away from it) go back to the
+        front of their version's queue, to start again from their prompts; a trajectory in transit that
+        may have reached its destination is aborted there (it starts again too)."""
+        inst = self.instances[instance]
+        out: list[Abort] = []
+        again = sorted(inst.active)
+        for tid in in_transit:
+            t = self.trajs.get(tid)
+            if t is not None and t.instance is not None and t.instance != instance:
+                out.append(Abort(tid, t.instance))
+                self.instances[t.instance].active.discard(tid)
+                self._refresh(t.instance)
+                again.append(tid)
+        for tid in reversed(again):
+            t = self.trajs[tid]
+            t.instance = None
+            self.queues.setdefault(t.version, deque()).appendleft(tid)
+        inst.active.clear()
+        inst.lost, inst.version, inst.loading = True, None, None
+        self._refresh(instance)
+        return out
 
     def retag_queued(self, version: int) -> list[int]:
         """Move every queued (not yet started) trajectory to ``version``; returns their ids."""

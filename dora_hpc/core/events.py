@@ -59,7 +59,17 @@ class Tick:
     """Periodic wake-up from the driver (the temporal rebalancing trigger)."""
 
 
-Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick
+@dataclass(frozen=True)
+class InstanceLost:
+    """The driver fenced ``instance`` (hung or dead): it never runs anything again. Its trajectories, and
+    those migrating away from it (``in_transit``: their requests may never arrive), start again from
+    their prompts under their own tag, elsewhere."""
+
+    instance: int
+    in_transit: tuple[int, ...] = ()
+
+
+Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick | InstanceLost
 
 
 # -------------------------------------------------------------------------------------- commands out

@@ -59,7 +59,7 @@ def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int
 def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]:
     """The AssignVersion + Migrate commands that move today's partition toward ``target_counts``."""
     loads = version_loads(view, latest)
-    target = target_counts(len(view.instances), view.instances[0].slots, loads, latest)
+    target = target_counts(len(view.live), view.instances[0].slots, loads, latest)
     current = {v: len(view.hosts(v)) for v in target}
     starved = {v: target[v] - current[v] for v in target
                if target[v] > current[v] and loads[v].queued > view.free_slots(v)}

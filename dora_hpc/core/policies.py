@@ -77,6 +77,9 @@ class BarrierPolicy(Policy):
     def on_published(self) -> list[Command]:
         return self._maybe_train() + self._maybe_roll()
 
+    def on_lost(self) -> list[Command]:  # the lost instance may be the load the next batch waited for
+        return super().on_lost() + self._maybe_train() + self._maybe_roll()
+
     def _close_batch(self) -> list[Command]:
         out: list[Command] = []
         batch = self.take_oldest(self.cfg.tbs)
@@ -107,8 +110,9 @@ class BarrierPolicy(Policy):
         ``lag`` rolled-out batches wait for the trainer."""
         if self.rolling or self.latest < self.batch - self.lag or len(self.ready) > self.lag:
             return []
-        if any(inst.target != self.latest or not inst.ready for inst in self.view.instances):
-            return [] if any(i.loading is not None for i in self.view.instances) else self._assign_all(self.latest)
+        live = [self.view.instances[i] for i in self.view.live]
+        if any(inst.target != self.latest or not inst.ready for inst in live):
+            return [] if any(i.loading is not None for i in live) else self._assign_all(self.latest)
         for _ in range(self.cfg.rbs):
             self.rolling.add(self.admit(self.latest))
         return self.view.place(self.latest)
@@ -154,6 +158,9 @@ class PartialRollout(Policy):
 
     def on_finished(self, instance: int | None) -> list[Command]:
         return self._train() + self._admit()
+
+    def on_lost(self) -> list[Command]:
+        return super().on_lost() + self._train() + self._admit()
 
     def on_published(self) -> list[Command]:
         out = self._assign_all(self.latest, keep_requests=True)
@@ -247,6 +254,9 @@ class Dora(Policy):
                     self.admit(v)
                     idle -= g
         return self._place_all()
+
+    def on_lost(self) -> list[Command]:
+        return self._rebalance() + self._admit() + self._train()
 
     def _place_all(self) -> list[Command]:
         out: list[Command] = []

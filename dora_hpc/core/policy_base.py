@@ -15,6 +15,7 @@ from .events import (
     AssignVersion,
     Command,
     Event,
+    InstanceLost,
     InstanceReady,
     KvPressure,
     RequestFinished,
@@ -89,6 +90,13 @@ class Policy:
                 return self.on_published()
             case KvPressure() | Tick():
                 return self.on_pressure(event)
+            case InstanceLost(instance, in_transit):
+                if self.view.instances[instance].lost:
+                    return []
+                out: list[Command] = list(self.view.lose(instance, in_transit))
+                if not self.view.live:
+                    raise ValueError("every rollout instance is lost")
+                return out + self.on_lost()
         raise TypeError(f"unknown event {event!r}")
 
     def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
@@ -129,6 +137,13 @@ class Policy:
     def on_pressure(self, event: KvPressure | Tick) -> list[Command]:
         return []
 
+    def on_lost(self) -> list[Command]:
+        """An instance was lost and its trajectories queued again: place what the others can take."""
+        out: list[Command] = []
+        for v in sorted(self.view.queues, reverse=True):
+            out += self.view.place(v)
+        return out
+
     # -- helpers -----------------------------------------------------------------------------------
     def admit(self, version: int) -> int:
         gid = self.ledger.new_group(version)
@@ -160,7 +175,7 @@ class Policy:
     def _assign_all(self, version: int, keep_requests: bool = False) -> list[Command]:
         out: list[Command] = []
         for i, inst in enumerate(self.view.instances):
-            if inst.target != version:
+            if inst.target != version and not inst.lost:
                 cmd = AssignVersion(i, version, TRAINER, keep_requests)
                 self.view.assign(cmd)
                 out.append(cmd)
