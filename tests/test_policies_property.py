@@ -45,13 +45,14 @@ def test_invariants_hold_when_instances_are_lost(mode, data, seed, lose):
         cfg = PolicyConfig(**{**cfg.__dict__, "n_instances": 2})
     lose = min(lose, cfg.n_instances - 1)
     if mode == "partial":  # it starts a group only when all its samples fit at once: keep room for one
-        lose = min(lose, cfg.n_instances - -(-cfg.group_size // cfg.slots))
+        lose = max(0, min(lose, cfg.n_instances - -(-cfg.group_size // cfg.slots)))
     driver = RandomDriver(make_policy(mode, cfg), random.Random(seed), lose=lose)
     driver.start()
-    driver.lose(driver.rng.randrange(cfg.n_instances))  # one at once, while its first load is in flight
+    if lose:
+        driver.lose(driver.rng.randrange(cfg.n_instances))  # one at once, while its first load is in flight
     driver.run(steps=8)
     driver.check_nothing_lost()
-    assert driver.steps_done == 8 and driver.lost
+    assert driver.steps_done == 8 and len(driver.lost) >= min(lose, 1)
 
 
 def test_dora_keeps_several_versions_live_and_migrates():
