@@ -185,6 +185,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
             ("mean staleness", lambda r: f"{r['staleness']['mean']:.2f}"),
             ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
             ("dropped groups", "dropped_groups"), ("reward errors", "reward_errors"),
+            ("fenced rollout ranks (hung; work started again elsewhere)",
+             lambda r: ", ".join(f"r{f['rank']} ({f['started_again']} trajectories)" for f in r["fenced"]) or "-"),
             ("max versions live at once", "max_live_versions"),
             ("slot utilization", lambda r: f"{r['slot_utilization']:.3f}"),
             ("bubble fraction (1 - slot utilization)", lambda r: f"{r['bubble_fraction']:.3f}"),

@@ -210,3 +210,23 @@ def test_a_hung_trainer_ends_the_job_naming_it_and_the_run_resumes(tmp_path):
     p = resume(run_dir)
     assert p.returncode == 0, p.stderr[-3000:]
     assert_whole(run_dir, steps=8, k=2)
+
+
+def test_a_hung_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path):
+    """SIGSTOP stands in for a hung GPU or node under one rollout instance: rank 0 fences it after
+    hang_timeout_s, its trajectories (and any migrating away from it) start again on the other instances
+    under their own tags, and the run makes every step with every invariant 0; analyze shows the fence."""
+    run_dir = tmp_path / "dora"
+    hang = ["--set", "runtime.hang_timeout_s=8", "--set", "runtime.heartbeat_s=1"]
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=10", *BASE, *hang, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 3)
+    stopped = int((run_dir / "pids" / "rank-3").read_text())
+    os.kill(stopped, signal.SIGSTOP)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 3 (rollout instance 1) sent nothing for" in err and "fenced" in err
+    wait_for(lambda: not DeathWatch._alive(stopped), timeout=30)  # the job's end took it down too
+    a = assert_whole(run_dir, steps=10, k=2)
+    fence, = a["fenced"]
+    assert fence["rank"] == 3 and fence["silent_s"] >= 8

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..store.shards import ShardError, ShardScan, read_table, scan
 from .history import history
-from .invariants import check, joined, read_trajectories
+from .invariants import check, fence_detail, joined, read_trajectories
 from .staleness import stratified
 from .utilization import utilization
 
@@ -135,6 +135,9 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "weights": {"published": len(published), "loads": len(loads),
                     "mismatched_loads": sum(1 for _v, c, want in loads if want is not None and c != want),
                     "v0_checksums": len({c for v, c, _w in loads if v == 0})},
+        "fenced": [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
+                   for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
+                                               strict=True) if kind == "fence"],
         "preemption": {"attempts": len(hist.starts), "chain": hist.chain,
                        "resumed_at_steps": [hist.starts[a] for a in hist.chain[1:]],
                        "redispatched_groups": int(sum(1 for kind, a in zip(ops["kind"], ops["attempt"], strict=True)

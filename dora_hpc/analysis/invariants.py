@@ -46,6 +46,13 @@ def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
                                                                    else np.int64) for c in names}
 
 
+def fence_detail(detail: str) -> dict:
+    """A ``fence`` op's detail (``silent=12s started_again=8 unlogged=3,17``) as a dict."""
+    f = dict(kv.split("=", 1) for kv in str(detail).split())
+    return {"silent_s": float(f.get("silent", "0").rstrip("s")), "started_again": int(f.get("started_again", 0)),
+            "unlogged": [int(x) for x in f.get("unlogged", "").split(",") if x]}
+
+
 def groups_with_many(group: np.ndarray, value: np.ndarray) -> np.ndarray:
     """The groups (sorted, unique) whose rows carry more than one distinct value."""
     if not len(group):
@@ -121,7 +128,13 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
             pending |= {int(x) for x in d.split(",")}
         if kind in ("done", "preempted"):
             next_group = int(str(d).split("next_group=")[1])
-    missing_rows = np.union1d(c_group[~ok], consumed_groups[rows_per_group < g_size])
+    # a fenced rollout rank's rows since its last flush died with it (runtime/orchestrator.py: fence); the
+    # trainer logged their consumption, so they are unlogged, not lost
+    unlogged = {(t, int(a)) for kind, a, d in zip(ops["kind"], ops["attempt"], ops["detail"], strict=True)
+                if kind == "fence" for t in fence_detail(d)["unlogged"]}
+    excused = np.array([(int(t), int(a)) in unlogged for t, a in zip(consumed["traj_id"], consumed["traj_attempt"],
+                                                                     strict=True)], bool) if unlogged else False
+    missing_rows = np.union1d(c_group[~ok & ~excused], consumed_groups[rows_per_group < g_size])
     owned = np.isin(traj["attempt"], np.array(sorted(owns), np.int64))
     admitted = np.arange(next_group) if next_group is not None else np.unique(traj["group_id"][owned])
     not_done = np.setdiff1d(admitted, np.concatenate([consumed_groups, dropped, np.array(sorted(pending), np.int64)]))

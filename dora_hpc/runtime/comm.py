@@ -38,6 +38,7 @@ class Generate:           # orchestrator -> rollout
     version: int
     prompt: list[int]
     max_tokens: int
+    epoch: int = 1        # which dispatch of this trajectory (one lost with its instance is dispatched again)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Done:               # rollout -> orchestrator: a trajectory finished
     response_len: int
     reward: float
     kv_used_fraction: float
+    epoch: int = 1        # its Generate's: a Done of an earlier dispatch is stale
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class StopRequest:        # any rank -> orchestrator: a signal asked this rank t
 @dataclass(frozen=True)
 class Shutdown:
     reason: str = ""
+    fenced: tuple[int, ...] = ()  # ranks rank 0 gave up on: the others close without them
 
 
 # ---------------------------------------------------------------- transport
@@ -183,6 +186,7 @@ class Comm:
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
+        self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.rank = self.world.Get_rank()
         self.roles = Roles(self.world.Get_size(), trainers)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
@@ -219,9 +223,12 @@ class Comm:
     def close(self) -> int:
         """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
         is addressed to it (with the buffers a message announces) until its own sends completed, so
-        MPI_Finalize finds no message in flight.
+        MPI_Finalize finds no message in flight. Fenced ranks are left out (the barriers span the others;
+        the caller then ends the job with MPI_Abort, which also ends the fenced ranks).
         Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
-        self.world.Barrier()
+        self.group = self.world if not self.fenced else self.world.Create_group(
+            self.world.Get_group().Excl(list(self.fenced)))
+        self.group.Barrier()
         dropped = 0
         while True:
             status = MPI.Status()
@@ -234,7 +241,7 @@ class Comm:
             if not self._pending and not self._bulk:
                 break
             time.sleep(0.001)
-        self.world.Barrier()
+        self.group.Barrier()
         return dropped
 
     def discard(self, msg: object, src: int) -> None:

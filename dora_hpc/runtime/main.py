@@ -194,6 +194,10 @@ def main(run_dir: str) -> int:
         if outcome == "preempted" and STOP_SIGNAL[:1] == [signal.SIGUSR1] and os.environ.get("SLURM_JOB_ID"):
             # Slurm's early warning (--signal=USR1@T): the checkpoint is in; ask Slurm to run us again
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+        if comm.fenced:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
+            comm.group.Barrier()
+            if rank == 0:
+                MPI.COMM_WORLD.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks
         return 0
     except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
         try:  # a marker for the launcher: this rank raised (it may be a consequence of a dead peer)

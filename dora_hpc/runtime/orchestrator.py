@@ -31,6 +31,7 @@ from ..core.events import (
     AssignVersion,
     Dispatch,
     Drop,
+    InstanceLost,
     InstanceReady,
     KvPressure,
     Migrate,
@@ -105,6 +106,11 @@ class Orchestrator:
         self.paused = False
         # liveness: a rank is watched from its first message on (model loading may take long before it)
         self.last_heard: dict[int, float] = {}
+        self.fenced: set[int] = set()           # rollout ranks given up on (hung): never sent to again
+        self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
+        self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
+        self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
+        self.unflushed: dict[int, list[int]] = {}  # rollout rank -> trajectories done since its last Flushed
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -170,6 +176,8 @@ class Orchestrator:
                 continue
             msg, src = got
             self.last_heard[src] = time.monotonic()
+            if src in self.fenced:
+                continue  # given up on: its work is being done elsewhere
             match msg:
                 case Heartbeat():
                     pass
@@ -180,8 +188,14 @@ class Orchestrator:
                 case _ if self.stopping:
                     pass  # frozen: the final snapshot is taken; what happens now is not kept
                 case Ready():
+                    self.loads.pop(msg.instance, None)
                     self.feed(InstanceReady(msg.instance, msg.version))
                 case Done():
+                    if self.epoch.get(msg.traj_id) != msg.epoch:
+                        continue  # an earlier dispatch of a trajectory that was started again
+                    del self.epoch[msg.traj_id]
+                    self.moved_from.pop(msg.traj_id, None)
+                    self.unflushed.setdefault(src, []).append(msg.traj_id)
                     self.finished_tokens += msg.response_len
                     self.feed(RequestFinished(msg.traj_id, msg.instance))
                     if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
@@ -205,21 +219,60 @@ class Orchestrator:
         self.op("pending_at_end", detail=",".join(map(str, open_groups)))
         self.op(outcome, version=self.last_ckpt, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
+        self.comm.fenced = tuple(sorted(self.fenced))
         for r in range(1, self.roles.size):
-            self.comm.send(Shutdown(outcome), r)
+            if r not in self.fenced:
+                self.comm.send(Shutdown(outcome, self.comm.fenced), r)
         self.log.flush()
         return outcome
 
     def watch(self) -> None:
-        """Declare a rank silent for ``hang_timeout_s`` hung. Nothing is committed for it: the last
-        checkpoint stands, and the job ends naming the rank (resumable: a requeued job continues)."""
+        """Declare a rank silent for ``hang_timeout_s`` hung. A rollout rank is fenced while another is
+        left; a trainer (or the last rollout rank) ends the job naming it, committing nothing: the last
+        checkpoint stands (resumable: a requeued job continues from it)."""
         now = time.monotonic()
-        for r, t in self.last_heard.items():
-            if now - t > self.cfg.runtime.hang_timeout_s:
-                self.op("hung", peer=r, detail=f"silent {now - t:.0f}s")
-                self.log.flush()
-                raise RankHung(f"rank {r} ({self.roles.role(r)}) sent nothing for {now - t:.0f} s "
-                               f"(runtime.hang_timeout_s={self.cfg.runtime.hang_timeout_s:g})")
+        for r, t in list(self.last_heard.items()):
+            if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s:
+                continue
+            if self.roles.role(r) == "rollout" and len(self.live_rollout) > 1:
+                self.fence(r, now - t)
+                continue
+            self.op("hung", peer=r, detail=f"silent {now - t:.0f}s")
+            self.log.flush()
+            raise RankHung(f"rank {r} ({self.roles.role(r)}) sent nothing for {now - t:.0f} s "
+                           f"(runtime.hang_timeout_s={self.cfg.runtime.hang_timeout_s:g})")
+
+    @property
+    def live_rollout(self) -> list[int]:
+        return [r for r in self.roles.rollout_ranks if r not in self.fenced]
+
+    def fence(self, r: int, silent_s: float) -> None:
+        """Give up on rollout rank ``r``: nothing is sent to it again and nothing it sends is read; what ran
+        on it (and what was migrating away from it) starts again elsewhere, through the policy; loads that
+        waited for its weights take them from a trainer instead. The run goes on with one instance fewer."""
+        i = self.roles.instance_of_rank(r)
+        self.fenced.add(r)
+        in_transit = tuple(sorted(t for t, src in self.moved_from.items() if src == i))
+        again = len(self.policy.view.instances[i].active) + len(in_transit)
+        # rows it held in memory are lost with it; the trainer has the trajectories, analyze is told which
+        unlogged = self.unflushed.pop(r, [])
+        self.op("fence", peer=r, detail=f"silent={silent_s:.0f}s started_again={again} "
+                f"unlogged={','.join(map(str, unlogged))}")
+        self.log.flush()
+        print(f"dora-hpc: rank {r} (rollout instance {i}) sent nothing for {silent_s:.0f} s: fenced; {again} "
+              f"trajectories start again on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
+        self.loads.pop(i, None)
+        for t in in_transit:
+            self.moved_from.pop(t, None)
+        for inst, (v, source, keep) in list(self.loads.items()):
+            if source == r:
+                trainer = self.roles.trainer_for_instance(inst)
+                self.comm.send(SendWeights(v, self.roles.rank_of_instance(inst)), trainer)
+                self.comm.send(LoadVersion(v, trainer, keep), self.roles.rank_of_instance(inst))
+                self.loads[inst] = (v, trainer, keep)
+        self.feed(InstanceLost(i, in_transit))
+        if self.ckpt is not None:
+            self.maybe_commit()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def start_checkpoint(self) -> None:
@@ -227,7 +280,7 @@ class Orchestrator:
         state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
                                   "run_id": self.log.run_id}}
         self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
-        for r in self.roles.rollout_ranks:
+        for r in self.live_rollout:
             self.comm.send(Flush(v), r)
         for t in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
             self.comm.send(Checkpoint(v, state if t == self.roles.lead_trainer else None), t)
@@ -238,11 +291,18 @@ class Orchestrator:
             raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({self.ckpt})")
         if isinstance(msg, Flushed):
             self.ckpt["flushed"].add(msg.instance)
-            if len(self.ckpt["flushed"]) == len(self.roles.rollout_ranks):
-                self.comm.send(Commit(msg.version), self.roles.lead_trainer)
+            self.unflushed.pop(self.roles.rank_of_instance(msg.instance), None)
+            self.maybe_commit()
             return
         self.op("checkpoint", version=msg.version, detail=msg.path, t_start=self.ckpt["t"])
         self.last_ckpt, self.ckpt = msg.version, None
+
+    def maybe_commit(self) -> None:
+        """Phase two once every live rollout rank has flushed (a rank fenced meanwhile is not waited for)."""
+        live = {self.roles.instance_of_rank(r) for r in self.live_rollout}
+        if not self.ckpt.get("committing") and live <= self.ckpt["flushed"]:
+            self.ckpt["committing"] = True
+            self.comm.send(Commit(self.ckpt["version"]), self.roles.lead_trainer)
 
     def feed(self, event) -> None:
         """One event into the policy; its commands out. The time of a decision that moves instances or
@@ -261,13 +321,17 @@ class Orchestrator:
                     source = self.roles.trainer_for_instance(i) if src == TRAINER else r(src)
                     self.comm.send(SendWeights(v, r(i)), source)
                     self.comm.send(LoadVersion(v, source, keep), r(i))
+                    self.loads[i] = (v, source, keep)
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
                 case Dispatch(t, g, s, v, i):
-                    self.comm.send(Generate(t, g, s, v, self.task.prompt(g), self.task.max_tokens(t)), r(i))
+                    e = self.epoch[t] = self.epoch.get(t, 0) + 1
+                    self.comm.send(Generate(t, g, s, v, self.task.prompt(g), self.task.max_tokens(t), e), r(i))
                 case Migrate(t, src, dst, carry_kv):
+                    self.moved_from[t] = src
                     self.comm.send(MigrateOut(t, r(dst), carry_kv), r(src))
                     self.op("migrate", traj_id=t, peer=r(dst), detail=f"{src}->{dst} kv={carry_kv}")
                 case Abort(t, i):
+                    self.epoch.pop(t, None)
                     self.comm.send(AbortTraj(t), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")
@@ -282,7 +346,7 @@ class Orchestrator:
                     raise RuntimeError(f"orchestrator: cannot execute {c!r}")
 
     def set_paused(self, paused: bool, step: int) -> None:
-        for r in self.roles.rollout_ranks:
+        for r in self.live_rollout:
             self.comm.send(Pause(step) if paused else Resume(step), r)
         self.paused = paused
         self.op("pause" if paused else "resume", version=step)

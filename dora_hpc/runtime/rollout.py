@@ -120,7 +120,7 @@ class RolloutRank:
             "segment_versions": info["segments"]})
         self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward,
                                   self.attempt), self.comm.roles.trainer_of_group(info["group_id"]))
-        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac), 0)
+        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac, info["epoch"]), 0)
 
     # -- control -----------------------------------------------------------------------------------
     def handle(self, msg, src: int) -> None:
@@ -132,7 +132,7 @@ class RolloutRank:
                 self.info[msg.traj_id] = {"group_id": msg.group_id, "sample_idx": msg.sample_idx,
                                           "dispatch_version": msg.version, "t_dispatch": self.now(),
                                           "n_migrations": 0, "reprefill": 0, "path": str(self.instance),
-                                          "segments": [msg.version]}
+                                          "segments": [msg.version], "epoch": msg.epoch}
             case LoadVersion():
                 self.load(msg)
             case SendWeights():
@@ -160,18 +160,26 @@ class RolloutRank:
                 self.paused = isinstance(msg, Pause)
             case Shutdown():
                 self.running = False
+                self.comm.fenced = msg.fenced
             case _:
                 raise RuntimeError(f"rollout rank {self.comm.rank}: unexpected message {msg!r}")
 
     def load(self, msg: LoadVersion) -> None:
         t = self.now()
-        early = [i for i, (_h, s, _w) in enumerate(self.early) if s == msg.source]
-        if early:  # messages from different ranks are not ordered: the weights may have come first
-            header, _, state = self.early.pop(early[0])
-        else:
-            header, _ = self.comm.wait_for(WeightsHeader, src=msg.source,
-                                           on_other=lambda m, s: self.deferred.append((m, s)))
-            state = self.comm.recv_weights(header, msg.source)
+        while True:
+            early = [i for i, (_h, s, _w) in enumerate(self.early) if s == msg.source]
+            if early:  # messages from different ranks are not ordered: the weights may have come first
+                header, _, state = self.early.pop(early[0])
+                break
+            got = self.comm.poll()
+            if got is None:
+                time.sleep(0.0005)
+            elif isinstance(got[0], WeightsHeader):  # from the source, or early from another one
+                self.early.append((got[0], got[1], self.comm.recv_weights(*got)))
+            elif isinstance(got[0], LoadVersion) and got[0].version == msg.version:
+                msg = got[0]  # the source was fenced (hung): the same version comes from the trainer
+            else:
+                self.deferred.append(got)
         if header.version != msg.version:
             raise RuntimeError(f"rank {self.comm.rank}: v{header.version} arrived for LoadVersion(v{msg.version})")
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)

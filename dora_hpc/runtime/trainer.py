@@ -101,6 +101,7 @@ class TrainerRank:
                 self.comm.send(Checkpointed(msg.version, str(path)), src)
             case Shutdown():
                 self.running = False
+                self.comm.fenced = msg.fenced
             case _:
                 raise RuntimeError(f"trainer: unexpected message {msg!r}")
 
