@@ -3,6 +3,7 @@ no checkpoint -- and afterwards, from the HDF5 logs alone, nothing lost, nothing
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -230,3 +231,20 @@ def test_a_hung_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path)
     a = assert_whole(run_dir, steps=10, k=2)
     fence, = a["fenced"]
     assert fence["rank"] == 3 and fence["silent_s"] >= 8
+
+
+def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
+    """A fault-injection point (DORA_HPC_FAULT=die_mid_migration) kills the source rollout rank after it
+    announced a request's KV and before the KV left: the job ends at once naming that rank, and on resume
+    the migrating request's group is generated again, whole; nothing is lost or trained on twice."""
+    run_dir = tmp_path / "dora"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=10", *BASE, "--run-dir", str(run_dir)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DORA_HPC_FAULT": "die_mid_migration"})
+    assert p.returncode != 0 and "(rollout) died first" in p.stderr, p.stderr[-3000:]
+    dead = int(re.search(r"rank (\d+) \(rollout\) died first", p.stderr).group(1))
+    assert f"dora-hpc: rank {dead}: injected fault: dying mid-migration" in p.stderr
+    p = resume(run_dir, "--allow-fresh")  # before the first checkpoint, the run starts again from step 0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_whole(run_dir, steps=10, k=2)
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 2

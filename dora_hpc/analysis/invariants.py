@@ -133,7 +133,7 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
     unlogged = {(t, int(a)) for kind, a, d in zip(ops["kind"], ops["attempt"], ops["detail"], strict=True)
                 if kind == "fence" for t in fence_detail(d)["unlogged"]}
     excused = np.array([(int(t), int(a)) in unlogged for t, a in zip(consumed["traj_id"], consumed["traj_attempt"],
-                                                                     strict=True)], bool) if unlogged else False
+                                                                     strict=True)], bool).reshape(-1)
     missing_rows = np.union1d(c_group[~ok & ~excused], consumed_groups[rows_per_group < g_size])
     owned = np.isin(traj["attempt"], np.array(sorted(owns), np.int64))
     admitted = np.arange(next_group) if next_group is not None else np.unique(traj["group_id"][owned])

@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from .comm import (
     Trajectory,
     WeightsHeader,
 )
+
+FAULT = os.environ.get("DORA_HPC_FAULT", "")  # a fault-injection point for tests (see send_migration)
 
 
 class RolloutRank:
@@ -210,6 +213,11 @@ class RolloutRank:
     def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
         if msg.carry_kv and kv is not None:
             self.comm.send(MigrateIn(meta, tuple(kv.shape), self.instance, t), msg.dst)
+            if FAULT == "die_mid_migration":  # tests only: the KV announced, never sent
+                print(f"dora-hpc: rank {self.comm.rank}: injected fault: dying mid-migration of {msg.traj_id}",
+                      flush=True)
+                time.sleep(0.2)  # the header reaches the destination, which then waits for the KV
+                os._exit(9)
             self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
         else:
             self.comm.send(MigrateIn(meta, None, self.instance, t), msg.dst)
