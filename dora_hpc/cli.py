@@ -197,6 +197,12 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
                                                                  r["overheads"].items()) or "-"),
             ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
              if r["reward_by_step"] else "-"),
+            ("importance weight pi_prox/pi_behaviour, mean / max",
+             lambda r: f"{r['is_weight']['mean']:.3f} / {r['is_weight']['max']:.2f}" if r["is_weight"]["mean"]
+             is not None else "-"),
+            ("entropy of sampled tokens, first -> last step",
+             lambda r: f"{r['entropy']['first']:.3f} -> {r['entropy']['last']:.3f}" if r["entropy"]["first"]
+             is not None else "-"),
             ("logprob gap rollout vs trainer, max (on-policy tokens)",
              lambda r: f"{r['logprob_gap']['max']:.2e} ({r['logprob_gap']['tokens']})"
              if r["logprob_gap"]["max"] is not None else "-")]

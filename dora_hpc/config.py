@@ -119,9 +119,33 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     kl_coef: float = Field(0.0, ge=0)
-    loss_agg: Literal["token", "sequence"] = "token"
+    kl_clamp: float | None = Field(10.0, gt=0, description="the k3 KL value is clamped to [-kl_clamp, kl_clamp] "
+                                   "(null: not clamped)")
+    loss_agg: Literal["token", "sequence", "constant"] = Field(
+        "token", description="token: mean over the batch's tokens (DAPO); sequence: mean of per-sample means "
+        "(GRPO); constant: sum over tokens / (response budget * samples) (Dr. GRPO)")
+    adv_norm: Literal["group_std", "none"] = Field(
+        "group_std", description="group_std: (reward - group mean) / group std (GRPO); none: reward - group mean "
+        "(Dr. GRPO)")
+    policy_loss: Literal["ppo_clip", "decoupled", "gspo"] = Field(
+        "ppo_clip", description="ppo_clip: clip pi/pi_behaviour; decoupled: clip pi/pi_proximal (the weights at "
+        "the step's start) and weight by pi_proximal/pi_behaviour (AReaL); gspo: one clipped ratio per sequence")
+    is_correction: Literal["none", "truncate", "mask"] = Field(
+        "none", description="on the importance weight pi_proximal/pi_behaviour: truncate at is_cap, or mask "
+        "tokens outside is_band")
+    is_cap: float = Field(2.0, ge=1)
+    is_band: tuple[float, float] = (0.5, 2.0)
+    clip_ratio_c: float | None = Field(None, gt=1, description="dual clip: a negative-advantage token's loss "
+                                       "is at most clip_ratio_c * |A| (null: off)")
     micro_batch: int = Field(8, ge=1)
 
+
+    @model_validator(mode="after")
+    def _band_around_one(self) -> TrainConfig:
+        lo, hi = self.is_band
+        if not 0 <= lo < 1 < hi:
+            raise ValueError(f"is_band [{lo}, {hi}] must hold 1 (0 <= low < 1 < high)")
+        return self
 
     @model_validator(mode="after")
     def _megatron_in_float32(self) -> TrainConfig:

@@ -147,6 +147,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
+        **loss_stats(tsteps),
         # step n's trained tokens over the time since step n-1 ended (from step 1; across a resume the
         # interval includes the restart)
         "tokens_per_s_by_step": (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist(),
@@ -170,6 +171,23 @@ def logprob_gap(tsteps: dict[str, np.ndarray]) -> dict:
     return {"max": float(gap.max()) if has.any() else None,
             "mean": float((gap * n[has]).sum() / n[has].sum()) if has.any() else None,
             "tokens": int(n[has].sum()), "steps": int(has.sum())}
+
+
+def loss_stats(tsteps: dict[str, np.ndarray]) -> dict:
+    """What the policy loss saw, per train step (train/losses.py): the importance weight pi_prox/pi_behaviour
+    (mean of the steps' token means, max of their maxima), the sampled tokens' entropy at the first and
+    last step, the clip fractions. None where the shards predate these columns (schema < 4)."""
+    def finite(col: str) -> np.ndarray:
+        return tsteps[col][np.isfinite(tsteps[col])]
+
+    w, w_max, ent = finite("is_weight_mean"), finite("is_weight_max"), finite("entropy")
+    has = len(w) > 0
+    return {"is_weight": {"mean": float(w.mean()) if has else None, "max": float(w_max.max()) if has else None,
+                          "truncated_frac": float(np.nanmean(tsteps["is_truncated_frac"])) if has else None,
+                          "masked_frac": float(np.nanmean(tsteps["is_masked_frac"])) if has else None},
+            "entropy": {"first": float(ent[0]) if len(ent) else None, "last": float(ent[-1]) if len(ent) else None},
+            "clip_frac_by_step": [float(x) for x in tsteps["clip_frac"]],
+            "entropy_by_step": [float(x) for x in tsteps["entropy"]]}
 
 
 def max_live_versions(esteps: dict[str, np.ndarray], bucket_s: float = 0.25) -> int:

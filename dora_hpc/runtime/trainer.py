@@ -36,6 +36,11 @@ from ..train.dp import DataParallel
 from ..train.grpo import GRPOTrainer, Sample, grpo_config, weights_checksum
 from .comm import Checkpoint, Checkpointed, Comm, Commit, Published, SendWeights, Shutdown, Train, Trajectory
 
+# train-step metrics logged as they are (store/shards.py: TRAIN_STEPS)
+STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "clip_band_frac", "entropy",
+              "is_weight_mean", "is_weight_max", "is_truncated_frac", "is_masked_frac", "response_len_mean",
+              "response_len_max")
+
 
 class TrainerRank:
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
@@ -185,7 +190,7 @@ class TrainerRank:
                                       "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
                                       "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
                                       "tokens": metrics["tokens"], "weights_checksum": checksum,
-                                      "logprob_gap": metrics["logprob_gap"], "gap_tokens": metrics["gap_tokens"]})
+                                      **{k: metrics[k] for k in STEP_STATS}})
         self.log.flush()
         if self.lead:
             self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}),

@@ -28,8 +28,9 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 3  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3)   # have logprob_gap/gap_tokens (a version-2 shard reads them as their defaults)
+SCHEMA_VERSION = 4  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split, importance
+#                       weights, response lengths). An older shard reads a newer column as its default
 
 # column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
 TRAJECTORIES = {
@@ -47,7 +48,9 @@ CONSUMED = {"traj_id": "i8", "group_id": "i8", "consume_step": "i8", "version": 
             "advantage": "f8", "reward": "f8", "attempt": "i8", "traj_attempt": "i8"}
 TRAIN_STEPS = {"step": "i8", "t_start": "f8", "t_end": "f8", "loss": "f8", "reward_mean": "f8",
                "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str", "attempt": "i8",
-               "logprob_gap": "f8", "gap_tokens": "i8"}
+               "logprob_gap": "f8", "gap_tokens": "i8", "clip_frac_low": "f8", "clip_frac_high": "f8",
+               "clip_band_frac": "f8", "entropy": "f8", "is_weight_mean": "f8", "is_weight_max": "f8",
+               "is_truncated_frac": "f8", "is_masked_frac": "f8", "response_len_mean": "f8", "response_len_max": "i8"}
 
 FILE_KINDS = {  # file prefix -> its tables
     "traj": {"trajectories": TRAJECTORIES},

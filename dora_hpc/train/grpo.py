@@ -31,6 +31,11 @@ import torch
 
 from .backend import BackendName, build_backend
 from .dp import DataParallel
+from .losses import LossConfig, aggregate, k3, policy_loss
+
+# what a train step sums over its tokens (every replica's), in this order
+SUMS = ("loss", "kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high", "is_weight", "is_truncated",
+        "is_masked", "gap_sum", "gap_tokens")
 
 
 @dataclass(frozen=True)
@@ -39,19 +44,28 @@ class GRPOConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28          # DAPO's clip-higher
     kl_coef: float = 0.0             # > 0: k3 KL penalty to the initial (reference) weights
-    loss_agg: Literal["token", "sequence"] = "token"  # token: DAPO token-level mean; sequence: GRPO
-    adv_std_norm: bool = True
+    kl_clamp: float | None = 10.0    # the k3 value is clamped to [-kl_clamp, kl_clamp] (None: not)
+    # token: DAPO's token-level mean; sequence: GRPO's mean of per-sample means; constant: Dr. GRPO's sum
+    # over tokens / (max_len * samples)
+    loss_agg: Literal["token", "sequence", "constant"] = "token"
+    max_len: int = 256               # loss_agg=constant: the response budget
+    adv_std_norm: bool = True        # False: Dr. GRPO's advantages (reward - group mean)
     temperature: float = 1.0         # must equal the sampling temperature
     max_grad_norm: float = 1.0
     micro_batch: int = 8
     weight_decay: float = 0.0
+    loss: LossConfig = LossConfig()  # the policy loss and its importance-weight correction (losses.py)
 
 
 def grpo_config(cfg) -> GRPOConfig:
     """The GRPO settings of a RunConfig (train section; the ratio's temperature is the sampling one)."""
     t = cfg.train
+    max_len = cfg.workload.response_len.max if cfg.task.name == "even_tokens" else cfg.sampling.max_tokens
     return GRPOConfig(lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
-                      temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch)
+                      max_len=max_len, adv_std_norm=t.adv_norm == "group_std", kl_clamp=t.kl_clamp,
+                      temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
+                      loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
+                                      t.is_cap, tuple(t.is_band)))
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,10 @@ class GRPOTrainer:
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
-    def _token_logprobs(self, batch: list[Sample], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and their mask."""
+    def _token_logprobs(self, batch: list[Sample], reference: bool = False,
+                        entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and their
+        mask; with ``entropy`` ([B, Lr], filled in place, no gradient) each position's policy entropy."""
         lens = [len(s.prompt) + len(s.response) for s in batch]
         width = max(lens)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -122,6 +138,9 @@ class GRPOTrainer:
             lp = torch.log_softmax(logits[i, p - 1 : p + r - 1], dim=-1)
             out[i, :r] = lp.gather(1, torch.tensor(s.response, device=dev)[:, None])[:, 0]
             mask[i, :r] = 1
+            if entropy is not None:
+                with torch.no_grad():
+                    entropy[i, :r] = -(lp.exp() * lp).sum(-1).to(entropy.device)
         return out, mask
 
     def train_step(self, samples: list[Sample]) -> dict:
@@ -137,7 +156,8 @@ class GRPOTrainer:
         if not n_samples:
             raise ValueError("a train step needs at least one sample")
         self.opt.zero_grad(set_to_none=True)
-        tot = torch.zeros(6, dtype=torch.float64)  # loss, clip_frac, kl, ratio_mean, |gap| sum, gap tokens
+        tot = torch.zeros(len(SUMS), dtype=torch.float64)
+        top = torch.zeros(2, dtype=torch.float64)  # is_weight max, response length max
         mine = self.backend.gather_batch(samples)  # tensor parallel: the union of the TP peers' shares
         adv_mine = adv_all if mine is samples else group_advantages(mine, cfg.adv_std_norm)
         for start in range(0, self.backend.micro_batches(-(-len(mine) // cfg.micro_batch)) * cfg.micro_batch,
@@ -145,45 +165,52 @@ class GRPOTrainer:
             batch = mine[start : start + cfg.micro_batch]
             weight = 1.0 if batch else 0.0  # an empty micro-batch (sharded backends): joins, moves nothing
             batch = batch or [EMPTY]
-            new_lp, mask = self._token_logprobs(batch)
+            ent = torch.zeros(len(batch), max(len(s.response) for s in batch))
+            new_lp, mask = self._token_logprobs(batch, entropy=ent)
             adv = torch.tensor(adv_mine[start : start + cfg.micro_batch] or [0.0], device=new_lp.device)[:, None]
             old_lp = torch.zeros_like(new_lp)
             for i, s in enumerate(batch):
                 old_lp[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-            ratio = torch.exp(new_lp - old_lp)
-            clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-            per_tok = -torch.minimum(ratio * adv, clipped * adv)
+            # one optimizer step per train step: the proximal policy is the weights being trained, as they are
+            per_tok, st = policy_loss(new_lp, new_lp.detach(), old_lp, adv, mask, cfg.loss)
             kl = torch.zeros_like(per_tok)
             if self.backend.ref is not None:
                 with torch.no_grad():
                     ref_lp, _ = self._token_logprobs(batch, reference=True)
-                d = ref_lp - new_lp
-                kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+                kl = k3(ref_lp, new_lp, cfg.kl_clamp)
                 per_tok = per_tok + cfg.kl_coef * kl
-            if cfg.loss_agg == "token":
-                loss = (per_tok * mask).sum() / n_tokens
-            else:
-                loss = ((per_tok * mask).sum(1) / mask.sum(1)).sum() / n_samples
+            loss = aggregate(per_tok, mask, cfg.loss_agg, n_tokens, n_samples, cfg.max_len)
             (loss * weight).backward()
             if not weight:
                 continue
             with torch.no_grad():
                 same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
                 on_policy = mask * same  # tokens sampled under exactly these weights
-                tot += torch.tensor([float(loss), float(((ratio != clipped).float() * mask).sum()) / n_tokens,
-                                     float((kl * mask).sum()) / n_tokens, float((ratio * mask).sum()) / n_tokens,
-                                     float(((new_lp - old_lp).abs() * on_policy).sum()), float(on_policy.sum())],
-                                    dtype=torch.float64)
+                per = {"loss": float(loss), "gap_sum": float(((new_lp - old_lp).abs() * on_policy).sum()),
+                       "gap_tokens": float(on_policy.sum()), "kl": float((kl * mask).sum()),
+                       "entropy": float((ent.to(mask.device) * mask).sum()),
+                       **{k: float((v * mask).sum()) for k, v in st.items()}}
+                tot += torch.tensor([per[k] for k in SUMS], dtype=torch.float64)
+                top = torch.maximum(top, torch.tensor([float((st["is_weight"] * mask).max()),
+                                                       float(mask.sum(1).max())], dtype=torch.float64))
         self.backend.finish_grads()
         self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
+        self.dp._all_reduce(top, "max")
         grad_norm = self.backend.clip_grad_norm(cfg.max_grad_norm)
         self.opt.step()
         self.step += 1
-        loss, clip_frac, kl, ratio_mean, gap_sum, gap_tokens = (float(x) for x in tot)
-        return {"loss": loss, "clip_frac": clip_frac, "kl": kl, "ratio_mean": ratio_mean,
-                "grad_norm": float(grad_norm), "tokens": int(n_tokens), "advantages": adv_all,
-                "reward_mean": reward_sum / n_samples, "gap_tokens": int(gap_tokens),
-                "logprob_gap": gap_sum / gap_tokens if gap_tokens else math.nan}
+        m = dict(zip(SUMS, (float(x) for x in tot), strict=True))
+        per_token = {k: m[k] / n_tokens for k in ("kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high",
+                                                  "is_weight", "is_truncated", "is_masked")}
+        return {"loss": m["loss"], "clip_frac": per_token["clip_low"] + per_token["clip_high"],
+                "clip_frac_low": per_token["clip_low"], "clip_frac_high": per_token["clip_high"],
+                "clip_band_frac": per_token["clip_band"], "kl": per_token["kl"], "ratio_mean": per_token["ratio"],
+                "entropy": per_token["entropy"], "is_weight_mean": per_token["is_weight"],
+                "is_weight_max": float(top[0]), "is_truncated_frac": per_token["is_truncated"],
+                "is_masked_frac": per_token["is_masked"], "response_len_mean": n_tokens / n_samples,
+                "response_len_max": int(top[1]), "grad_norm": float(grad_norm), "tokens": int(n_tokens),
+                "advantages": adv_all, "reward_mean": reward_sum / n_samples, "gap_tokens": int(m["gap_tokens"]),
+                "logprob_gap": m["gap_sum"] / m["gap_tokens"] if m["gap_tokens"] else math.nan}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank)."""
