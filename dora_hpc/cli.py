@@ -267,16 +267,22 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                       which=args.ablation)
                 _print_cases(console, s["variants"], s["ratios"])
             else:
-                from .bench.convergence_bench import bench_convergence
+                from .bench.convergence_bench import LOSSES, bench_convergence
 
                 seeds = [int(x) for x in args.seeds.split(",")]
-                s = bench_convergence(args.config, Path(args.out), args.overrides, seeds, console=console)
+                losses = args.losses.split(",")
+                bad = [x for x in losses if x not in LOSSES]
+                if bad:
+                    raise ConfigError(f"--losses: unknown {bad}; choose from {','.join(LOSSES)}")
+                s = bench_convergence(args.config, Path(args.out), args.overrides, seeds, console=console,
+                                      losses=losses)
                 for case, c in s["cases"].items():
                     v = s["verdict"].get(case)
                     console.print(f"  {case}: mean reward {c['first']:.3f} (step 0) -> {c['final']:.3f} (last "
-                                  f"{s['tail_steps']} steps)" + (f"; gap to sync {v['gap_to_sync']:+.3f}, "
-                                  f"{'within' if v['within_noise'] else 'outside'} sync's seed spread "
-                                  f"{s['sync_seed_spread']:.3f}" if v else ""))
+                                  f"{s['tail_steps']} steps), clip_frac {c['clip_frac']:.3f}"
+                                  + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, "
+                                     f"{'within' if v['within_noise'] else 'outside'} its seed spread "
+                                     f"{s['sync_seed_spread']:.3f}" if v else ""))
         except mb.BenchError as e:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
             return 1
@@ -350,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes/ablation/convergence: override a config key in every run (repeatable)")
     b.add_argument("--seeds", default="0,1", help="convergence: comma-separated seeds (their spread is the noise)")
+    b.add_argument("--losses", default="ppo_clip", help="convergence: comma-separated objectives, each running "
+                   "every case: ppo_clip, ppo_clip+truncate, decoupled, decoupled+truncate, decoupled+mask, gspo")
     b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
                                    "dora-k1,dora-k2,dora-k3")
     b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")

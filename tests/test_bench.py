@@ -45,6 +45,18 @@ def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_
     assert p.returncode == 2 and "CONFIG is required" in p.stderr
     p = bench("ablation", "configs/tiny-cpu.yaml", "--ablation", "nope", "--out", str(tmp_path / "z"))
     assert p.returncode == 2 and "nope" in p.stderr and not (tmp_path / "z").exists()
+    p = bench("convergence", "configs/tiny-cpu.yaml", "--losses", "ppo_clip,adam", "--out", str(tmp_path / "w"))
+    assert p.returncode == 2 and "adam" in p.stderr and not (tmp_path / "w").exists()
+
+
+def test_convergence_cases_run_every_mode_under_every_loss():
+    from dora_hpc.bench.convergence_bench import cases
+
+    assert list(cases(["ppo_clip"])) == ["sync", "dora-k1", "dora-k3"]
+    both = cases(["ppo_clip", "decoupled+truncate"])
+    assert list(both)[3:] == ["sync decoupled+truncate", "dora-k1 decoupled+truncate", "dora-k3 decoupled+truncate"]
+    assert both["dora-k3 decoupled+truncate"] == ["train.policy_loss=decoupled", "train.is_correction=truncate",
+                                                  "mode=dora", "dora.k=3"]
 
 
 def test_bench_convergence_reads_reward_curves_from_the_logs(tmp_path):

@@ -22,54 +22,83 @@ CASES: dict[str, list[str]] = {
     "dora-k1": ["mode=dora", "dora.k=1"],
     "dora-k3": ["mode=dora", "dora.k=3"],
 }
+LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/training.md)
+    "ppo_clip": ["train.policy_loss=ppo_clip", "train.is_correction=none"],
+    "ppo_clip+truncate": ["train.policy_loss=ppo_clip", "train.is_correction=truncate"],
+    "decoupled": ["train.policy_loss=decoupled", "train.is_correction=none"],
+    "decoupled+truncate": ["train.policy_loss=decoupled", "train.is_correction=truncate"],
+    "decoupled+mask": ["train.policy_loss=decoupled", "train.is_correction=mask"],
+    "gspo": ["train.policy_loss=gspo", "train.is_correction=none"],
+}
+
+
+def cases(losses: list[str]) -> dict[str, list[str]]:
+    """Every case under every loss; named by the case alone when there is one loss."""
+    return {(c if len(losses) == 1 else f"{c} {loss}"): [*LOSSES[loss], *sets]
+            for loss in losses for c, sets in CASES.items()}
 
 
 def final(curve: list[float], tail: int) -> float:
     return statistics.fmean(curve[-tail:])
 
 
-def summarize(out: Path, seeds: list[int], tail: int = 5) -> dict:
-    """Reward curves (per step and against wall time) of the runs in OUT/runs, from their train logs."""
+def run_dir(out: Path, case: str, seed: int) -> Path:
+    return out / "runs" / f"{case.replace(' ', '_').replace('+', '-')}-s{seed}"
+
+
+def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | None = None) -> dict:
+    """Reward curves (per step and against wall time) of the runs in OUT/runs, from their train logs; the
+    baseline is the first case (sync under the first loss)."""
+    import numpy as np
+
     from ..store.shards import read_table
 
-    cases = {}
-    for case in CASES:
-        curves, times = {}, {}
+    found = {}
+    for case in cases(losses or ["ppo_clip"]):
+        curves, times, clip, weight = {}, {}, [], []
         for seed in seeds:
-            t = read_table(out / "runs" / f"{case}-s{seed}", "train", "steps", ["step", "t_end", "reward_mean"])
+            t = read_table(run_dir(out, case, seed), "train", "steps",
+                           ["step", "t_end", "reward_mean", "clip_frac", "is_weight_mean"])
             order = t["step"].argsort()
             curves[str(seed)] = t["reward_mean"][order].tolist()
             times[str(seed)] = t["t_end"][order].tolist()
+            clip.append(float(np.nanmean(t["clip_frac"])))
+            weight.append(float(np.nanmean(t["is_weight_mean"])))
         n = min(len(c) for c in curves.values())
         mean = [statistics.fmean(c[i] for c in curves.values()) for i in range(n)]
         finals = [final(c, tail) for c in curves.values()]
-        cases[case] = {"curves": curves, "times": times, "mean": mean, "first": mean[0],
+        found[case] = {"curves": curves, "times": times, "mean": mean, "first": mean[0],
                        "final": statistics.fmean(finals), "final_by_seed": finals,
+                       "clip_frac": statistics.fmean(clip), "is_weight_mean": statistics.fmean(weight),
                        "seconds_per_step": statistics.median(
                            (ts[-1] - ts[0]) / max(len(ts) - 1, 1) for ts in times.values())}
-    noise = max(cases["sync"]["final_by_seed"]) - min(cases["sync"]["final_by_seed"])
-    verdict = {c: {"gap_to_sync": cases[c]["final"] - cases["sync"]["final"],
-                   "within_noise": abs(cases[c]["final"] - cases["sync"]["final"]) <= noise}
-               for c in cases if c != "sync"}
-    return {"seeds": seeds, "tail_steps": tail, "sync_seed_spread": noise, "verdict": verdict, "cases": cases}
+    base = next(iter(found))
+    noise = max(found[base]["final_by_seed"]) - min(found[base]["final_by_seed"])
+    verdict = {c: {"gap_to_sync": found[c]["final"] - found[base]["final"],
+                   "within_noise": abs(found[c]["final"] - found[base]["final"]) <= noise}
+               for c in found if c != base}
+    return {"seeds": seeds, "tail_steps": tail, "baseline": base, "sync_seed_spread": noise, "verdict": verdict,
+            "cases": found}
 
 
 def bench_convergence(config: str, out: Path, sets: list[str] | None = None, seeds: list[int] | None = None,
-                      tail: int = 5, console=None) -> dict:
+                      tail: int = 5, console=None, losses: list[str] | None = None) -> dict:
     from rich.progress import Progress
 
-    sets, seeds = list(sets or []), list(seeds or [0, 1])
+    sets, seeds, losses = list(sets or []), list(seeds or [0, 1]), list(losses or ["ppo_clip"])
+    every = cases(losses)
     _fresh(out)
     (out / "runs").mkdir()
     with Progress(console=console) as bar:
-        task = bar.add_task("convergence", total=len(seeds) * len(CASES))
+        task = bar.add_task("convergence", total=len(seeds) * len(every))
         for seed in seeds:
-            for case, case_sets in CASES.items():
+            for case, case_sets in every.items():
                 bar.update(task, description=f"{case} (seed {seed})")
-                run_case(config, [*sets, *case_sets, f"seed={seed}"], out / "runs" / f"{case}-s{seed}", timeout_s=3600)
+                run_case(config, [*sets, *case_sets, f"seed={seed}"], run_dir(out, case, seed), timeout_s=3600)
                 bar.advance(task)
     title = f"sync vs dora K=1 vs K=3, same initial model and seeds ({config} {' '.join(sets)})"
-    summary = summarize(out, seeds, tail) | {"config": config, "sets": sets, "machine": machine(), "title": title}
+    summary = summarize(out, seeds, tail, losses) | {"config": config, "sets": sets, "losses": losses,
+                                                      "machine": machine(), "title": title}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from .plots import plot_convergence
 
