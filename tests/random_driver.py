@@ -15,6 +15,7 @@ from dora_hpc.core.events import (
     AssignVersion,
     Dispatch,
     Drop,
+    Filter,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -36,6 +37,8 @@ class InvariantBroken(AssertionError):
 
 class RandomDriver:
     def __init__(self, policy: Policy, rng: random.Random, lose: int = 0) -> None:
+        self.filtered: set[int] = set()
+        self.rewards: dict[int, float] = {}  # traj -> the reward it finished with
         """``lose``: instances to fence at random moments (InstanceLost), at least one always kept."""
         self.p, self.rng = policy, rng
         n = policy.cfg.n_instances
@@ -102,6 +105,12 @@ class RandomDriver:
                     raise InvariantBroken(f"{cmd}: trajectory not on that instance")
             case Drop(g, _):
                 self.dropped.add(g)
+            case Filter(g):
+                g_size = self.p.cfg.group_size
+                got = {self.rewards[t] for t in range(g * g_size, (g + 1) * g_size)}
+                if len(got) != 1 or g in self.consumed:
+                    raise InvariantBroken(f"{cmd}: rewards {got}, consumed {self.consumed[g]}")
+                self.filtered.add(g)
             case StartTrain(step, groups):
                 self._train(step, groups)
             case _:
@@ -119,8 +128,8 @@ class RandomDriver:
             trajs = range(g * g_size, (g + 1) * g_size)
             if any(t not in self.finished for t in trajs):
                 raise InvariantBroken(f"step {step} consumes incomplete group {g}")
-            if g in self.dropped:
-                raise InvariantBroken(f"step {step} consumes dropped group {g}")
+            if g in self.dropped or g in self.filtered:
+                raise InvariantBroken(f"step {step} consumes dropped or filtered group {g}")
             self.consumed[g] += 1
             if self.consumed[g] > 1:
                 raise InvariantBroken(f"group {g} consumed twice")
@@ -181,7 +190,8 @@ class RandomDriver:
             t = act[1]
             i = self.where.pop(t)
             self.finished.add(t)
-            self.feed(RequestFinished(t, i))
+            self.rewards[t] = float(self.rng.random() < 0.5)  # groups of equal rewards are common
+            self.feed(RequestFinished(t, i, self.rewards[t]))
         else:
             step, self.train_step = self.train_step, None
             self.steps_done += 1
@@ -230,6 +240,8 @@ class RandomDriver:
                 ok = state == "CONSUMED"
             elif g in self.dropped:
                 ok = state == "DROPPED"
+            elif g in self.filtered:
+                ok = state == "FILTERED"
             else:
                 g_size = self.p.cfg.group_size
                 trajs = range(g * g_size, (g + 1) * g_size)

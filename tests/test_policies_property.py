@@ -55,6 +55,40 @@ def test_invariants_hold_when_instances_are_lost(mode, data, seed, lose):
     assert driver.steps_done == 8 and len(driver.lost) >= min(lose, 1)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_dynamic_sampling_filters_equal_reward_groups_and_still_trains_tbs_per_step(data, seed):
+    """DORA with filter_groups: binary rewards, so groups of equal rewards are common; each is filtered
+    (never trained on), leaves the window, and a replacement keeps every step at TBS informative groups."""
+    drawn = data.draw(configs("dora")).__dict__
+    cfg = PolicyConfig(**{**drawn, "filter_groups": True, "group_size": max(2, drawn["group_size"])})
+    driver = RandomDriver(make_policy("dora", cfg), random.Random(seed))
+    driver.run(steps=8)
+    driver.check_nothing_lost()
+    assert driver.steps_done == 8
+    informative = [g for g in driver.consumed if len({driver.rewards[t] for t in driver.p.ledger.traj_ids(g)}) > 1]
+    assert len(informative) == len(driver.consumed) >= 8 * cfg.tbs  # (a 9th step may have started)
+
+
+
+def test_dynamic_sampling_really_filters():
+    """Not vacuous: across seeds, groups are filtered and replaced."""
+    cfg = PolicyConfig(tbs=2, rbs=3, group_size=2, n_instances=2, slots=2, k=2, filter_groups=True)
+    filtered = 0
+    for seed in range(20):
+        d = RandomDriver(make_policy("dora", cfg), random.Random(seed))
+        d.run(steps=8)
+        d.check_nothing_lost()
+        filtered += len(d.filtered)
+    assert filtered > 20
+
+
+def test_filter_groups_is_for_dora_only():
+    cfg = PolicyConfig(tbs=1, rbs=2, group_size=2, n_instances=1, slots=2, filter_groups=True)
+    with pytest.raises(ValueError, match="filter_groups"):
+        make_policy("sync", cfg)
+
+
 def test_dora_keeps_several_versions_live_and_migrates():
     """Across random runs, DORA really is multi-version and really migrates (not a vacuous pass)."""
     multi = migrated = 0

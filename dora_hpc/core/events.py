@@ -33,10 +33,12 @@ class InstanceReady:
 
 @dataclass(frozen=True)
 class RequestFinished:
-    """Trajectory ``traj_id`` finished generating on ``instance`` (EOS, stop, or max_tokens)."""
+    """Trajectory ``traj_id`` finished generating on ``instance`` (EOS, stop, or max_tokens) and was
+    rewarded ``reward`` (read only by dynamic sampling: PolicyConfig.filter_groups)."""
 
     traj_id: int
     instance: int
+    reward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,14 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class Filter:
+    """Dynamic sampling (DAPO): group ``group_id`` is complete and every sample has the same reward, so its
+    advantages are all zero and it carries no gradient; it is not trained on (the ledger says FILTERED)."""
+
+    group_id: int
+
+
+@dataclass(frozen=True)
 class StartTrain:
     """Run train step ``step`` on exactly these complete groups; ends with VersionPublished(step+1)."""
 
@@ -156,4 +166,4 @@ class StartTrain:
     group_ids: tuple[int, ...]
 
 
-Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Abort | Drop | StartTrain
+Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Abort | Drop | Filter | StartTrain

@@ -2,7 +2,8 @@
 
 Invariant (docs/invariants.md, invariant 3): every group taken from the data stream is, at any moment, in
 exactly one state -- pending (dispatched, some samples unfinished), complete (all samples finished,
-waiting for training), consumed (by exactly one train step) or dropped (recorded with a reason).
+waiting for training), consumed (by exactly one train step), dropped (recorded with a reason) or
+filtered (complete with equal rewards: never trained on, dynamic sampling).
 Transitions only go forward (the one exception, ``reopen``, is resume's: an unconsumed group is
 generated again); anything else raises LedgerError. Group ids are the data cursor: group
 ``g`` is the g-th prompt of the stream, so ``next_group`` is all a resume needs to continue the data.
@@ -25,6 +26,7 @@ class GroupState(IntEnum):
     COMPLETE = 1
     CONSUMED = 2
     DROPPED = 3
+    FILTERED = 4  # complete, but its rewards carry no signal: never trained on (dynamic sampling)
 
 
 @dataclass
@@ -81,6 +83,12 @@ class Ledger:
             raise LedgerError(f"group {group_id} dropped while {rec.state.name}")
         rec.state, rec.drop_reason = GroupState.DROPPED, reason
         self.finished_trajs.difference_update(self.traj_ids(group_id))
+
+    def filter(self, group_id: int) -> None:
+        rec = self._get(group_id)
+        if rec.state is not GroupState.COMPLETE:
+            raise LedgerError(f"group {group_id} filtered while {rec.state.name}")
+        rec.state = GroupState.FILTERED
 
     def retag(self, group_id: int, version: int) -> None:
         """Change a pending group's tag (only before any of its tokens exist, e.g. on resume)."""

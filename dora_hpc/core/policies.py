@@ -220,6 +220,9 @@ class Dora(Policy):
     def on_ready(self, instance: int) -> list[Command]:
         return self._admit() + self._train()
 
+    def on_filtered(self, version: int) -> None:
+        self.window.drop(version)  # it leaves the window; _admit (next) dispatches a replacement
+
     def on_finished(self, instance: int | None) -> list[Command]:
         out = self._train() + self._admit()
         if instance is not None:
@@ -284,7 +287,9 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(mode: str, cfg: PolicyConfig) -> Policy:
-    try:
-        return POLICIES[mode](cfg)
-    except KeyError:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}") from None
+    if mode not in POLICIES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if cfg.filter_groups and mode != "dora":
+        raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
+                         "has none")
+    return POLICIES[mode](cfg)

@@ -15,6 +15,7 @@ from .events import (
     AssignVersion,
     Command,
     Event,
+    Filter,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -44,12 +45,15 @@ class PolicyConfig:
     rebalance_every: int = 1      # Dora: rebalance every N Ticks
     carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
     legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
+    filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tbs <= self.rbs:
             raise ValueError(f"need 1 <= tbs <= rbs, got tbs={self.tbs}, rbs={self.rbs}")
         if self.group_size < 1 or self.k < 0:
             raise ValueError("group_size must be >= 1 and k >= 0")
+        if self.filter_groups and self.group_size < 2:
+            raise ValueError("filter_groups needs group_size >= 2 (a group of one always has equal rewards)")
 
 
 class Policy:
@@ -66,6 +70,7 @@ class Policy:
         self.next_step = 0
         self.complete: dict[int, deque[int]] = {}  # version -> complete, unconsumed group ids
         self.pending_groups = 0  # admitted groups with unfinished samples
+        self.rewards: dict[int, set[float]] = {}  # filter_groups: distinct rewards of each pending group
 
     # -- the one entry point -----------------------------------------------------------------------
     def on(self, event: Event) -> list[Command]:
@@ -75,14 +80,23 @@ class Policy:
             case InstanceReady(instance, version):
                 self.view.ready(instance, version)
                 return self.on_ready(instance)
-            case RequestFinished(traj_id, _):
+            case RequestFinished(traj_id, _, reward):
                 if traj_id not in self.view.trajs:
                     return []  # it finished while our Abort was on the way (a dropped group): nothing to do
                 t = self.view.remove(traj_id)
+                out: list[Command] = []
+                if self.cfg.filter_groups:
+                    self.rewards.setdefault(t.group_id, set()).add(reward)
                 if self.ledger.finish(traj_id):
                     self.pending_groups -= 1
-                    self.complete.setdefault(self.ledger.groups[t.group_id].version, deque()).append(t.group_id)
-                return self.on_finished(t.instance)
+                    version = self.ledger.groups[t.group_id].version
+                    if self.cfg.filter_groups and len(self.rewards.pop(t.group_id)) == 1:
+                        self.ledger.filter(t.group_id)
+                        self.on_filtered(version)
+                        out.append(Filter(t.group_id))
+                    else:
+                        self.complete.setdefault(version, deque()).append(t.group_id)
+                return out + self.on_finished(t.instance)
             case VersionPublished(version):
                 if version != self.latest + 1 or not self.trainer_busy:
                     raise ValueError(f"unexpected VersionPublished({version}) after v{self.latest}")
@@ -136,6 +150,9 @@ class Policy:
 
     def on_pressure(self, event: KvPressure | Tick) -> list[Command]:
         return []
+
+    def on_filtered(self, version: int) -> None:
+        """A complete group of ``version`` was filtered (its place is free for a replacement)."""
 
     def on_lost(self) -> list[Command]:
         """An instance was lost and its trajectories queued again: place what the others can take."""
