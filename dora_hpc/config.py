@@ -29,11 +29,15 @@ class BatchConfig(Section):
     tbs: int = Field(8, ge=1, description="prompt groups consumed per train step")
     rbs: int = Field(12, ge=1, description="prompt groups in flight (RBS >= TBS)")
     group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
+    filter_groups: bool = Field(False, description="dynamic sampling (DAPO, mode=dora): a group whose rewards are "
+                                "all equal is not trained on and a replacement prompt is dispatched")
 
     @model_validator(mode="after")
     def _rbs_covers_tbs(self) -> BatchConfig:
         if self.rbs < self.tbs:
             raise ValueError(f"rbs ({self.rbs}) must be >= tbs ({self.tbs})")
+        if self.filter_groups and self.group_size < 2:
+            raise ValueError("filter_groups needs group_size >= 2 (a group of one always has equal rewards)")
         return self
 
 
@@ -343,6 +347,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> RunConfig:
+        if self.batch.filter_groups and self.mode != "dora":
+            raise ValueError(f"batch.filter_groups streams replacements through DORA's window: mode=dora, "
+                             f"not {self.mode}")
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")

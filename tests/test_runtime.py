@@ -183,6 +183,25 @@ def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     assert main(["analyze", str(tmp_path / "missing")]) == 2
 
 
+def test_dynamic_sampling_filters_equal_reward_groups_and_trains_tbs_informative_groups_per_step(tmp_path):
+    """DORA K=3 with batch.filter_groups on a pass/fail reward: groups whose samples all pass or all fail are
+    filtered (recorded, never trained on) and replaced, every step trains TBS groups, every invariant 0."""
+    from dora_hpc.store.shards import read_table
+
+    p, run_dir = run(tmp_path, "dora", "--set", "dora.k=3", "--set", "batch.filter_groups=true", "--set",
+                     "task.reward_fn=binary_reward:first_token_even", steps=6, env={"PYTHONPATH": str(REPO / "tests")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run_dir)
+    inv = a["invariants"]
+    assert a["filtered_groups"] > 0 and a["steps"] == 6 and a["consumed"] == 6 * 4 * 4
+    assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"]) == (0, 0, 0, 0)
+    c = read_table(run_dir, "train", "consumed", ["group_id", "reward"])
+    by_group: dict[int, set] = {}
+    for g, r in zip(c["group_id"], c["reward"], strict=True):
+        by_group.setdefault(int(g), set()).add(float(r))
+    assert all(len(rs) == 2 for rs in by_group.values())  # every trained group has a pass and a fail
+
+
 def test_bad_config_exits_2_naming_the_key(tmp_path):
     p, _ = run(tmp_path, "dora", "--set", "batch.group_size=0")
     assert p.returncode == 2 and "batch.group_size" in p.stderr

@@ -130,6 +130,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "migration": mig_detail,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,
         "dropped_groups": len(chk.dropped),
+        "filtered_groups": len(chk.filtered),
         "reward_errors": int(traj["has_error"].sum()),
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": {"published": len(published), "loads": len(loads),

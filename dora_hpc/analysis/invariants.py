@@ -92,6 +92,7 @@ class Checked:
     duplicate: np.ndarray    # groups consumed by two steps, or holding a trajectory consumed twice
     split: np.ndarray        # groups whose samples carry more than one version tag
     dropped: np.ndarray      # groups oversampling dropped (and never consumed)
+    filtered: np.ndarray     # groups dynamic sampling filtered (equal rewards; never consumed)
     discarded: int           # trajectory rows outside the run's history (thrown away by preemption)
 
 
@@ -117,9 +118,12 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
     over_k = np.unique(consumed["traj_id"][stale > bound]) if bound is not None else np.empty(0, np.int64)
 
     consumed_groups, rows_per_group = np.unique(c_group, return_counts=True)
-    drops = [int(d.split()[0].split("=")[1]) for kind, d in zip(ops["kind"], ops["detail"], strict=True)
-             if kind == "drop"]
-    dropped = np.setdiff1d(np.array(drops, np.int64), consumed_groups)
+    def groups_of(which: str) -> np.ndarray:  # "group=G ..." in the detail of each op of this kind
+        return np.array([int(d.split()[0].split("=")[1]) for kind, d in zip(ops["kind"], ops["detail"], strict=True)
+                         if kind == which], np.int64)
+
+    dropped = np.setdiff1d(groups_of("drop"), consumed_groups)
+    filtered = np.setdiff1d(groups_of("filter"), consumed_groups)
     pending, next_group = set(), None
     for kind, a, d in zip(ops["kind"], ops["attempt"], ops["detail"], strict=True):
         if int(a) != final_attempt:
@@ -137,7 +141,8 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
     missing_rows = np.union1d(c_group[~ok & ~excused], consumed_groups[rows_per_group < g_size])
     owned = np.isin(traj["attempt"], np.array(sorted(owns), np.int64))
     admitted = np.arange(next_group) if next_group is not None else np.unique(traj["group_id"][owned])
-    not_done = np.setdiff1d(admitted, np.concatenate([consumed_groups, dropped, np.array(sorted(pending), np.int64)]))
+    not_done = np.setdiff1d(admitted, np.concatenate([consumed_groups, dropped, filtered,
+                                                      np.array(sorted(pending), np.int64)]))
     lost = np.union1d(missing_rows, not_done)
 
     live = np.zeros(n, bool)
@@ -145,4 +150,4 @@ def check(traj: dict, consumed: dict, ops: dict, owns: set[int], final_attempt: 
     waiting = np.flatnonzero(owned & ~np.isin(traj["traj_id"], t_ids))  # never consumed: its latest row is live
     live[waiting[last_per_key(traj["traj_id"][waiting], traj["attempt"][waiting])]] = True
     return Checked(matched, stale, traj["traj_id"][traj["switched"]], over_k, lost, duplicate, split, dropped,
-                   int(n - live.sum()))
+                   filtered, int(n - live.sum()))

@@ -100,6 +100,11 @@ class Train:              # orchestrator -> trainers
 
 
 @dataclass(frozen=True)
+class Forget:             # orchestrator -> the trainer owning the group: it is never trained on (drop, filter)
+    group_id: int
+
+
+@dataclass(frozen=True)
 class Trajectory:         # rollout -> lead trainer
     traj_id: int
     group_id: int

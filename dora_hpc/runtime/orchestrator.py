@@ -31,6 +31,7 @@ from ..core.events import (
     AssignVersion,
     Dispatch,
     Drop,
+    Filter,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -56,6 +57,7 @@ from .comm import (
     Done,
     Flush,
     Flushed,
+    Forget,
     Generate,
     Heartbeat,
     LoadVersion,
@@ -87,8 +89,8 @@ class Orchestrator:
             tbs=b.tbs, rbs=b.tbs if cfg.mode in ("sync", "one_step") else b.rbs, group_size=b.group_size,
             n_instances=len(self.roles.rollout_ranks), slots=cfg.cluster.max_num_seqs, k=cfg.dora.k,
             kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
-            carry_kv=cfg.dora.kv_migration,
-            legacy_topup=cfg.dora.legacy_topup))
+            carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup,
+            filter_groups=cfg.batch.filter_groups))
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
@@ -197,7 +199,7 @@ class Orchestrator:
                     self.moved_from.pop(msg.traj_id, None)
                     self.unflushed.setdefault(src, []).append(msg.traj_id)
                     self.finished_tokens += msg.response_len
-                    self.feed(RequestFinished(msg.traj_id, msg.instance))
+                    self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
                     if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
                         self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
                 case Published():
@@ -335,6 +337,10 @@ class Orchestrator:
                     self.comm.send(AbortTraj(t), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")
+                    self.comm.send(Forget(g), self.roles.trainer_of_group(g))
+                case Filter(g):
+                    self.op("filter", detail=f"group={g}")
+                    self.comm.send(Forget(g), self.roles.trainer_of_group(g))
                 case StartTrain(step, groups):
                     for g in groups:
                         self.stale[step - self.policy.ledger.groups[g].version] += 1

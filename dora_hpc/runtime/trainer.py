@@ -34,7 +34,18 @@ from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
 from ..train.grpo import GRPOTrainer, Sample, grpo_config, weights_checksum
-from .comm import Checkpoint, Checkpointed, Comm, Commit, Published, SendWeights, Shutdown, Train, Trajectory
+from .comm import (
+    Checkpoint,
+    Checkpointed,
+    Comm,
+    Commit,
+    Forget,
+    Published,
+    SendWeights,
+    Shutdown,
+    Train,
+    Trajectory,
+)
 
 # train-step metrics logged as they are (store/shards.py: TRAIN_STEPS)
 STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "clip_band_frac", "entropy",
@@ -68,6 +79,7 @@ class TrainerRank:
         self.keep_versions = cfg.dora.k + 2
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
+        self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept
         self.running = True
 
     def now(self) -> float:
@@ -86,7 +98,11 @@ class TrainerRank:
     def handle(self, msg, src: int) -> None:
         match msg:
             case Trajectory():
-                self.queue.setdefault(msg.group_id, {})[msg.traj_id] = msg
+                if msg.group_id not in self.forgotten:
+                    self.queue.setdefault(msg.group_id, {})[msg.traj_id] = msg
+            case Forget():  # dropped or filtered: its samples (some may still be on their way) are not kept
+                self.forgotten.add(msg.group_id)
+                self.queue.pop(msg.group_id, None)
             case SendWeights():
                 if msg.version not in self.versions:
                     raise RuntimeError(f"trainer rank {self.comm.rank}: asked for v{msg.version}, holds "
