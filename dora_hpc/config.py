@@ -215,6 +215,15 @@ class SamplingConfig(Section):
     max_tokens: int = Field(256, ge=1, description="response budget of text tasks (even_tokens uses workload)")
 
 
+class RewardConfig(Section):
+    """Shaping added to the task's reward."""
+
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: over the last this many "
+                                 "tokens of the response budget the penalty ramps linearly to overlong_penalty "
+                                 "(0: off)")
+    overlong_penalty: float = Field(1.0, ge=0, description="the penalty at the budget")
+
+
 class StoreConfig(Section):
     rows_per_shard: int = Field(2048, ge=1)
 
@@ -340,6 +349,7 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
+    reward: RewardConfig = RewardConfig()
     store: StoreConfig = StoreConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     sim: SimConfig = SimConfig()

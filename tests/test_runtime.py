@@ -169,11 +169,17 @@ def test_a_tight_kv_pool_offloads_to_host_and_logs_the_free_cache_overhead(tmp_p
 
 
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
-    p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", steps=3,
-                     env={"PYTHONPATH": str(REPO / "tests")})
+    p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", "--set",
+                     "reward.overlong_buffer=4", steps=3, env={"PYTHONPATH": str(REPO / "tests")})
     assert p.returncode == 0, p.stderr[-3000:]
     a = analyze(run_dir)
     assert a["reward_errors"] > 0 and a["invariants"]["lost_groups"] == 0
+    # the toy task never stops early, so every response reaches its budget and takes the full penalty
+    from dora_hpc.store.shards import read_table
+
+    t = read_table(run_dir, "traj", "trajectories", ["reward", "reward_error"])
+    ok = [r for r, e in zip(t["reward"], t["reward_error"], strict=True) if not e]
+    assert ok and max(ok) <= 0.0 and min(ok) >= -1.0
     # the CLI compares runs side by side and refuses a missing run dir with exit code 2
     from dora_hpc.cli import main
 

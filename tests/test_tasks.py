@@ -89,3 +89,11 @@ def test_parquet_prompts_read_like_jsonl_with_null_rows_recorded(tiny, tmp_path)
     bad.write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="not a readable parquet"):
         make_task(load_config(None, ["task.name=jsonl", f"task.path={bad}"]), 0, tiny)
+
+
+def test_the_soft_overlong_penalty_ramps_over_the_buffer():
+    from dora_hpc.data.tasks import overlong_penalty
+
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100, 120)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off
+    assert overlong_penalty(95, 100, 10, 0.4) == pytest.approx(-0.2)

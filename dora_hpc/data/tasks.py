@@ -53,6 +53,14 @@ class EvenTokensTask:
             return 0.0, f"{type(e).__name__}: {e}"
 
 
+def overlong_penalty(length: int, budget: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``budget - buffer`` tokens, then linearly down to
+    ``-penalty`` at the budget (a response cut at the budget gets the full penalty)."""
+    if buffer <= 0 or length <= budget - buffer:
+        return 0.0
+    return -penalty * min(length - (budget - buffer), buffer) / buffer
+
+
 def load_reward_fn(spec: str):
     """Import 'package.module:function'; a bad spec fails at start-up with a clear message."""
     import importlib

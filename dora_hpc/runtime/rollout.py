@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.tasks import overlong_penalty
 from ..engine.engine import RequestError
 from ..engine.interface import make_engine
 from ..engine.sampling import SamplingParams
@@ -113,6 +114,8 @@ class RolloutRank:
         info = self.info.pop(f.req_id)
         self.gone.add(f.req_id)
         reward, error = self.task.safe_reward(info["group_id"], f.output)
+        shaping = self.cfg.reward
+        reward += overlong_penalty(len(f.output), info["max_tokens"], shaping.overlong_buffer, shaping.overlong_penalty)
         self.traj_log.append("trajectories", {
             "traj_id": f.req_id, "prompt_id": info["group_id"], "group_id": info["group_id"],
             "sample_idx": info["sample_idx"], "version": f.version, "dispatch_step": info["dispatch_version"],
@@ -135,7 +138,8 @@ class RolloutRank:
                 self.info[msg.traj_id] = {"group_id": msg.group_id, "sample_idx": msg.sample_idx,
                                           "dispatch_version": msg.version, "t_dispatch": self.now(),
                                           "n_migrations": 0, "reprefill": 0, "path": str(self.instance),
-                                          "segments": [msg.version], "epoch": msg.epoch}
+                                          "segments": [msg.version], "epoch": msg.epoch,
+                                          "max_tokens": msg.max_tokens}
             case LoadVersion():
                 self.load(msg)
             case SendWeights():
