@@ -67,7 +67,7 @@ def test_ledger_exactly_once():
         led.finish(99)
     back = Ledger.from_dict(led.to_dict())
     assert back.totals() == led.totals() == {
-        "dispatched": 2, "pending": 0, "complete": 0, "consumed": 1, "dropped": 1}
+        "dispatched": 2, "pending": 0, "complete": 0, "consumed": 1, "dropped": 1, "filtered": 0}
     assert back.groups[g2].state is GroupState.DROPPED and back.next_group == 2
 
 

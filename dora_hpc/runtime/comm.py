@@ -25,7 +25,7 @@ from ..train.dp import buckets
 from .data_plane import make_plane
 from .roles import Roles
 
-TAG_CTRL, TAG_WEIGHTS, TAG_KV = 1, 2, 3
+TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced notices, read even mid-send
 ORCHESTRATOR = 0
 
 
@@ -174,6 +174,11 @@ class Heartbeat:          # any rank -> orchestrator, when it has sent rank 0 no
 
 
 @dataclass(frozen=True)
+class Fenced:             # orchestrator -> every live rank, on TAG_FENCE: rank 0 gave up on ``rank``
+    rank: int
+
+
+@dataclass(frozen=True)
 class StopRequest:        # any rank -> orchestrator: a signal asked this rank to stop
     rank: int
 
@@ -198,32 +203,57 @@ class Comm:
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
-        self._pending: list[MPI.Request] = []
+        self._pending: list[tuple[MPI.Request, int]] = []  # control isends and their destination
         self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV))
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
-        self._bulk: list[tuple[object, np.ndarray]] = []  # non-blocking bulk sends (handles) and their buffers
+        self._bulk: list[tuple[object, np.ndarray, int]] = []  # bulk sends (handles), their buffers, destinations
+        # sends to a fenced rank never complete: their buffers are kept alive here, and never waited for
+        self._abandoned: list[tuple[object, np.ndarray | None, int]] = []
 
     def send(self, obj, dst: int) -> None:
         if dst == 0:
             self._last_to_0 = time.monotonic()
-        self._pending.append(self.world.isend(obj, dest=dst, tag=TAG_CTRL))
-        self._pending = [r for r in self._pending if not r.Test()]
+        self._pending.append((self.world.isend(obj, dest=dst, tag=TAG_CTRL), dst))
+        self._pending = [(r, d) for r, d in self._pending if not r.Test()]
 
     def poll(self, src: int | None = None) -> tuple[object, int] | None:
         """The next control message and its sender, or None when there is none right now. Every call is
         also this rank's sign of life: a stop request it received (a signal) is passed on to rank 0 once,
-        and a Heartbeat goes to rank 0 when it has sent rank 0 nothing for heartbeat_s."""
+        and a Heartbeat goes to rank 0 when it has sent rank 0 nothing for heartbeat_s; a Fenced notice
+        from rank 0 is acted on (``abandon``)."""
+        self._keep_alive()
+        status = MPI.Status()
+        if not self.world.Iprobe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status):
+            return None
+        src = status.Get_source()
+        return self.world.recv(source=src, tag=TAG_CTRL), src
+
+    def _keep_alive(self) -> None:
+        """Tell rank 0 what it must know from this rank (a stop request, a heartbeat when due) and take in
+        its Fenced notices (their own tag, so this never consumes another message)."""
+        while self.world.Iprobe(source=0, tag=TAG_FENCE):
+            self.abandon(self.world.recv(source=0, tag=TAG_FENCE).rank)
         if self.rank != 0:
             if self.stop is not None and self.stop.is_set() and not self._stop_told:
                 self._stop_told = True
                 self.send(StopRequest(self.rank), 0)
             if time.monotonic() - self._last_to_0 > self.heartbeat_s:
                 self.send(Heartbeat(self.rank), 0)
-        status = MPI.Status()
-        if not self.world.Iprobe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status):
-            return None
-        src = status.Get_source()
-        return self.world.recv(source=src, tag=TAG_CTRL), src
+
+    def fence(self, rank: int, others: list[int]) -> None:
+        """Rank 0: tell ``others`` that ``rank`` is fenced, and stop waiting for sends to it here too."""
+        for r in others:
+            self._pending.append((self.world.isend(Fenced(rank), dest=r, tag=TAG_FENCE), r))
+        self.abandon(rank)
+
+    def abandon(self, rank: int) -> None:
+        """Rank 0 gave up on ``rank`` (hung): sends to it may never complete, so they are no longer waited
+        for (their buffers stay alive: the rank might still read them) and close() leaves it out."""
+        self.fenced = tuple(sorted({*self.fenced, rank}))
+        self._abandoned += [(r, None, d) for r, d in self._pending if d == rank]
+        self._abandoned += [e for e in self._bulk if e[2] == rank]
+        self._pending = [(r, d) for r, d in self._pending if d != rank]
+        self._bulk = [e for e in self._bulk if e[2] != rank]
 
     def close(self) -> int:
         """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
@@ -241,8 +271,10 @@ class Comm:
                 src = status.Get_source()
                 self.discard(self.world.recv(source=src, tag=TAG_CTRL), src)
                 dropped += 1
-            self._pending = [r for r in self._pending if not r.Test()]
-            self._bulk = [(h, b) for h, b in self._bulk if not h.test()]
+            while self.world.Iprobe(source=0, tag=TAG_FENCE):
+                self.abandon(self.world.recv(source=0, tag=TAG_FENCE).rank)
+            self._pending = [(r, d) for r, d in self._pending if not r.Test()]
+            self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
             if not self._pending and not self._bulk:
                 break
             time.sleep(0.001)
@@ -261,16 +293,19 @@ class Comm:
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
         buf = np.ascontiguousarray(arr)
-        self._bulk.append((self.plane.isend(buf, dst, tag), buf))
-        self._bulk = [(h, b) for h, b in self._bulk if not h.test()]
+        self._bulk.append((self.plane.isend(buf, dst, tag), buf, dst))
+        self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
 
     def wait_bulk(self) -> None:
         """Complete every bulk send of this rank (its receivers are waiting for them): a rank about to
         compute for a while without MPI calls -- the trainer before a train step -- calls this first,
-        since a pending large send only progresses inside MPI calls of the sender."""
-        for h, _b in self._bulk:
-            h.wait()
-        self._bulk = []
+        since a pending large send only progresses inside MPI calls of the sender. It keeps sending
+        heartbeats, and gives up on sends to a rank that is fenced meanwhile."""
+        while self._bulk:
+            self._keep_alive()
+            self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
+            if self._bulk:
+                time.sleep(0.0005)
 
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         return self.plane.recv(shape, dtype, src, tag)

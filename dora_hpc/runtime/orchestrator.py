@@ -264,6 +264,8 @@ class Orchestrator:
         print(f"dora-hpc: rank {r} (rollout instance {i}) sent nothing for {silent_s:.0f} s: fenced; {again} "
               f"trajectories start again on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
         self.loads.pop(i, None)
+        # sends to it still under way, here and on every other rank, are not waited for
+        self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
         for t in in_transit:
             self.moved_from.pop(t, None)
         for inst, (v, source, keep) in list(self.loads.items()):
