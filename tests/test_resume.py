@@ -33,6 +33,17 @@ def wait_for(cond, timeout: float = 240) -> None:
         time.sleep(0.2)
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The launcher's stderr once it ends; past ``timeout`` it is killed (its job dies with it) and the
+    test fails, so no run outlives its test."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 def checkpoints(run_dir: Path) -> list[int]:
     root = run_dir / "checkpoints"
     return sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()) if root.exists() else []
@@ -109,7 +120,7 @@ def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path
         for pid in everyone:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    err = finish(proc, 120)
     assert proc.returncode == 3, err[-3000:]
     assert "died first" not in err and "stopped at checkpoint" in err, err[-3000:]
     stopped_at, = checkpoints(run_dir)
@@ -127,7 +138,7 @@ def test_graceful_preemption_of_a_barrier_mode_resumes(tmp_path):
     proc = start(run_dir, "one_step", steps=6)
     wait_for(lambda: checkpoints(run_dir) and checkpoints(run_dir)[-1] >= 2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    err = finish(proc, 120)
     assert proc.returncode == 3, err[-3000:]  # stopped at a committed checkpoint
     assert "continue with: dora-hpc run --resume" in err
     stopped_at = checkpoints(run_dir)[-1]
@@ -205,7 +216,7 @@ def test_a_hung_trainer_ends_the_job_naming_it_resumably(tmp_path):
     trainer = int((run_dir / "pids" / "rank-1").read_text())
     os.kill(trainer, signal.SIGSTOP)
     t = time.time()
-    _, err = proc.communicate(timeout=120)
+    err = finish(proc, 120)
     assert proc.returncode == RESUMABLE, err[-3000:]
     assert time.time() - t < 10 + 30
     assert "rank 1 (trainer) sent nothing for" in err and "continue with: dora-hpc run --resume" in err
@@ -224,7 +235,7 @@ def test_a_hung_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path)
     wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 3)
     stopped = int((run_dir / "pids" / "rank-3").read_text())
     os.kill(stopped, signal.SIGSTOP)
-    _, err = proc.communicate(timeout=240)
+    err = finish(proc, 240)
     assert proc.returncode == 0, err[-3000:]
     assert "rank 3 (rollout instance 1) sent nothing for" in err and "fenced" in err
     wait_for(lambda: not DeathWatch._alive(stopped), timeout=30)  # the job's end took it down too
