@@ -41,8 +41,6 @@ SUMS = ("loss", "kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high", 
 @dataclass(frozen=True)
 class GRPOConfig:
     lr: float = 1e-5
-    clip_low: float = 0.2
-    clip_high: float = 0.28          # DAPO's clip-higher
     kl_coef: float = 0.0             # > 0: k3 KL penalty to the initial (reference) weights
     kl_clamp: float | None = 10.0    # the k3 value is clamped to [-kl_clamp, kl_clamp] (None: not)
     # token: DAPO's token-level mean; sequence: GRPO's mean of per-sample means; constant: Dr. GRPO's sum
@@ -54,14 +52,14 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     micro_batch: int = 8
     weight_decay: float = 0.0
-    loss: LossConfig = LossConfig()  # the policy loss and its importance-weight correction (losses.py)
+    loss: LossConfig = LossConfig()  # the policy loss, its clip band (0.2 / 0.28) and correction (losses.py)
 
 
 def grpo_config(cfg) -> GRPOConfig:
     """The GRPO settings of a RunConfig (train section; the ratio's temperature is the sampling one)."""
     t = cfg.train
     max_len = cfg.workload.response_len.max if cfg.task.name == "even_tokens" else cfg.sampling.max_tokens
-    return GRPOConfig(lr=t.lr, clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
+    return GRPOConfig(lr=t.lr, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
                       max_len=max_len, adv_std_norm=t.adv_norm == "group_std", kl_clamp=t.kl_clamp,
                       temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
                       loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
