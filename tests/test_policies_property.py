@@ -7,6 +7,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from random_driver import InvariantBroken, RandomDriver
 
+from dora_hpc.core.events import (
+    AssignVersion,
+    Dispatch,
+    InstanceLost,
+    InstanceReady,
+    RequestFinished,
+    Start,
+    StartTrain,
+    VersionPublished,
+)
 from dora_hpc.core.policies import MODES, PolicyConfig, make_policy
 
 
@@ -174,3 +184,19 @@ def test_resume_refuses_a_ledger_ahead_of_its_weights():
     led.consume(g, step=3)
     with pytest.raises(ResumeError, match="consumed by later steps"):
         plan_resume(led, 2, {})
+
+
+def test_dora_gives_an_idle_instance_to_a_starved_version_when_its_load_completes():
+    """Found by the property test above (CI, 1 in ~1500 runs): the one live instance finished loading a
+    version with no work left while the latest version's groups waited; it must be re-assigned at once
+    (a driver that sends no Tick would otherwise wait forever)."""
+    p = make_policy("dora", PolicyConfig(tbs=1, rbs=1, group_size=1, n_instances=2, slots=1, k=0))
+    assert [type(c) for c in p.on(Start())] == [AssignVersion, AssignVersion]
+    assert [type(c) for c in p.on(InstanceReady(0, 0))] == [Dispatch]
+    assert [type(c) for c in p.on(RequestFinished(0, 0, 1.0))] == [StartTrain]
+    out = p.on(VersionPublished(1))  # instance 1 still loads v0: instance 0 is handed to v1
+    assert AssignVersion(0, 1, -1, False) in out
+    assert p.on(InstanceLost(0)) == []  # the v1 load dies with it; instance 1 is still loading v0
+    out = p.on(InstanceReady(1, 0))  # v0 has no work left; v1's group waits
+    assert [(type(c), c.instance, c.version) for c in out] == [(AssignVersion, 1, 1)]
+    assert [type(c) for c in p.on(InstanceReady(1, 1))] == [Dispatch]

@@ -190,9 +190,10 @@ class Dora(Policy):
     """Multi-version streaming rollout (the paper's §3): RBS > TBS groups in flight, each tagged with
     one version at admission; training starts as soon as TBS groups are complete; a VersionWindow
     keeps staleness <= K; the planner re-partitions instances across versions on every update, on KV
-    pressure, every ``rebalance_every`` Ticks and when an instance runs dry; requests move with their
-    KV. Admission is tiered: the latest version first (up to RBS), legacy versions only into idle
-    slots and only with a step of slack in the window."""
+    pressure, every ``rebalance_every`` Ticks and when an instance is idle (run dry, or ready with a
+    version that has no work left); requests move with their KV. Admission is tiered: the latest
+    version first (up to RBS), legacy versions only into idle slots and only with a step of slack in
+    the window."""
 
     name = "dora"
 
@@ -218,18 +219,22 @@ class Dora(Policy):
                               f"step {plan.version}")
 
     def on_ready(self, instance: int) -> list[Command]:
-        return self._admit() + self._train()
+        return self._admit() + self._train() + self._rebalance_if_idle(instance)
+
+    def _rebalance_if_idle(self, instance: int) -> list[Command]:
+        """An instance with nothing to run for its version (its load outlived the version's work, or
+        its last request finished) is offered to a starved version now, not at the next Tick."""
+        inst = self.view.instances[instance]
+        if inst.ready and not inst.active and not self.view.queued_count(inst.version):
+            return self._rebalance()
+        return []
 
     def on_filtered(self, version: int) -> None:
         self.window.drop(version)  # it leaves the window; _admit (next) dispatches a replacement
 
     def on_finished(self, instance: int | None) -> list[Command]:
         out = self._train() + self._admit()
-        if instance is not None:
-            inst = self.view.instances[instance]
-            if inst.ready and not inst.active and not self.view.queued_count(inst.version):
-                out += self._rebalance()
-        return out
+        return out + (self._rebalance_if_idle(instance) if instance is not None else [])
 
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
