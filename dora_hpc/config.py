@@ -142,7 +142,8 @@ class TrainConfig(Section):
     clip_ratio_c: float | None = Field(None, gt=1, description="dual clip: a negative-advantage token's loss "
                                        "is at most clip_ratio_c * |A| (null: off)")
     micro_batch: int = Field(8, ge=1)
-
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per train batch (PPO mini-batches, whole "
+                              "groups each); the proximal policy stays the weights at the step's start")
 
     @model_validator(mode="after")
     def _band_around_one(self) -> TrainConfig:
@@ -360,6 +361,9 @@ class RunConfig(Section):
         if self.batch.filter_groups and self.mode != "dora":
             raise ValueError(f"batch.filter_groups streams replacements through DORA's window: mode=dora, "
                              f"not {self.mode}")
+        if self.train.mini_batches > self.batch.tbs:
+            raise ValueError(f"train.mini_batches ({self.train.mini_batches}) must be <= batch.tbs "
+                             f"({self.batch.tbs}): each mini-batch holds whole groups")
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")

@@ -8,7 +8,8 @@ checkpoint is backend- and rank-count-independent). Prints one JSON line from ra
 With ``megatron`` the ranks form TP groups of ``tensor_parallel`` (default: all of them); it also reports the
 largest difference of its logits from the Hugging Face model's on a right-padded batch. ``DORA_AC=1``
 turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off);
-``DORA_MP=bf16`` its bf16 mixed precision.
+``DORA_MP=bf16`` its bf16 mixed precision; ``DORA_MINI=N`` gives both N mini-batches (optimizer steps)
+per train step, the replicas cutting the batch where the one rank does.
 """
 
 import json
@@ -40,7 +41,7 @@ def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
 def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | None) -> None:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg)
+    cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg, mini_batches=int(os.environ.get("DORA_MINI", "1")))
     dp = DataParallel(world)
     ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
     mp = os.environ.get("DORA_MP", "no")  # mixed precision likewise
@@ -59,13 +60,14 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     for step in range(3):
         samples = batch(step, n_groups=5 if step != 1 else 1)  # step 1: one group, so a rank gets none
         mine = [s for s in samples if s.group_id % dp.size == dp.rank]
-        m = replica.train_step(mine)
+        m = replica.train_step(mine, list(dict.fromkeys(s.group_id for s in samples)))
         dp.check_replicas(weights_checksum(replica.state_dict()), step)
         if single is not None:
             metrics.append((m, single.train_step(samples)))
     weights, rest = replica.checkpoint_state()  # a collective for fsdp
     samples = batch(3)
-    m = replica.train_step([s for s in samples if s.group_id % dp.size == dp.rank])
+    m = replica.train_step([s for s in samples if s.group_id % dp.size == dp.rank],
+                           list(dict.fromkeys(s.group_id for s in samples)))
     a = replica.state_dict()  # a collective for fsdp
     if single is not None:
         diff = max(float((weights[k] - v).abs().max()) for k, v in single.state_dict().items())
@@ -75,6 +77,7 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
         print(json.dumps({"backend": backend, "activation_checkpointing": ac, "mixed_precision": mp,
+                          "mini_batches": cfg.mini_batches,
                           "master_dtypes": sorted({str(p.dtype) for p in replica.backend.parameters()}),
                           "max_abs_weight_diff": diff,
                           "max_abs_logits_diff": logits_diff,

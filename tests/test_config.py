@@ -32,6 +32,7 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("engine.dtype=bfloat16", "engine.dtype"),
     ("runtime.hang_timeout_s=1", "runtime"),       # shorter than 3 heartbeats
     ("engine.dtype=fp8", "engine.dtype"),
+    ("train.mini_batches=99", "train.mini_batches"),  # more than batch.tbs
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:

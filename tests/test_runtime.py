@@ -103,7 +103,7 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
                  "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
                  "--set", "cluster.rollout_ranks=2", "--set", f"train.backend={backend}",
                  "--set", f"runtime.data_plane={plane}", "--set", "runtime.weight_bucket_mb=0.25",  # ~7 buckets
-                 "--run-dir", str(run_dir)]
+                 "--set", "train.mini_batches=2", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while not (run_dir / "checkpoints" / "step-2").exists():
@@ -131,8 +131,9 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("fsdp", 2), pytest.param("megatron", 2, marks=(
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")))])
 def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path, dora_run, backend, ranks):
-    """The tiny config's DORA run (one torch trainer, lr 1e-3) replayed step by step -- its logged groups,
-    behaviour logprobs and rewards -- by each trainer backend (torch alone, FSDP2 on 2 ranks, megatron TP=2)
+    """The tiny config's DORA run (one torch trainer, lr 1e-3, two mini-batches per step) replayed step by
+    step -- its logged groups (cut into mini-batches where the run cut them), behaviour logprobs and
+    rewards -- by each trainer backend (torch alone, FSDP2 on 2 ranks, megatron TP=2)
     gives the losses the run logged. (Comparing whole runs instead would compare different samples: a
     float-level weight difference flips a sampled token sooner or later, and the trajectories part ways.
     At the config's lr 1e-2 Adam turns float-order differences in near-zero gradients into +-lr steps,
@@ -152,7 +153,8 @@ def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path,
 
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory):
-    p, run_dir = run(tmp_path_factory.mktemp("dora6"), "dora", "--set", "train.lr=1e-3", steps=6)
+    p, run_dir = run(tmp_path_factory.mktemp("dora6"), "dora", "--set", "train.lr=1e-3",
+                     "--set", "train.mini_batches=2", steps=6)
     assert p.returncode == 0, p.stderr[-3000:]
     return run_dir
 

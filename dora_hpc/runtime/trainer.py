@@ -188,7 +188,7 @@ class TrainerRank:
         samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id, t.version if tagged else -1)
                    for t in trajs]
         with self.serving_weights():
-            metrics = self.trainer.train_step(samples)
+            metrics = self.trainer.train_step(samples, msg.group_ids)
         state = self.trainer.state_dict()
         version = self.version = msg.step + 1
         checksum = weights_checksum(state)

@@ -6,8 +6,9 @@ Invariants:
 * advantages are computed within a GRPO group only (all samples of one prompt, one version);
 * the importance ratio of a token is pi_theta(token) / pi_behaviour(token) with the behaviour
   logprob recorded at sampling time -- a well-defined single-policy ratio because a trajectory is
-  generated under one version (DORA) -- so no cross-version correction is needed;
-* ``train_step`` computes a real gradient and takes one optimizer step; ``state_dict`` returns
+  generated under one version (DORA); losses.py corrects for the weights moving since (staleness);
+* ``train_step`` computes a real gradient and takes ``mini_batches`` optimizer steps (default one, the
+  proximal policy is the weights at the step's start throughout); ``state_dict`` returns
   Hugging Face parameter names, ready for ``Engine.load_weights``;
 * ``logprob_gap`` measures the rollout engine against the trainer: the mean |log pi_theta - log
   pi_behaviour| over the tokens of samples generated under the weights the trainer holds when the step
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -51,6 +53,7 @@ class GRPOConfig:
     temperature: float = 1.0         # must equal the sampling temperature
     max_grad_norm: float = 1.0
     micro_batch: int = 8
+    mini_batches: int = 1            # optimizer steps per train batch (whole groups each)
     weight_decay: float = 0.0
     loss: LossConfig = LossConfig()  # the policy loss, its clip band (0.2 / 0.28) and correction (losses.py)
 
@@ -62,6 +65,7 @@ def grpo_config(cfg) -> GRPOConfig:
     return GRPOConfig(lr=t.lr, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
                       max_len=max_len, adv_std_norm=t.adv_norm == "group_std", kl_clamp=t.kl_clamp,
                       temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
+                      mini_batches=t.mini_batches,
                       loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
                                       t.is_cap, tuple(t.is_band)))
 
@@ -77,6 +81,31 @@ class Sample:
 
 
 EMPTY = Sample([0], [0], [0.0], 0.0, -1)  # the stand-in of an empty micro-batch (its loss is multiplied by 0)
+
+
+def split_groups(samples: list[Sample], n: int, batch_groups: Sequence[int] | None = None) -> list[list[Sample]]:
+    """``samples`` cut into ``n`` mini-batches of whole groups: the group at position i of ``batch_groups``
+    (the whole train batch's group ids, in order; default: this share's, by first appearance) goes to
+    mini-batch ``i * n // len``, so data-parallel replicas cut the batch where one rank would. A mini-batch
+    may be empty on a replica holding none of its groups, never on all of them: a batch of fewer than ``n``
+    groups gets one mini-batch per group (an optimizer step on no sample would still move Adam's weights)."""
+    groups = list(batch_groups) if batch_groups is not None else list(dict.fromkeys(s.group_id for s in samples))
+    n = min(n, len(groups))
+    if n <= 1:
+        return [samples]
+    part = {g: i * n // len(groups) for i, g in enumerate(groups)}
+    out: list[list[Sample]] = [[] for _ in range(n)]
+    for s in samples:
+        out[part[s.group_id]].append(s)
+    return out
+
+
+def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    """Right-padded [B, L] tensor of ``rows`` (zeros beyond each row), shaped and placed like ``like``."""
+    out = torch.zeros_like(like)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
 
 
 def group_advantages(samples: list[Sample], std_norm: bool = True, eps: float = 1e-6) -> list[float]:
@@ -141,10 +170,12 @@ class GRPOTrainer:
                     entropy[i, :r] = -(lp.exp() * lp).sum(-1).to(entropy.device)
         return out, mask
 
-    def train_step(self, samples: list[Sample]) -> dict:
-        """One optimizer step on ``samples`` (this replica's share of the train batch: whole groups,
-        micro-batched); returns metrics of the whole batch (over all replicas) and this share's
-        advantages. A replica may get no samples in a step; it still joins the gradient sum."""
+    def train_step(self, samples: list[Sample], batch_groups: Sequence[int] | None = None) -> dict:
+        """``cfg.mini_batches`` optimizer steps on ``samples`` (this replica's share of the train batch: whole
+        groups, split into mini-batches of whole groups, each micro-batched); returns metrics of the whole
+        batch (over all replicas) and this share's advantages. A replica may get no samples in a step (or in
+        a mini-batch); it still joins the gradient sums. ``batch_groups``: the whole batch's group ids in
+        order (data parallel with mini-batches: every replica cuts the batch at the same groups)."""
         if any(not s.response or len(s.response) != len(s.logprobs) for s in samples):
             raise ValueError("every sample needs a non-empty response with one behaviour logprob per token")
         cfg = self.cfg
@@ -153,62 +184,82 @@ class GRPOTrainer:
             sum(len(s.response) for s in samples), len(samples), sum(s.reward for s in samples))
         if not n_samples:
             raise ValueError("a train step needs at least one sample")
-        self.opt.zero_grad(set_to_none=True)
+        parts = split_groups(samples, cfg.mini_batches, batch_groups)
+        mine = [self.backend.gather_batch(p) for p in parts]  # tensor parallel: the union of the TP peers' shares
+        counts = [(n_tokens, n_samples)] if len(parts) == 1 else [
+            self.dp.sum_floats(sum(len(s.response) for s in p), len(p)) for p in parts]
+        # the proximal policy: the weights at the step's start; with one optimizer step, the weights being trained
+        prox = None if len(parts) == 1 else [self._logprobs_no_grad(m) for m in mine]
         tot = torch.zeros(len(SUMS), dtype=torch.float64)
         top = torch.zeros(2, dtype=torch.float64)  # is_weight max, response length max
-        mine = self.backend.gather_batch(samples)  # tensor parallel: the union of the TP peers' shares
-        adv_mine = adv_all if mine is samples else group_advantages(mine, cfg.adv_std_norm)
-        for start in range(0, self.backend.micro_batches(-(-len(mine) // cfg.micro_batch)) * cfg.micro_batch,
-                           cfg.micro_batch):
-            batch = mine[start : start + cfg.micro_batch]
-            weight = 1.0 if batch else 0.0  # an empty micro-batch (sharded backends): joins, moves nothing
-            batch = batch or [EMPTY]
-            ent = torch.zeros(len(batch), max(len(s.response) for s in batch))
-            new_lp, mask = self._token_logprobs(batch, entropy=ent)
-            adv = torch.tensor(adv_mine[start : start + cfg.micro_batch] or [0.0], device=new_lp.device)[:, None]
-            old_lp = torch.zeros_like(new_lp)
-            for i, s in enumerate(batch):
-                old_lp[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-            # one optimizer step per train step: the proximal policy is the weights being trained, as they are
-            per_tok, st = policy_loss(new_lp, new_lp.detach(), old_lp, adv, mask, cfg.loss)
-            kl = torch.zeros_like(per_tok)
-            if self.backend.ref is not None:
+        norms = []
+        for part, batch_all, (tokens, count) in zip(range(len(parts)), mine, counts, strict=True):
+            self.opt.zero_grad(set_to_none=True)
+            adv_part = group_advantages(batch_all, cfg.adv_std_norm)
+            for start, batch, weight in self._micro(batch_all):
+                ent = torch.zeros(len(batch), max(len(s.response) for s in batch))
+                new_lp, mask = self._token_logprobs(batch, entropy=ent)
+                adv = torch.tensor(adv_part[start : start + cfg.micro_batch] or [0.0], device=new_lp.device)[:, None]
+                old_lp = padded([s.logprobs for s in batch], new_lp)
+                prox_lp = new_lp.detach() if prox is None else padded(
+                    prox[part][start : start + cfg.micro_batch] or [[0.0]], new_lp)
+                per_tok, st = policy_loss(new_lp, prox_lp, old_lp, adv, mask, cfg.loss)
+                kl = torch.zeros_like(per_tok)
+                if self.backend.ref is not None:
+                    with torch.no_grad():
+                        ref_lp, _ = self._token_logprobs(batch, reference=True)
+                    kl = k3(ref_lp, new_lp, cfg.kl_clamp)
+                    per_tok = per_tok + cfg.kl_coef * kl
+                loss = aggregate(per_tok, mask, cfg.loss_agg, tokens, count, cfg.max_len)
+                (loss * weight).backward()
+                if not weight:
+                    continue
                 with torch.no_grad():
-                    ref_lp, _ = self._token_logprobs(batch, reference=True)
-                kl = k3(ref_lp, new_lp, cfg.kl_clamp)
-                per_tok = per_tok + cfg.kl_coef * kl
-            loss = aggregate(per_tok, mask, cfg.loss_agg, n_tokens, n_samples, cfg.max_len)
-            (loss * weight).backward()
-            if not weight:
-                continue
-            with torch.no_grad():
-                same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
-                on_policy = mask * same  # tokens sampled under exactly these weights
-                per = {"loss": float(loss), "gap_sum": float(((new_lp - old_lp).abs() * on_policy).sum()),
-                       "gap_tokens": float(on_policy.sum()), "kl": float((kl * mask).sum()),
-                       "entropy": float((ent.to(mask.device) * mask).sum()),
-                       **{k: float((v * mask).sum()) for k, v in st.items()}}
-                tot += torch.tensor([per[k] for k in SUMS], dtype=torch.float64)
-                top = torch.maximum(top, torch.tensor([float((st["is_weight"] * mask).max()),
-                                                       float(mask.sum(1).max())], dtype=torch.float64))
-        self.backend.finish_grads()
+                    same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
+                    on_policy = mask * same  # tokens sampled under the step's starting weights
+                    per = {"loss": float(loss), "gap_sum": float(((prox_lp - old_lp).abs() * on_policy).sum()),
+                           "gap_tokens": float(on_policy.sum()), "kl": float((kl * mask).sum()),
+                           "entropy": float((ent.to(mask.device) * mask).sum()),
+                           **{k: float((v * mask).sum()) for k, v in st.items()}}
+                    tot += torch.tensor([per[k] for k in SUMS], dtype=torch.float64)
+                    top = torch.maximum(top, torch.tensor([float((st["is_weight"] * mask).max()),
+                                                           float(mask.sum(1).max())], dtype=torch.float64))
+            self.backend.finish_grads()
+            norms.append(self.backend.clip_grad_norm(cfg.max_grad_norm))
+            self.opt.step()
         self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
         self.dp._all_reduce(top, "max")
-        grad_norm = self.backend.clip_grad_norm(cfg.max_grad_norm)
-        self.opt.step()
         self.step += 1
         m = dict(zip(SUMS, (float(x) for x in tot), strict=True))
         per_token = {k: m[k] / n_tokens for k in ("kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high",
                                                   "is_weight", "is_truncated", "is_masked")}
-        return {"loss": m["loss"], "clip_frac": per_token["clip_low"] + per_token["clip_high"],
+        return {"loss": m["loss"] / len(parts), "clip_frac": per_token["clip_low"] + per_token["clip_high"],
                 "clip_frac_low": per_token["clip_low"], "clip_frac_high": per_token["clip_high"],
                 "clip_band_frac": per_token["clip_band"], "kl": per_token["kl"], "ratio_mean": per_token["ratio"],
                 "entropy": per_token["entropy"], "is_weight_mean": per_token["is_weight"],
                 "is_weight_max": float(top[0]), "is_truncated_frac": per_token["is_truncated"],
                 "is_masked_frac": per_token["is_masked"], "response_len_mean": n_tokens / n_samples,
-                "response_len_max": int(top[1]), "grad_norm": float(grad_norm), "tokens": int(n_tokens),
+                "response_len_max": int(top[1]), "grad_norm": sum(norms) / len(norms), "tokens": int(n_tokens),
                 "advantages": adv_all, "reward_mean": reward_sum / n_samples, "gap_tokens": int(m["gap_tokens"]),
                 "logprob_gap": m["gap_sum"] / m["gap_tokens"] if m["gap_tokens"] else math.nan}
+
+    def _micro(self, samples: list[Sample]):
+        """(offset, micro-batch, weight) over ``samples``; sharded backends run as many as their busiest rank,
+        an empty one as the stand-in EMPTY with weight 0 (it joins the collectives, moves nothing)."""
+        mb = self.cfg.micro_batch
+        for start in range(0, self.backend.micro_batches(-(-len(samples) // mb)) * mb, mb):
+            batch = samples[start : start + mb]
+            yield start, batch or [EMPTY], 1.0 if batch else 0.0
+
+    def _logprobs_no_grad(self, samples: list[Sample]) -> list[list[float]]:
+        """Each sample's response-token logprobs under the current weights (the proximal policy of a step)."""
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for _, batch, weight in self._micro(samples):
+                lp, _ = self._token_logprobs(batch)
+                if weight:
+                    out += [lp[i, : len(s.response)].tolist() for i, s in enumerate(batch)]
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank)."""

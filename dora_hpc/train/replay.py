@@ -73,7 +73,7 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
     out = []
     for step, rows in enumerate(batches):
         mine = [Sample(task.prompt(g), resp, lps, r, g) for g, resp, lps, r in rows if g % dp.size == dp.rank]
-        m = trainer.train_step(mine)
+        m = trainer.train_step(mine, list(dict.fromkeys(g for g, *_ in rows)))  # mini-batches: the batch's order
         run = logged.get(step, {})
         out.append({"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
                     "logged_loss": run.get("loss"), "logged_tokens": run.get("tokens")})
