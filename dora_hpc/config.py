@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .core.policies import MODES, traits_of
+
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
 Placement = Literal["colocated", "disaggregated"]
 
@@ -70,10 +72,7 @@ class WorkloadConfig(Section):
     response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
 
 
-DEFAULT_PLACEMENT: dict[str, str] = {
-    "sync": "colocated", "one_step": "disaggregated", "partial": "colocated",
-    "oversample": "colocated", "dora": "disaggregated",
-}
+DEFAULT_PLACEMENT: dict[str, str] = {m: traits_of(m, 0).placement for m in MODES}  # each policy's own
 
 
 class ClusterConfig(Section):

@@ -12,6 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..core.policies import MODES, traits_of
 from ..store.shards import ShardError, ShardScan, read_table, scan
 from .history import history
 from .invariants import check, fence_detail, joined, read_trajectories
@@ -84,9 +85,11 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     order = np.argsort(tsteps["step"], kind="stable")
     tsteps = {c: v[order] for c, v in tsteps.items()}
 
-    bound = {"sync": 0, "oversample": 0, "one_step": 1, "dora": k}.get(mode)
+    traits = traits_of(mode, k or 0) if mode in MODES else None  # a log of an unknown mode: nothing bound
+    bound = traits.staleness_bound if traits else None
     chk = check(traj, consumed, ops, set(hist.owns), hist.chain[-1], bound, g_size)
-    mixed = chk.mixed.tolist() if mode != "partial" else []
+    single_version = traits is None or traits.single_version
+    mixed = chk.mixed.tolist() if single_version else []
     stale = chk.stale
     lengths = joined(traj["response_len"], chk.matched, 0)
 
@@ -125,7 +128,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
                       "by_version": {str(v): int(c) for v, c in zip(*np.unique(consumed["version"],
                                                                                return_counts=True), strict=True)}},
         "stratified": stratified(stale, consumed["reward"], consumed["group_id"], lengths),
-        "partial_segments": {"trajectories_with_switches": len(chk.mixed)} if mode == "partial" else {},
+        "partial_segments": {} if single_version else {"trajectories_with_switches": len(chk.mixed)},
         "migrations": mig,
         "migration": mig_detail,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,

@@ -20,12 +20,12 @@ from collections import deque
 from . import planner
 from .events import Abort, Command, Drop, KvPressure, Tick
 from .ledger import GroupState, Ledger
-from .policy_base import MODES, Policy, PolicyConfig
+from .policy_base import MODES, Policy, PolicyConfig, Traits
 from .resume import ResumeError, ResumePlan
 from .window import VersionWindow
 
 __all__ = ["MODES", "POLICIES", "Dora", "OneStepOffPolicy", "Oversample", "PartialRollout", "Policy", "PolicyConfig",
-           "Sync", "make_policy"]
+           "Sync", "Traits", "build_policy", "make_policy", "traits_of"]
 
 
 class BarrierPolicy(Policy):
@@ -33,9 +33,19 @@ class BarrierPolicy(Policy):
     the next batch starts only when this one is done (or, with ``drop_extra``, TBS groups are done
     and the rest are aborted and dropped). Step b trains on batch b."""
 
-    def __init__(self, cfg: PolicyConfig, lag: int, drop_extra: bool) -> None:
+    lag = 0              # rolled-out batches that may wait for the trainer (staleness bound)
+    drop_extra = False   # oversample: the batch closes at TBS complete groups, the rest dropped
+    placement = "colocated"
+
+    @classmethod
+    def traits(cls, k: int) -> Traits:
+        # a batch rolls out under the latest version once every instance holds it, so requests name the
+        # latest or the one before it (a load in flight while the trainer publishes); lag adds one
+        return Traits(uses_rbs=cls.drop_extra, staleness_bound=cls.lag, single_version=True, placement=cls.placement,
+                      kv_offload=False, keep_versions=2 + cls.lag)
+
+    def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
-        self.lag, self.drop_extra = lag, drop_extra
         self.batch = 0                       # index of the batch being (or next to be) rolled out
         self.rolling: set[int] = set()       # groups of the batch in rollout
         self.ready: deque[list[int]] = deque()  # rolled-out batches waiting for the trainer
@@ -121,22 +131,16 @@ class BarrierPolicy(Policy):
 class Sync(BarrierPolicy):
     name = "sync"
 
-    def __init__(self, cfg: PolicyConfig) -> None:
-        super().__init__(cfg, lag=0, drop_extra=False)
-
 
 class OneStepOffPolicy(BarrierPolicy):
     name = "one_step"
-
-    def __init__(self, cfg: PolicyConfig) -> None:
-        super().__init__(cfg, lag=1, drop_extra=False)
+    lag = 1
+    placement = "disaggregated"
 
 
 class Oversample(BarrierPolicy):
     name = "oversample"
-
-    def __init__(self, cfg: PolicyConfig) -> None:
-        super().__init__(cfg, lag=0, drop_extra=True)
+    drop_extra = True
 
 
 class PartialRollout(Policy):
@@ -145,6 +149,13 @@ class PartialRollout(Policy):
     the new version after a re-prefill (AssignVersion(keep_requests=True))."""
 
     name = "partial"
+
+    @classmethod
+    def traits(cls, k: int) -> Traits:
+        # a trajectory's tokens span versions; instances load the latest while the trainer trains on: the
+        # latest, the one before and one spare
+        return Traits(uses_rbs=True, staleness_bound=None, single_version=False, placement="colocated",
+                      kv_offload=False, keep_versions=3)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -196,6 +207,12 @@ class Dora(Policy):
     the window."""
 
     name = "dora"
+
+    @classmethod
+    def traits(cls, k: int) -> Traits:
+        # versions v-K..v live on the instances, v+1 being made: K + 2
+        return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
+                      kv_offload=True, keep_versions=k + 2)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -289,6 +306,26 @@ POLICIES: dict[str, type[Policy]] = {
     "sync": Sync, "one_step": OneStepOffPolicy, "partial": PartialRollout,
     "oversample": Oversample, "dora": Dora,
 }
+
+
+def traits_of(mode: str, k: int) -> Traits:
+    """The traits of ``mode`` under staleness bound ``k`` (docs/architecture.md: who asks what)."""
+    if mode not in POLICIES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    return POLICIES[mode].traits(k)
+
+
+def build_policy(run_cfg, n_instances: int, mode: str | None = None) -> Policy:
+    """The policy of a RunConfig (``mode``: another mode with the same settings, as the simulator's
+    comparisons run) over ``n_instances`` rollout instances; the only place a RunConfig becomes a
+    PolicyConfig."""
+    mode = mode or run_cfg.mode
+    b, d = run_cfg.batch, run_cfg.dora
+    cfg = PolicyConfig(tbs=b.tbs, rbs=b.rbs if traits_of(mode, d.k).uses_rbs else b.tbs, group_size=b.group_size,
+                       n_instances=n_instances, slots=run_cfg.cluster.max_num_seqs, k=d.k,
+                       kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
+                       legacy_topup=d.legacy_topup, filter_groups=b.filter_groups)
+    return make_policy(mode, cfg)
 
 
 def make_policy(mode: str, cfg: PolicyConfig) -> Policy:

@@ -32,6 +32,19 @@ MODES = ("sync", "one_step", "partial", "oversample", "dora")
 
 
 @dataclass(frozen=True)
+class Traits:
+    """What a mode means to the rest of the toolkit; the shell (runtime, simulator, trainer, analysis) asks
+    these and never compares mode names."""
+
+    uses_rbs: bool                # RBS >= TBS groups in flight (else RBS is TBS)
+    staleness_bound: int | None   # the largest staleness a consumed group may have (None: not bounded)
+    single_version: bool          # every trajectory is sampled under one version (partial: segments)
+    placement: str                # default placement: colocated (rollout pauses to train) or disaggregated
+    kv_offload: bool              # preempted KV may be parked in host memory (dora.kv_offload)
+    keep_versions: int            # weight versions a trainer keeps to serve every version still live
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """What a policy needs to know about the batch and the cluster (built from RunConfig)."""
 
@@ -60,6 +73,11 @@ class Policy:
     """Shared bookkeeping: the cluster view, the ledger, complete groups and the trainer state."""
 
     name = "policy"
+
+    @classmethod
+    def traits(cls, k: int) -> Traits:
+        """This mode's traits under staleness bound ``k`` (only DORA reads it)."""
+        raise NotImplementedError
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg

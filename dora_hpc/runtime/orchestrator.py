@@ -43,7 +43,7 @@ from ..core.events import (
     VersionPublished,
 )
 from ..core.ledger import GroupState, Ledger
-from ..core.policies import PolicyConfig, make_policy
+from ..core.policies import build_policy
 from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
 from ..store.resume import stored_groups
@@ -84,13 +84,7 @@ class Orchestrator:
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
         self.roles = comm.roles
-        b = cfg.batch
-        self.policy = make_policy(cfg.mode, PolicyConfig(
-            tbs=b.tbs, rbs=b.tbs if cfg.mode in ("sync", "one_step") else b.rbs, group_size=b.group_size,
-            n_instances=len(self.roles.rollout_ranks), slots=cfg.cluster.max_num_seqs, k=cfg.dora.k,
-            kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
-            carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup,
-            filter_groups=cfg.batch.filter_groups))
+        self.policy = build_policy(cfg, len(self.roles.rollout_ranks))
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0

@@ -30,6 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..core.policies import traits_of
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
@@ -76,7 +77,8 @@ class TrainerRank:
             self.consumed = {g for g, _v, state, *_ in ledger["groups"] if state == 2}
         state = self.trainer.state_dict()
         self.versions = {self.version: (state, weights_checksum(state))}
-        self.keep_versions = cfg.dora.k + 2
+        self.traits = traits_of(cfg.mode, cfg.dora.k)
+        self.keep_versions = self.traits.keep_versions
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
         self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept
@@ -184,7 +186,7 @@ class TrainerRank:
         t_start = self.now()
         trajs = [t for g in mine for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
         # partial rollout: a trajectory's tokens may span versions, so none counts as sampled under one
-        tagged = self.cfg.mode != "partial"
+        tagged = self.traits.single_version
         samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id, t.version if tagged else -1)
                    for t in trajs]
         with self.serving_weights():

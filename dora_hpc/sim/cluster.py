@@ -33,7 +33,7 @@ from ..core.events import (
     Tick,
     VersionPublished,
 )
-from ..core.policies import PolicyConfig, make_policy
+from ..core.policies import build_policy
 from .costs import CostModel
 from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req
 from .workload import Workload
@@ -58,14 +58,9 @@ class Simulator:
         self.colocated = cfg.cluster.placement_of(mode) == "colocated"
         n_inst, self.train_accels = cfg.cluster.split(cfg.cluster.placement_of(mode))
         self.cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
-        b = cfg.batch
-        rbs = b.tbs if mode in ("sync", "one_step") else b.rbs
-        self.policy = make_policy(mode, PolicyConfig(
-            tbs=b.tbs, rbs=rbs, group_size=b.group_size, n_instances=n_inst, slots=cfg.cluster.max_num_seqs,
-            k=cfg.dora.k, kv_threshold=cfg.dora.kv_threshold, rebalance_every=cfg.dora.rebalance_every,
-            carry_kv=cfg.dora.kv_migration, legacy_topup=cfg.dora.legacy_topup))
+        self.policy = build_policy(cfg, n_inst, mode)
         self.work = Workload(cfg.workload, cfg.seed)
-        offload = mode == "dora" and cfg.dora.kv_offload
+        offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.dora.kv_offload
         self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
         self.now = 0.0
         self._q: list[tuple[float, int, tuple]] = []
