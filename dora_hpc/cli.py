@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
+    from .evaluate import add_parser as add_eval
+
+    add_eval(sub)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "

@@ -200,6 +200,7 @@ class TaskConfig(Section):
     dataset: str = Field("basic_arithmetic", description="reasoning_gym: the generator's name")
     size: int = Field(10000, ge=1, description="reasoning_gym: prompts generated (group g uses item g % size)")
     path: str | None = Field(None, description="jsonl: the prompt file (.jsonl, or .parquet by suffix)")
+    eval_path: str | None = Field(None, description="jsonl: held-out prompts for dora-hpc eval (same fields)")
     question_field: str = "question"
     answer_field: str = "answer"
     system_prompt: str | None = None

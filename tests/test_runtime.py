@@ -126,6 +126,10 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     ops = read_table(run_dir, "events", "ops")
     sources = {int(peer) for kind, peer in zip(ops["kind"], ops["peer"], strict=True) if kind == "weight_load"}
     assert {1, 2} <= sources, sources
+    # the backend's final checkpoint is what `dora-hpc eval` scores by default
+    p = subprocess.run(CLI + ["eval", str(run_dir), "--n", "3", "--samples", "0", "--json", str(tmp_path / "e.json")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and json.loads((tmp_path / "e.json").read_text())["step"] == 8, p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("fsdp", 2), pytest.param("megatron", 2, marks=(
