@@ -199,6 +199,14 @@ class TaskConfig(Section):
     name: Literal["even_tokens", "reasoning_gym", "jsonl"] = "even_tokens"
     dataset: str = Field("basic_arithmetic", description="reasoning_gym: the generator's name")
     size: int = Field(10000, ge=1, description="reasoning_gym: prompts generated (group g uses item g % size)")
+    dataset_args: dict[str, Any] = Field(default_factory=dict, description="reasoning_gym: the generator's own "
+                                         "settings (e.g. {min_terms: 2, max_terms: 2, max_digits: 1})")
+    answer_from: Literal["last_line", "last_number"] = Field(
+        "last_line", description="text tasks: what the answer is when the response has no <answer></answer>: "
+        "its last line, or the last number in it (GSM8K-style, for numeric answers)")
+    answer_hint: str = Field("Think briefly, then give the final answer inside <answer></answer>.",
+                             description="text tasks: appended to every question (the answer is read from the "
+                             "last <answer></answer>, else the last line)")
     path: str | None = Field(None, description="jsonl: the prompt file (.jsonl, or .parquet by suffix)")
     eval_path: str | None = Field(None, description="jsonl: held-out prompts for dora-hpc eval (same fields)")
     question_field: str = "question"

@@ -71,6 +71,24 @@ def test_even_tokens_budgets_follow_the_workload():
 def test_extract_answer():
     assert extract_answer("x <answer>1</answer> y <answer> 42 </answer>") == "42"
     assert extract_answer("the end\n 7 ") == "7" and extract_answer("") == ""
+    said = "To add 2 and 5 we get 7.\nSo 2 + 5 equals -7.5 here."
+    assert extract_answer(said) == "So 2 + 5 equals -7.5 here." and extract_answer(said, "last_number") == "-7.5"
+    assert extract_answer("no digits", "last_number") == ""
+    assert extract_answer("<answer>3</answer> 4", "last_number") == "3"
+
+
+def test_reasoning_gym_takes_the_generators_own_settings_and_names_a_bad_one(tiny):
+    args = ("task.dataset_args={operators: ['+'], min_terms: 2, max_terms: 2, max_digits: 1, allow_parentheses: false, "
+            "allow_negation: false}")
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.size=20", args, "task.answer_from=last_number",
+                             "task.answer_hint=Add them."])
+    task = make_task(cfg, 0, tiny)
+    q = task.question(0)
+    assert "+" in q and "-" not in q.replace("Calculate", "") and "Add them." in task.tok.decode(task.prompt(0))
+    answer = task.ds[0]["answer"]
+    assert task.safe_reward(0, task.tok(f"it is {answer}.")["input_ids"]) == (1.0, "")
+    with pytest.raises(ValueError, match="task.dataset_args"):
+        make_task(load_config(None, ["task.name=reasoning_gym", "task.dataset_args={max_digitz: 1}"]), 0, tiny)
 
 
 def test_parquet_prompts_read_like_jsonl_with_null_rows_recorded(tiny, tmp_path):

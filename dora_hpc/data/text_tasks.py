@@ -11,13 +11,12 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from ..config import RunConfig
-
-ANSWER_HINT = "Think briefly, then give the final answer inside <answer></answer>."
 
 
 class TextTask:
@@ -38,7 +37,8 @@ class TextTask:
 
     def prompt(self, group_id: int) -> list[int]:
         msgs = [{"role": "system", "content": self.cfg.task.system_prompt}] if self.cfg.task.system_prompt else []
-        msgs.append({"role": "user", "content": f"{self.question(group_id)}\n{ANSWER_HINT}"})
+        q, hint = self.question(group_id), self.cfg.task.answer_hint
+        msgs.append({"role": "user", "content": f"{q}\n{hint}" if hint else q})
         if getattr(self.tok, "chat_template", None):
             ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -59,10 +59,18 @@ class TextTask:
             return 0.0, f"{type(e).__name__}: {e}"
 
 
-def extract_answer(text: str) -> str:
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str, fallback: str = "last_line") -> str:
+    """The last ``<answer>...</answer>`` span; without one, the last line (or ``fallback="last_number"``:
+    the last number, for tasks whose answer is one)."""
     start, end = text.rfind("<answer>"), text.rfind("</answer>")
     if start != -1 and end > start:
         return text[start + len("<answer>"):end].strip()
+    if fallback == "last_number":
+        found = NUMBER.findall(text)
+        return found[-1] if found else ""
     return text.strip().splitlines()[-1].strip() if text.strip() else ""
 
 
@@ -75,14 +83,19 @@ class ReasoningGymTask(TextTask):
         super().__init__(cfg, tokenizer)
         import reasoning_gym
 
-        self.ds = reasoning_gym.create_dataset(cfg.task.dataset, size=cfg.task.size, seed=cfg.seed)
+        try:
+            self.ds = reasoning_gym.create_dataset(cfg.task.dataset, size=cfg.task.size, seed=cfg.seed,
+                                                   **cfg.task.dataset_args)
+        except (TypeError, ValueError, AssertionError) as e:  # an unknown generator or setting
+            raise ValueError(f"task.dataset={cfg.task.dataset!r} with task.dataset_args={cfg.task.dataset_args}: "
+                             f"{type(e).__name__}: {e}") from None
 
     def question(self, group_id: int) -> str:
         return self.ds[group_id % len(self.ds)]["question"]
 
     def score(self, group_id: int, text: str) -> float:
         entry = self.ds[group_id % len(self.ds)]
-        return float(self.ds.score_answer(answer=extract_answer(text), entry=entry))
+        return float(self.ds.score_answer(answer=extract_answer(text, self.cfg.task.answer_from), entry=entry))
 
 
 def _read_rows(path: Path):
@@ -138,5 +151,5 @@ class JsonlTask(TextTask):
         from math_verify import parse, verify
 
         gold = parse(self.rows[group_id % len(self.rows)][1], parsing_timeout=None)
-        pred = parse(extract_answer(text), parsing_timeout=None)
+        pred = parse(extract_answer(text, self.cfg.task.answer_from), parsing_timeout=None)
         return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
