@@ -8,7 +8,8 @@ Invariants:
 * held out: eval prompts come from the task built with seed ``run seed + EVAL_SEED_OFFSET`` (a jsonl
   task reads ``task.eval_path``); a prompt that is also one of the training task's first
   ``train_prompts`` prompts (every reasoning-gym item and every jsonl row the run can draw) is skipped
-  and counted, so no eval prompt is a training prompt;
+  and counted, so no eval prompt is a training prompt; each eval prompt is scored once (a small task
+  space may hold fewer than ``--n``);
 * generation uses the built-in engine: greedy decoding (temperature 0) is deterministic, sampled
   decoding's noise depends only on (eval seed, request, position), so an eval is reproducible;
 * the scores are the task's own reward (the reward shaping of ``reward.*`` is left out), and
@@ -86,21 +87,23 @@ def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: 
             raise EvalError("task.eval_path: a jsonl task is evaluated on a held-out file "
                             "(--set task.eval_path=heldout.jsonl)")
         eval_cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={"path": cfg.task.eval_path})})
-    else:
-        eval_cfg = cfg.model_copy(update={"seed": cfg.seed + EVAL_SEED_OFFSET})
+    else:  # a reasoning-gym pool large enough to find n prompts outside the training items
+        eval_cfg = cfg.model_copy(update={"seed": cfg.seed + EVAL_SEED_OFFSET, "task": cfg.task.model_copy(
+            update={"size": max(cfg.task.size, 20 * n)})})
     train = make_task(cfg, vocab, model_dir) if cfg.task.name != "jsonl" or cfg.task.path else None
     limit = {"reasoning_gym": cfg.task.size, "jsonl": len(getattr(train, "rows", []))}.get(cfg.task.name,
                                                                                          train_prompts)
     seen = {tuple(train.prompt(g)) for g in range(min(limit, train_prompts))} if train is not None else set()
     task = make_task(eval_cfg, vocab, model_dir)
-    out, skipped, g = [], 0, 0
+    out, skipped, g, drawn = [], 0, 0, set()
     size = {"reasoning_gym": eval_cfg.task.size, "jsonl": len(getattr(task, "rows", []))}.get(cfg.task.name)
     while len(out) < n and (size is None or g < size):
-        p = task.prompt(g)
-        if tuple(p) in seen:
+        p = tuple(task.prompt(g))
+        if p in seen:
             skipped += 1
-        else:
-            out.append((g, p))
+        elif p not in drawn:  # each held-out prompt once
+            drawn.add(p)
+            out.append((g, list(p)))
         g += 1
     if not out:
         raise EvalError(f"task {cfg.task.name}: every eval prompt is also a training prompt")
