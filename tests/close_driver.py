@@ -17,7 +17,7 @@ from dora_hpc.runtime.comm import TAG_KV, Comm, MigrateIn
 comm = Comm(trainers=1, data_plane=sys.argv[1], weight_bucket_mb=1)
 if comm.rank == 2:
     kv = np.ones((2, 2, 4096, 4, 16), dtype=np.float32)  # 4 MiB: far past any eager limit
-    comm.send(MigrateIn({"req_id": 7}, kv.shape, 0, 0.0), 0)
+    comm.send(MigrateIn({"req_id": 7}, kv.shape), 0)
     comm.send_array(kv, 0, TAG_KV)
     comm.send_weights({"w": torch.ones(1024, 1024)}, 3, "sum", 1)  # 4 buckets of 1 MiB
 MPI.COMM_WORLD.Barrier()  # both announcements were sent before anyone closes

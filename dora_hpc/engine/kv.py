@@ -29,12 +29,6 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
 
-    @classmethod
-    def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int,
-                   block_size: int = 16, dtype: torch.dtype = torch.float32, device: str = "cpu") -> KVPool:
-        per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        return cls(num_layers, num_kv_heads, head_dim, max(1, budget_bytes // per_block), block_size, dtype, device)
-
     # -- blocks ------------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:

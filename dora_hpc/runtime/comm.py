@@ -26,7 +26,6 @@ from .data_plane import make_plane
 from .roles import Roles
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced notices, read even mid-send
-ORCHESTRATOR = 0
 
 
 # ---------------------------------------------------------------- control messages (pickled, small)
@@ -74,8 +73,6 @@ class MigrateOut:         # orchestrator -> source rollout rank
 class MigrateIn:          # source rollout -> destination rollout; KV buffer follows on TAG_KV if any
     meta: dict
     kv_shape: tuple[int, ...] | None
-    src_instance: int
-    t_export: float
 
 
 @dataclass(frozen=True)

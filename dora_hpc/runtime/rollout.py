@@ -216,7 +216,7 @@ class RolloutRank:
 
     def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
         if msg.carry_kv and kv is not None:
-            self.comm.send(MigrateIn(meta, tuple(kv.shape), self.instance, t), msg.dst)
+            self.comm.send(MigrateIn(meta, tuple(kv.shape)), msg.dst)
             if FAULT == "die_mid_migration":  # tests only: the KV announced, never sent
                 print(f"dora-hpc: rank {self.comm.rank}: injected fault: dying mid-migration of {msg.traj_id}",
                       flush=True)
@@ -224,7 +224,7 @@ class RolloutRank:
                 os._exit(9)
             self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
         else:
-            self.comm.send(MigrateIn(meta, None, self.instance, t), msg.dst)
+            self.comm.send(MigrateIn(meta, None), msg.dst)
         self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
                 nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"])
 
