@@ -2,7 +2,7 @@
 
     dora-hpc eval runs/smollm2 --step 20 --n 200 --json after.json     # a run's checkpoint, its own task
     dora-hpc eval runs/smollm2 --step 0 --json before.json             # the model the run started from
-    dora-hpc eval smollm2 --config configs/smollm2-countdown.yaml      # a model folder (or tiny/smollm2)
+    dora-hpc eval smollm2 --config configs/smollm2-addition.yaml       # a model folder (or tiny/smollm2)
 
 Invariants:
 * held out: eval prompts come from the task built with seed ``run seed + EVAL_SEED_OFFSET`` (a jsonl
