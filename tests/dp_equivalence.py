@@ -9,7 +9,8 @@ With ``megatron`` the ranks form TP groups of ``tensor_parallel`` (default: all 
 largest difference of its logits from the Hugging Face model's on a right-padded batch. ``DORA_AC=1``
 turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off);
 ``DORA_MP=bf16`` its bf16 mixed precision; ``DORA_MINI=N`` gives both N mini-batches (optimizer steps)
-per train step, the replicas cutting the batch where the one rank does.
+per train step, the replicas cutting the batch where the one rank does; ``DORA_LOSS=policy_loss,is_correction``
+(e.g. ``decoupled,truncate``) their objective.
 """
 
 import json
@@ -21,6 +22,7 @@ from mpi4py import MPI
 
 from dora_hpc.train.dp import DataParallel
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
+from dora_hpc.train.losses import LossConfig
 
 
 def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
@@ -41,7 +43,9 @@ def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
 def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | None) -> None:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg, mini_batches=int(os.environ.get("DORA_MINI", "1")))
+    policy, correction = os.environ.get("DORA_LOSS", "ppo_clip,none").split(",")
+    cfg = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg=loss_agg, mini_batches=int(os.environ.get("DORA_MINI", "1")),
+                     loss=LossConfig(policy_loss=policy, is_correction=correction))
     dp = DataParallel(world)
     ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
     mp = os.environ.get("DORA_MP", "no")  # mixed precision likewise
@@ -77,7 +81,7 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
         print(json.dumps({"backend": backend, "activation_checkpointing": ac, "mixed_precision": mp,
-                          "mini_batches": cfg.mini_batches,
+                          "mini_batches": cfg.mini_batches, "loss": [policy, correction],
                           "master_dtypes": sorted({str(p.dtype) for p in replica.backend.parameters()}),
                           "max_abs_weight_diff": diff,
                           "max_abs_logits_diff": logits_diff,

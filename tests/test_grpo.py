@@ -126,17 +126,21 @@ def test_bad_samples_are_refused(tiny):
 megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
-@pytest.mark.parametrize("backend,tp,ac,mini", [("torch", None, False, 2), ("fsdp", None, False, 1),
-                                                ("fsdp", None, True, 2),
-                                                pytest.param("megatron", 2, False, 2, marks=megatron),
-                                                pytest.param("megatron", 1, True, 1, marks=megatron)])
-def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, mini):
+@pytest.mark.parametrize("backend,tp,ac,mini,loss", [("torch", None, False, 2, "ppo_clip,none"),
+                                                     ("fsdp", None, False, 1, "gspo,mask"),
+                                                     ("fsdp", None, True, 2, "decoupled,truncate"),
+                                                     pytest.param("megatron", 2, False, 2, "decoupled,truncate",
+                                                                  marks=megatron),
+                                                     pytest.param("megatron", 1, True, 1, "ppo_clip,truncate",
+                                                                  marks=megatron)])
+def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, mini, loss):
     """2 gloo trainer ranks over real MPI -- replicated, FSDP2-sharded, megatron-core tensor-parallel (TP=2)
     or megatron data-parallel (TP=1) -- each given the groups it owns (in one step a rank gets none), end
     bit-identical to each other (checked inside) and equal to one torch trainer given every sample, up to
     float summation order; their logits equal the HF model's; their checkpoint resumes a torch trainer.
     With activation checkpointing (``ac``: recomputed layers) the step is the same, and so are ``mini``
-    mini-batches (optimizer steps) per train step, the replicas cutting the batch where one rank does."""
+    mini-batches (optimizer steps) per train step, the replicas cutting the batch where one rank does, and
+    under each policy loss and correction (``loss``)."""
     import json
     import os
     import subprocess
@@ -149,11 +153,11 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, m
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tiny), "token", backend,
                         str(tp or "")],
                        capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "DORA_AC": "1" if ac else "0", "DORA_MINI": str(mini)})
+                       env={**os.environ, "DORA_AC": "1" if ac else "0", "DORA_MINI": str(mini), "DORA_LOSS": loss})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2 and out["backend"] == backend and len(out["metrics"]) == 4
-    assert out["activation_checkpointing"] == ac and out["mini_batches"] == mini
+    assert out["activation_checkpointing"] == ac and out["mini_batches"] == mini and out["loss"] == loss.split(",")
     for dp_m, single_m in out["metrics"]:
         assert dp_m["tokens"] == single_m["tokens"] and dp_m["clip_frac"] == single_m["clip_frac"]
         for k in ("loss", "ratio_mean", "grad_norm", "reward_mean"):
