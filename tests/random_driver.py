@@ -223,6 +223,9 @@ class RandomDriver:
                 d.group_tag[g] = version
             elif state == 3:
                 d.dropped.add(g)
+            elif state == 4:  # filtered (equal rewards): never trained on, before or after the restart
+                d.filtered.add(g)
+                d.group_tag[g] = version
         for g in requeue:
             d.group_tag[g] = policy.ledger.groups[g].version
             for t in range(g * g_size, (g + 1) * g_size):

@@ -174,6 +174,41 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     assert len(consumed) == policy.next_step * cfg.tbs  # every step (incl. one in progress) took TBS groups
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), before=st.integers(0, 300), after=st.integers(0, 50))
+def test_resume_with_dynamic_sampling_keeps_filtered_groups_filtered(data, seed, before, after):
+    """DORA with filter_groups, checkpointed at a random moment and restored: a group filtered before the
+    checkpoint is never trained on after it, every step still takes TBS informative groups, nothing is lost."""
+    from dora_hpc.core.events import Start
+    from dora_hpc.core.ledger import GroupState, Ledger
+    from dora_hpc.core.resume import plan_resume
+
+    drawn = data.draw(configs("dora")).__dict__
+    cfg = PolicyConfig(**{**drawn, "filter_groups": True, "group_size": max(2, drawn["group_size"])})
+    rng = random.Random(seed)
+    first = RandomDriver(make_policy("dora", cfg), rng)
+    first.feed(Start())
+    for _ in range(before):
+        first.step_once()
+    snapshot, version = first.p.ledger.to_dict(), first.p.next_step
+    for _ in range(after):
+        first.step_once()
+    ledger = Ledger.from_dict(snapshot)
+    filtered = {g for g, r in ledger.groups.items() if r.state is GroupState.FILTERED}
+    stored = {g: cfg.group_size for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}
+    plan = plan_resume(ledger, version, stored)
+    assert not filtered.intersection(plan.requeue + plan.redispatch)
+    policy = make_policy("dora", cfg)
+    policy.restore(ledger, plan)
+    second = RandomDriver.resumed(policy, rng, snapshot, plan.requeue)
+    second.rewards.update(first.rewards)  # requeued groups' rewards, as the shards hold them
+    second.run(steps=version + 6)
+    second.check_nothing_lost()
+    after_restart = [g for g, r in policy.ledger.groups.items() if r.state is GroupState.CONSUMED
+                     and r.consume_step >= version]
+    assert not filtered.intersection(after_restart) and len(after_restart) >= 6 * cfg.tbs
+
+
 def test_resume_refuses_a_ledger_ahead_of_its_weights():
     from dora_hpc.core.ledger import Ledger
     from dora_hpc.core.resume import ResumeError, plan_resume
