@@ -55,6 +55,8 @@ def resolve(target: str, step: int | None, config: str | None, overrides: list[s
             raise EvalError(f"--config: {target} is a run directory; its own config is used (change keys with --set)")
         cfg = with_overrides(RunConfig.model_validate(meta["config"]), dict(parse_overrides(overrides)))
         model_dir = Path(meta["model_dir"])
+        if not (model_dir / "config.json").is_file():
+            raise EvalError(f"{target}: its model folder {model_dir} is gone (launch.json names it)")
         if step == 0 and not (path / "checkpoints" / "step-0").is_dir():
             return Target(cfg, model_dir, None, 0, f"{target} step 0 (the initial model)")
         root = path / "checkpoints"
