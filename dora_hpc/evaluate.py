@@ -92,11 +92,14 @@ def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: 
     else:  # a reasoning-gym pool large enough to find n prompts outside the training items
         eval_cfg = cfg.model_copy(update={"seed": cfg.seed + EVAL_SEED_OFFSET, "task": cfg.task.model_copy(
             update={"size": max(cfg.task.size, 20 * n)})})
-    train = make_task(cfg, vocab, model_dir) if cfg.task.name != "jsonl" or cfg.task.path else None
+    try:  # a task that cannot be built (a missing file, a bad generator setting) says why in one line
+        train = make_task(cfg, vocab, model_dir) if cfg.task.name != "jsonl" or cfg.task.path else None
+        task = make_task(eval_cfg, vocab, model_dir)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
     limit = {"reasoning_gym": cfg.task.size, "jsonl": len(getattr(train, "rows", []))}.get(cfg.task.name,
                                                                                          train_prompts)
     seen = {tuple(train.prompt(g)) for g in range(min(limit, train_prompts))} if train is not None else set()
-    task = make_task(eval_cfg, vocab, model_dir)
     out, skipped, g, drawn = [], 0, 0, set()
     size = {"reasoning_gym": eval_cfg.task.size, "jsonl": len(getattr(task, "rows", []))}.get(cfg.task.name)
     while len(out) < n and (size is None or g < size):
@@ -113,7 +116,7 @@ def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: 
 
 
 def generate(engine, task, prompts, temperature: float, top_p: float, samples: int, seed_base: int, on_done):
-    """Responses to every prompt (``samples`` each): {(group id, sample): (output ids, finish reason)}."""
+    """Responses to every prompt (``samples`` each): {(group id, sample): output token ids}."""
     from .engine.sampling import SamplingParams
 
     out = {}

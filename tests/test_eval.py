@@ -43,6 +43,9 @@ def test_a_jsonl_eval_skips_every_row_the_run_trains_on(tmp_path):
                                                 f"task.eval_path={tmp_path / 'eval.jsonl'}", "sampling.max_tokens=4"])
     task, prompts, skipped = heldout(cfg, model, 512, 10, 10_000)
     assert skipped == 1 and [task.question(g) for g, _ in prompts] == [r["question"] for r in rows[3:]]
+    with pytest.raises(ValueError, match="does not exist"):  # an eval file that is not there
+        heldout(load_config("configs/tiny-cpu.yaml", ["task.name=jsonl", f"task.path={tmp_path / 'train.jsonl'}",
+                                                      f"task.eval_path={tmp_path / 'nope.jsonl'}"]), model, 512, 10, 10)
     with pytest.raises(ValueError, match="task.eval_path"):
         heldout(load_config("configs/tiny-cpu.yaml", ["task.name=jsonl", f"task.path={tmp_path / 'train.jsonl'}"]),
                 model, 512, 10, 10_000)
