@@ -206,7 +206,7 @@ class TaskConfig(Section):
         "its last line, or the last number in it (GSM8K-style, for numeric answers)")
     answer_hint: str = Field("Think briefly, then give the final answer inside <answer></answer>.",
                              description="text tasks: appended to every question (the answer is read from the "
-                             "last <answer></answer>, else the last line)")
+                             "last <answer></answer>, else as task.answer_from says)")
     path: str | None = Field(None, description="jsonl: the prompt file (.jsonl, or .parquet by suffix)")
     eval_path: str | None = Field(None, description="jsonl: held-out prompts for dora-hpc eval (same fields)")
     question_field: str = "question"

@@ -97,11 +97,10 @@ def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: 
         task = make_task(eval_cfg, vocab, model_dir)
     except ValueError as e:
         raise EvalError(str(e)) from None
-    limit = {"reasoning_gym": cfg.task.size, "jsonl": len(getattr(train, "rows", []))}.get(cfg.task.name,
-                                                                                         train_prompts)
-    seen = {tuple(train.prompt(g)) for g in range(min(limit, train_prompts))} if train is not None else set()
+    limit = min(_pool_size(train) or train_prompts, train_prompts) if train is not None else 0
+    seen = {tuple(train.prompt(g)) for g in range(limit)}
     out, skipped, g, drawn = [], 0, 0, set()
-    size = {"reasoning_gym": eval_cfg.task.size, "jsonl": len(getattr(task, "rows", []))}.get(cfg.task.name)
+    size = _pool_size(task)
     while len(out) < n and (size is None or g < size):
         p = tuple(task.prompt(g))
         if p in seen:
@@ -113,6 +112,13 @@ def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: 
     if not out:
         raise EvalError(f"task {cfg.task.name}: every eval prompt is also a training prompt")
     return task, out, skipped
+
+
+def _pool_size(task) -> int | None:
+    """How many prompts a task cycles over (a reasoning-gym dataset's items, a jsonl file's rows); None for
+    a generated stream (even_tokens)."""
+    pool = getattr(task, "ds", None) or getattr(task, "rows", None)
+    return len(pool) if pool is not None else None
 
 
 def generate(engine, task, prompts, temperature: float, top_p: float, samples: int, seed_base: int, on_done):

@@ -137,19 +137,9 @@ def test_the_checker_catches_a_broken_policy():
             RandomDriver(policy, random.Random(seed)).run(steps=6)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), seed=st.integers(0, 2**32 - 1), before=st.integers(0, 300), after=st.integers(0, 50),
-       lose=st.floats(0, 1))
-def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, after, lose):
-    """Checkpoint at a random moment, run on a little (that future is lost), crash, restore a fresh
-    policy from the checkpoint's ledger, and continue: the invariants hold across the restart."""
-    from dora_hpc.core.events import Start
-    from dora_hpc.core.ledger import GroupState, Ledger
-    from dora_hpc.core.resume import plan_resume
-
-    cfg = data.draw(configs(mode))
-    rng = random.Random(seed)
+def checkpointed_run(mode: str, cfg: PolicyConfig, rng: random.Random, before: int, after: int):
+    """A run that checkpoints after ``before`` random events and goes on for ``after`` more (a future the
+    crash loses): (the driver, the checkpoint's ledger snapshot, its version)."""
     first = RandomDriver(make_policy(mode, cfg), rng)
     first.feed(Start())
     for _ in range(before):
@@ -157,6 +147,22 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     snapshot, version = first.p.ledger.to_dict(), first.p.next_step
     for _ in range(after):
         first.step_once()
+    return first, snapshot, version
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), before=st.integers(0, 300), after=st.integers(0, 50),
+       lose=st.floats(0, 1))
+def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, after, lose):
+    """Checkpoint at a random moment, run on a little (that future is lost), crash, restore a fresh
+    policy from the checkpoint's ledger, and continue: the invariants hold across the restart."""
+    from dora_hpc.core.ledger import GroupState, Ledger
+    from dora_hpc.core.resume import plan_resume
+
+    cfg = data.draw(configs(mode))
+    rng = random.Random(seed)
+    _, snapshot, version = checkpointed_run(mode, cfg, rng, before, after)
     ledger = Ledger.from_dict(snapshot)
     complete = [g for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE]
     # rows of complete groups may be lost with the crash (streaming policies re-dispatch them)
@@ -179,20 +185,13 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
 def test_resume_with_dynamic_sampling_keeps_filtered_groups_filtered(data, seed, before, after):
     """DORA with filter_groups, checkpointed at a random moment and restored: a group filtered before the
     checkpoint is never trained on after it, every step still takes TBS informative groups, nothing is lost."""
-    from dora_hpc.core.events import Start
     from dora_hpc.core.ledger import GroupState, Ledger
     from dora_hpc.core.resume import plan_resume
 
     drawn = data.draw(configs("dora")).__dict__
     cfg = PolicyConfig(**{**drawn, "filter_groups": True, "group_size": max(2, drawn["group_size"])})
     rng = random.Random(seed)
-    first = RandomDriver(make_policy("dora", cfg), rng)
-    first.feed(Start())
-    for _ in range(before):
-        first.step_once()
-    snapshot, version = first.p.ledger.to_dict(), first.p.next_step
-    for _ in range(after):
-        first.step_once()
+    first, snapshot, version = checkpointed_run("dora", cfg, rng, before, after)
     ledger = Ledger.from_dict(snapshot)
     filtered = {g for g, r in ledger.groups.items() if r.state is GroupState.FILTERED}
     stored = {g: cfg.group_size for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}

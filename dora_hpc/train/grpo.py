@@ -186,8 +186,11 @@ class GRPOTrainer:
             raise ValueError("a train step needs at least one sample")
         parts = split_groups(samples, cfg.mini_batches, batch_groups)
         mine = [self.backend.gather_batch(p) for p in parts]  # tensor parallel: the union of the TP peers' shares
-        counts = [(n_tokens, n_samples)] if len(parts) == 1 else [
-            self.dp.sum_floats(sum(len(s.response) for s in p), len(p)) for p in parts]
+        if len(parts) == 1:
+            counts = [(n_tokens, n_samples)]
+        else:  # each mini-batch normalises by its own global counts: one all-reduce for all of them
+            flat = self.dp.sum_floats(*(x for p in parts for x in (sum(len(s.response) for s in p), len(p))))
+            counts = list(zip(flat[::2], flat[1::2], strict=True))
         # the proximal policy: the weights at the step's start; with one optimizer step, the weights being trained
         prox = None if len(parts) == 1 else [self._logprobs_no_grad(m) for m in mine]
         tot = torch.zeros(len(SUMS), dtype=torch.float64)
