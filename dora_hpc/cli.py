@@ -268,15 +268,22 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                       which=args.ablation)
                 _print_cases(console, s["variants"], s["ratios"])
             else:
-                from .bench.convergence_bench import LOSSES, bench_convergence
+                from .bench.convergence_bench import CASES, DEFAULT_CASES, LOSSES, bench_convergence
 
                 seeds = [int(x) for x in args.seeds.split(",")]
                 losses = args.losses.split(",")
                 bad = [x for x in losses if x not in LOSSES]
                 if bad:
                     raise ConfigError(f"--losses: unknown {bad}; choose from {','.join(LOSSES)}")
+                which = args.cases.split(",") if args.cases else DEFAULT_CASES
+                bad = [x for x in which if x not in CASES]
+                if bad or "sync" not in which:
+                    raise ConfigError(f"--cases: {'unknown ' + str(bad) if bad else 'sync (the baseline) is missing'}"
+                                      f"; choose from {','.join(CASES)}")
+                if args.eval < 0:
+                    raise ConfigError(f"--eval: {args.eval} held-out prompts; give 0 (none) or more")
                 s = bench_convergence(args.config, Path(args.out), args.overrides, seeds, console=console,
-                                      losses=losses)
+                                      losses=losses, which=which, eval_n=args.eval)
                 for case, c in s["cases"].items():
                     v = s["verdict"].get(case)
                     console.print(f"  {case}: mean reward {c['first']:.3f} (step 0) -> {c['final']:.3f} (last "
@@ -284,6 +291,12 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                                   + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, "
                                      f"{'within' if v['within_noise'] else 'outside'} its seed spread "
                                      f"{s['sync_seed_spread']:.3f}" if v else ""))
+                for case, v in s.get("heldout", {}).get("verdict", {}).items():
+                    console.print(f"  {case}: held-out greedy mean reward {s['cases'][case]['heldout_final']:.3f}"
+                                  " (over the initial model: " + ", ".join(
+                                      f"seed {k} {g:+.3f}" for k, g in v["gain_over_initial_by_seed"].items()) + ")"
+                                  + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, sync's seed spread "
+                                     f"{s['heldout']['sync_seed_spread']:.3f}" if case != s["baseline"] else ""))
         except mb.BenchError as e:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
             return 1
@@ -355,13 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
                         "modes: the five modes on the real runtime; ablation: one mechanism on vs off (--ablation); "
-                        "convergence: mean reward per step of sync, dora K=1 and K=3")
+                        "convergence: mean reward per step of sync and dora (--cases), held-out eval (--eval)")
     b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes/ablation/convergence: override a config key in every run (repeatable)")
     b.add_argument("--seeds", default="0,1", help="convergence: comma-separated seeds (their spread is the noise)")
     b.add_argument("--losses", default="ppo_clip", help="convergence: comma-separated objectives, each running "
                    "every case: ppo_clip, ppo_clip+truncate, decoupled, decoupled+truncate, decoupled+mask, gspo")
+    b.add_argument("--cases", help="convergence: comma-separated subset of sync,dora-k1,dora-k2,dora-k3 with sync "
+                   "(default sync,dora-k1,dora-k3)")
+    b.add_argument("--eval", type=int, default=0, metavar="N", help="convergence: score each run's final "
+                   "checkpoint and each seed's initial model on N held-out prompts (dora-hpc eval; 0: none)")
     b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
                                    "dora-k1,dora-k2,dora-k3")
     b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")

@@ -116,7 +116,7 @@ class TrainConfig(Section):
     mixed_precision: Literal["no", "bf16"] = Field("no", description="bf16: float32 master weights and "
                                                    "optimizer, bfloat16 compute (torch and fsdp backends)")
     max_steps: int = Field(20, ge=1)
-    checkpoint_every: int = Field(10, ge=0)   # steps between checkpoints; 0: only on SIGTERM/SIGUSR1
+    checkpoint_every: int = Field(10, ge=0)  # steps between checkpoints (and the last step); 0: only on signals
     keep_checkpoints: int = Field(3, ge=1)
     lr: float = Field(1e-5, gt=0)
     clip_low: float = Field(0.2, ge=0)

@@ -47,6 +47,8 @@ def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_
     assert p.returncode == 2 and "nope" in p.stderr and not (tmp_path / "z").exists()
     p = bench("convergence", "configs/tiny-cpu.yaml", "--losses", "ppo_clip,adam", "--out", str(tmp_path / "w"))
     assert p.returncode == 2 and "adam" in p.stderr and not (tmp_path / "w").exists()
+    p = bench("convergence", "configs/tiny-cpu.yaml", "--cases", "dora-k2", "--out", str(tmp_path / "v"))
+    assert p.returncode == 2 and "sync" in p.stderr and not (tmp_path / "v").exists()
 
 
 def test_convergence_cases_run_every_mode_under_every_loss():
@@ -57,14 +59,24 @@ def test_convergence_cases_run_every_mode_under_every_loss():
     assert list(both)[3:] == ["sync decoupled+truncate", "dora-k1 decoupled+truncate", "dora-k3 decoupled+truncate"]
     assert both["dora-k3 decoupled+truncate"] == ["train.policy_loss=decoupled", "train.is_correction=truncate",
                                                   "mode=dora", "dora.k=3"]
+    assert list(cases(["ppo_clip"], ["dora-k2", "sync"])) == ["sync", "dora-k2"]  # sync first: the baseline
 
 
-def test_bench_convergence_reads_reward_curves_from_the_logs(tmp_path):
+def test_bench_convergence_reads_reward_curves_from_the_logs_and_scores_held_out_prompts(tmp_path):
     out = tmp_path / "conv"
-    p = bench("convergence", "configs/tiny-cpu.yaml", "--out", str(out), "--seeds", "0", *SHORT)
+    p = bench("convergence", "configs/tiny-cpu.yaml", "--out", str(out), "--seeds", "0", "--cases", "sync,dora-k2",
+              "--eval", "6", *SHORT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert set(s["cases"]) == {"sync", "dora-k1", "dora-k3"}
+    assert set(s["cases"]) == {"sync", "dora-k2"}
     for c in s["cases"].values():
         assert len(c["curves"]["0"]) == 3 and all(0 <= r <= 1 for r in c["curves"]["0"])
-    assert set(s["verdict"]) == {"dora-k1", "dora-k3"} and (out / "convergence.png").exists()
+    assert set(s["verdict"]) == {"dora-k2"} and (out / "convergence.png").exists()
+    # held-out: the initial model once, each run's final checkpoint (step 3), on 6 prompts training never drew
+    initial = json.loads((out / "runs" / "initial-s0.eval.json").read_text())
+    final = json.loads((out / "runs" / "dora-k2-s0.eval.json").read_text())
+    assert initial["step"] == 0 and final["step"] == 3 and initial["n"] == final["n"] == 6
+    assert s["cases"]["dora-k2"]["heldout_final_by_seed"]["0"] == final["greedy"]["mean_reward"]
+    v = s["heldout"]["verdict"]["dora-k2"]
+    assert v["gain_over_initial_by_seed"]["0"] == final["greedy"]["mean_reward"] - initial["greedy"]["mean_reward"]
+    assert "held-out greedy mean reward" in p.stdout

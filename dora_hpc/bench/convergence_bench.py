@@ -1,10 +1,12 @@
 """``dora-hpc bench convergence``: does DORA learn as fast as synchronous training? (paper Fig. 10)
 
-sync, dora K=1 and dora K=3 train from the same initial checkpoint with the same seeds for the same
-number of steps; the mean reward of every step's batch is read back from the trainer's HDF5 log.
-Several seeds give the noise: a case is "within noise" of sync when the gap between their final
-rewards (mean of the last ``tail`` steps, averaged over seeds) is no larger than the spread of sync's
-own final reward across seeds (max - min).
+The cases (default sync, dora K=1 and dora K=3) train from the same initial checkpoint with the same
+seeds for the same number of steps; the mean reward of every step's batch is read back from the
+trainer's HDF5 log. Several seeds give the noise: a case is "within noise" of sync when the gap between
+their final rewards (mean of the last ``tail`` steps, averaged over seeds) is no larger than the spread
+of sync's own final reward across seeds (max - min). With ``eval_n`` > 0 each run's final checkpoint,
+and each seed's initial model once, are also scored on held-out prompts (``dora-hpc eval``), and the
+same verdict is given on the held-out greedy mean reward.
 
 Invariant: every curve is a real run's log (``run_case``); runs of one seed are back to back.
 """
@@ -20,8 +22,10 @@ from .modes_bench import _fresh, machine, run_case
 CASES: dict[str, list[str]] = {
     "sync": ["mode=sync"],
     "dora-k1": ["mode=dora", "dora.k=1"],
+    "dora-k2": ["mode=dora", "dora.k=2"],
     "dora-k3": ["mode=dora", "dora.k=3"],
 }
+DEFAULT_CASES = ["sync", "dora-k1", "dora-k3"]
 LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/training.md)
     "ppo_clip": ["train.policy_loss=ppo_clip", "train.is_correction=none"],
     "ppo_clip+truncate": ["train.policy_loss=ppo_clip", "train.is_correction=truncate"],
@@ -32,10 +36,12 @@ LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/trainin
 }
 
 
-def cases(losses: list[str]) -> dict[str, list[str]]:
-    """Every case under every loss; named by the case alone when there is one loss."""
+def cases(losses: list[str], which: list[str] | None = None) -> dict[str, list[str]]:
+    """Every case of ``which`` (default DEFAULT_CASES, in CASES' order) under every loss; named by the case
+    alone when there is one loss."""
+    which = which or DEFAULT_CASES
     return {(c if len(losses) == 1 else f"{c} {loss}"): [*LOSSES[loss], *sets]
-            for loss in losses for c, sets in CASES.items()}
+            for loss in losses for c, sets in CASES.items() if c in which}
 
 
 def final(curve: list[float], tail: int) -> float:
@@ -46,16 +52,22 @@ def run_dir(out: Path, case: str, seed: int) -> Path:
     return out / "runs" / f"{case.replace(' ', '_').replace('+', '-')}-s{seed}"
 
 
-def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | None = None) -> dict:
-    """Reward curves (per step and against wall time) of the runs in OUT/runs, from their train logs; the
-    baseline is the first case (sync under the first loss)."""
+def heldout_path(out: Path, case: str, seed: int) -> Path:
+    return run_dir(out, case, seed).with_suffix(".eval.json")
+
+
+def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | None = None,
+              which: list[str] | None = None) -> dict:
+    """Reward curves (per step and against wall time) of the runs in OUT/runs, from their train logs, and
+    their held-out scores where OUT/runs holds them; the baseline is the first case (sync under the first
+    loss)."""
     import numpy as np
 
     from ..store.shards import read_table
 
     found = {}
-    for case in cases(losses or ["ppo_clip"]):
-        curves, times, clip, weight = {}, {}, [], []
+    for case in cases(losses or ["ppo_clip"], which):
+        curves, times, clip, weight, held = {}, {}, [], [], {}
         for seed in seeds:
             t = read_table(run_dir(out, case, seed), "train", "steps",
                            ["step", "t_end", "reward_mean", "clip_frac", "is_weight_mean"])
@@ -64,6 +76,8 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
             times[str(seed)] = t["t_end"][order].tolist()
             clip.append(float(np.nanmean(t["clip_frac"])))
             weight.append(float(np.nanmean(t["is_weight_mean"])))
+            if heldout_path(out, case, seed).is_file():
+                held[str(seed)] = json.loads(heldout_path(out, case, seed).read_text())["greedy"]["mean_reward"]
         n = min(len(c) for c in curves.values())
         mean = [statistics.fmean(c[i] for c in curves.values()) for i in range(n)]
         finals = [final(c, tail) for c in curves.values()]
@@ -71,34 +85,65 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
                        "final": statistics.fmean(finals), "final_by_seed": finals,
                        "clip_frac": statistics.fmean(clip), "is_weight_mean": statistics.fmean(weight),
                        "seconds_per_step": statistics.median(
-                           (ts[-1] - ts[0]) / max(len(ts) - 1, 1) for ts in times.values())}
+                           (ts[-1] - ts[0]) / max(len(ts) - 1, 1) for ts in times.values()),
+                       "seconds": statistics.median(ts[-1] for ts in times.values())}
+        if len(held) == len(seeds):
+            found[case]["heldout_final_by_seed"] = held
+            found[case]["heldout_final"] = statistics.fmean(held.values())
     base = next(iter(found))
     noise = max(found[base]["final_by_seed"]) - min(found[base]["final_by_seed"])
     verdict = {c: {"gap_to_sync": found[c]["final"] - found[base]["final"],
                    "within_noise": abs(found[c]["final"] - found[base]["final"]) <= noise}
                for c in found if c != base}
-    return {"seeds": seeds, "tail_steps": tail, "baseline": base, "sync_seed_spread": noise, "verdict": verdict,
-            "cases": found}
+    summary = {"seeds": seeds, "tail_steps": tail, "baseline": base, "sync_seed_spread": noise,
+               "verdict": verdict, "cases": found}
+    initial = {str(s): json.loads(p.read_text())["greedy"]["mean_reward"] for s in seeds
+               if (p := out / "runs" / f"initial-s{s}.eval.json").is_file()}
+    if "heldout_final" in found[base]:
+        held_noise = max(found[base]["heldout_final_by_seed"].values()) - min(
+            found[base]["heldout_final_by_seed"].values())
+        summary["heldout"] = {
+            "initial_by_seed": initial, "sync_seed_spread": held_noise,
+            "verdict": {c: {"gap_to_sync": found[c]["heldout_final"] - found[base]["heldout_final"],
+                            "within_noise": abs(found[c]["heldout_final"] - found[base]["heldout_final"])
+                            <= held_noise,
+                            "gain_over_initial_by_seed": {s: v - initial[s] for s, v in
+                                                          found[c]["heldout_final_by_seed"].items() if s in initial}}
+                        for c in found if "heldout_final" in found[c]}}
+    return summary
+
+
+def _eval(target: str, step: int | None, path: Path, n: int) -> None:
+    from ..evaluate import evaluate, resolve
+
+    path.write_text(json.dumps(evaluate(resolve(target, step, None, []), n=n), indent=2) + "\n")
 
 
 def bench_convergence(config: str, out: Path, sets: list[str] | None = None, seeds: list[int] | None = None,
-                      tail: int = 5, console=None, losses: list[str] | None = None) -> dict:
+                      tail: int = 5, console=None, losses: list[str] | None = None,
+                      which: list[str] | None = None, eval_n: int = 0) -> dict:
     from rich.progress import Progress
 
     sets, seeds, losses = list(sets or []), list(seeds or [0, 1]), list(losses or ["ppo_clip"])
-    every = cases(losses)
+    every = cases(losses, which)
     _fresh(out)
     (out / "runs").mkdir()
     with Progress(console=console) as bar:
-        task = bar.add_task("convergence", total=len(seeds) * len(every))
+        task = bar.add_task("convergence", total=len(seeds) * len(every) * (2 if eval_n else 1))
         for seed in seeds:
             for case, case_sets in every.items():
                 bar.update(task, description=f"{case} (seed {seed})")
                 run_case(config, [*sets, *case_sets, f"seed={seed}"], run_dir(out, case, seed), timeout_s=3600)
                 bar.advance(task)
-    title = f"sync vs dora K=1 vs K=3, same initial model and seeds ({config} {' '.join(sets)})"
-    summary = summarize(out, seeds, tail, losses) | {"config": config, "sets": sets, "losses": losses,
-                                                      "machine": machine(), "title": title}
+                if eval_n:
+                    bar.update(task, description=f"{case} (seed {seed}): held-out eval")
+                    if case == next(iter(every)):  # the initial model, once per seed
+                        _eval(str(run_dir(out, case, seed)), 0, out / "runs" / f"initial-s{seed}.eval.json", eval_n)
+                    _eval(str(run_dir(out, case, seed)), None, heldout_path(out, case, seed), eval_n)
+                    bar.advance(task)
+    title = f"{', '.join(every)}: same initial model and seeds ({config} {' '.join(sets)})"
+    summary = summarize(out, seeds, tail, losses, which) | {
+        "config": config, "sets": sets, "losses": losses, "eval_n": eval_n, "machine": machine(), "title": title}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from .plots import plot_convergence
 

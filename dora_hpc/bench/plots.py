@@ -64,7 +64,9 @@ def plot_ablation(summary: dict, path: Path, panels: list[tuple[str, str]]) -> P
 
 
 def plot_convergence(summary: dict, path: Path) -> Path:
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 4.5))
+    held = summary.get("heldout")
+    fig, axes = plt.subplots(1, 3 if held else 2, figsize=(18 if held else 13, 4.5))
+    by_step, by_time = axes[0], axes[1]
     for i, (name, c) in enumerate(summary["cases"].items()):
         color = f"C{i}"
         for seed, curve in c["curves"].items():
@@ -81,8 +83,25 @@ def plot_convergence(summary: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     by_step.set_title("per train step (thin: each seed)")
     by_time.set_title("per second of wall time (each seed)")
+    if held:
+        _plot_heldout(axes[2], summary)
     fig.suptitle(summary.get("title", "mean reward"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_heldout(ax, summary: dict) -> None:
+    """Held-out greedy mean reward: each seed's initial model, then each case's final checkpoint."""
+    names = ["initial", *[c for c in summary["cases"] if "heldout_final_by_seed" in summary["cases"][c]]]
+    by_seed = [summary["heldout"]["initial_by_seed"],
+               *[summary["cases"][c]["heldout_final_by_seed"] for c in names[1:]]]
+    for i, scores in enumerate(by_seed):
+        vals = list(scores.values())
+        ax.bar(i, sum(vals) / max(len(vals), 1), color="0.7" if i == 0 else f"C{i - 1}", alpha=0.6)
+        ax.scatter([i] * len(vals), vals, color="k", s=12, zorder=3)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("held-out greedy mean reward")
+    ax.set_title("held-out eval (bars: mean; dots: seeds)")
+    ax.grid(alpha=0.3, axis="y")

@@ -201,7 +201,8 @@ class Orchestrator:
                     self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
                     self.op("publish", version=msg.version, detail=msg.checksum)
                     self.report(force=True)
-                    if every and msg.version % every == 0 and self.ckpt is None:
+                    last = self.steps_done >= self.cfg.train.max_steps  # the trained model is always kept
+                    if every and (msg.version % every == 0 or last) and self.ckpt is None:
                         self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
                     if self.steps_done < self.cfg.train.max_steps:
                         self.feed(VersionPublished(msg.version))
