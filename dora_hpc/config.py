@@ -237,6 +237,19 @@ class StoreConfig(Section):
     rows_per_shard: int = Field(2048, ge=1)
 
 
+class WandbConfig(Section):
+    project: str = Field(description="the W&B project the run logs to")
+    entity: str | None = Field(None, description="the W&B team or user (default: wandb's own)")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline: write RUN_DIR/wandb/ with no network (wandb sync uploads it later)")
+
+
+class MetricsConfig(Section):
+    """Where rank 0 sends one record per train step besides the HDF5 logs (runtime/metrics.py)."""
+    tensorboard: bool = Field(False, description="write TensorBoard event files under RUN_DIR/tensorboard/")
+    wandb: WandbConfig | None = Field(None, description="log to Weights & Biases (pip install 'dora-hpc[wandb]')")
+
+
 class RuntimeConfig(Section):
     tick_s: float = Field(0.5, gt=0, description="orchestrator Tick period (temporal rebalancing)")
     timeout_s: float = Field(1800, gt=0, description="the whole run is aborted after this long")
@@ -361,6 +374,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     store: StoreConfig = StoreConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    metrics: MetricsConfig = MetricsConfig()
     sim: SimConfig = SimConfig()
     slurm: SlurmConfig = SlurmConfig()
 

@@ -49,7 +49,7 @@ def mpiexec() -> str:
 
 # config keys a resumed run may change; any other difference from the checkpointed run is refused
 RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.activation_checkpointing", "runtime.", "slurm.")
+                     "train.activation_checkpointing", "runtime.", "slurm.", "metrics.")
 PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
 RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside the run (a full disk, a hung
 #                 rank); fix it,

@@ -118,6 +118,7 @@ class Ready:              # rollout -> orchestrator: loaded `version`
     instance: int
     version: int
     checksum: str
+    load_s: float = 0.0   # from its LoadVersion to the weights in the engine (waiting for them included)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class Done:               # rollout -> orchestrator: a trajectory finished
     reward: float
     kv_used_fraction: float
     epoch: int = 1        # its Generate's: a Done of an earlier dispatch is stale
+    kv_transfer_s: float = 0.0  # time its migrations spent exporting, sending and importing KV
 
 
 @dataclass(frozen=True)

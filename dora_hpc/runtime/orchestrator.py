@@ -73,6 +73,7 @@ from .comm import (
 )
 from .comm import Train as TrainMsg
 from .dashboard import Dashboard
+from .metrics import Sinks, StepFigures, step_record
 
 
 class RankHung(RuntimeError):
@@ -111,6 +112,8 @@ class Orchestrator:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
             self.op("start", version=0, detail="fresh")
+        self.figures = StepFigures(self.now())
+        self.sinks = Sinks(cfg, run_dir, self.steps_done, run_id)  # TensorBoard / W&B, from this step on
 
     def restore(self, ckpt: StoredCheckpoint) -> None:
         st = ckpt.state["orchestrator"]
@@ -181,10 +184,13 @@ class Orchestrator:
                     self.on_checkpoint_progress(msg)
                 case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
                     self.stop.set()
+                case Published() if self.stopping:  # the step under way when the stop came: it is in the
+                    self.record_step(msg)            # checkpoint being taken, so its record is kept
                 case _ if self.stopping:
                     pass  # frozen: the final snapshot is taken; what happens now is not kept
                 case Ready():
                     self.loads.pop(msg.instance, None)
+                    self.figures.loads.append(msg.load_s)
                     self.feed(InstanceReady(msg.instance, msg.version))
                 case Done():
                     if self.epoch.get(msg.traj_id) != msg.epoch:
@@ -193,12 +199,13 @@ class Orchestrator:
                     self.moved_from.pop(msg.traj_id, None)
                     self.unflushed.setdefault(src, []).append(msg.traj_id)
                     self.finished_tokens += msg.response_len
+                    self.figures.on_done(msg.response_len, msg.kv_transfer_s)
                     self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
                     if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
                         self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
                 case Published():
                     self.steps_done += 1
-                    self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
+                    self.record_step(msg)
                     self.op("publish", version=msg.version, detail=msg.checksum)
                     self.report(force=True)
                     last = self.steps_done >= self.cfg.train.max_steps  # the trained model is always kept
@@ -216,6 +223,7 @@ class Orchestrator:
         self.op("pending_at_end", detail=",".join(map(str, open_groups)))
         self.op(outcome, version=self.last_ckpt, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
+        self.sinks.close()
         self.comm.fenced = tuple(sorted(self.fenced))
         for r in range(1, self.roles.size):
             if r not in self.fenced:
@@ -274,6 +282,14 @@ class Orchestrator:
             self.maybe_commit()
 
     # -- checkpoints -------------------------------------------------------------------------------
+    def record_step(self, msg: Published) -> None:
+        """The step's reward for the summary and its record for the metric sinks."""
+        self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
+        view = self.policy.view
+        rollout = self.figures.take(msg.version - 1, self.now(), view.instances,
+                                    sum(len(q) for q in view.queues.values()), msg.version)
+        self.sinks.log(msg.version - 1, step_record(msg.metrics, rollout))
+
     def start_checkpoint(self) -> None:
         v = self.policy.next_step
         state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
@@ -327,6 +343,7 @@ class Orchestrator:
                     self.comm.send(Generate(t, g, s, v, self.task.prompt(g), self.task.max_tokens(t), e), r(i))
                 case Migrate(t, src, dst, carry_kv):
                     self.moved_from[t] = src
+                    self.figures.migrations += 1
                     self.comm.send(MigrateOut(t, r(dst), carry_kv), r(src))
                     self.op("migrate", traj_id=t, peer=r(dst), detail=f"{src}->{dst} kv={carry_kv}")
                 case Abort(t, i):
@@ -339,8 +356,9 @@ class Orchestrator:
                     self.op("filter", detail=f"group={g}")
                     self.comm.send(Forget(g), self.roles.trainer_of_group(g))
                 case StartTrain(step, groups):
-                    for g in groups:
-                        self.stale[step - self.policy.ledger.groups[g].version] += 1
+                    stale = [step - self.policy.ledger.groups[g].version for g in groups]
+                    self.stale.update(stale)
+                    self.figures.on_train(step, stale)
                     for t in self.roles.trainer_ranks:  # each replica trains on its share of the groups
                         self.comm.send(TrainMsg(step, groups), t)
                     if self.colocated and not self.paused:

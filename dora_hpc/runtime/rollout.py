@@ -126,7 +126,7 @@ class RolloutRank:
             "segment_versions": info["segments"]})
         self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward,
                                   self.attempt), self.comm.roles.trainer_of_group(info["group_id"]))
-        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac, info["epoch"]), 0)
+        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac, info["epoch"], info["kv_s"]), 0)
 
     # -- control -----------------------------------------------------------------------------------
     def handle(self, msg, src: int) -> None:
@@ -137,7 +137,7 @@ class RolloutRank:
                     max_tokens=msg.max_tokens, ignore_eos=self.task.ignore_eos), msg.version)
                 self.info[msg.traj_id] = {"group_id": msg.group_id, "sample_idx": msg.sample_idx,
                                           "dispatch_version": msg.version, "t_dispatch": self.now(),
-                                          "n_migrations": 0, "reprefill": 0, "path": str(self.instance),
+                                          "n_migrations": 0, "kv_s": 0.0, "reprefill": 0, "path": str(self.instance),
                                           "segments": [msg.version], "epoch": msg.epoch,
                                           "max_tokens": msg.max_tokens}
             case LoadVersion():
@@ -202,7 +202,7 @@ class RolloutRank:
                     info["reprefill"] += n_prompt + n_out
         self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
                 nbytes=sum(v.numel() * 4 for v in state.values()))
-        self.comm.send(Ready(self.instance, msg.version, got), 0)
+        self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
 
     def migrate_out(self, msg: MigrateOut) -> None:
         if not self.engine.has_request(msg.traj_id):
@@ -215,6 +215,7 @@ class RolloutRank:
         self.send_migration(msg, meta, kv, t)
 
     def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
+        meta["info"]["kv_s"] += self.now() - t  # exported (or received, to relay) since t; the sends overlap
         if msg.carry_kv and kv is not None:
             self.comm.send(MigrateIn(meta, tuple(kv.shape)), msg.dst)
             if FAULT == "die_mid_migration":  # tests only: the KV announced, never sent
@@ -252,6 +253,7 @@ class RolloutRank:
         info["reprefill"] += self.engine.stats()["reprefill_tokens"] - before  # what the engine recomputes
         info["n_migrations"] += 1
         info["path"] += f">{self.instance}"
+        info["kv_s"] += self.now() - t  # received and imported
         self.info[meta["req_id"]] = info
         self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
                 nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}")

@@ -203,13 +203,12 @@ class TrainerRank:
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
                                          "version": t.version, "staleness": msg.step - t.version,
                                          "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
+        row = {"step": msg.step, "t_start": t_start, "t_end": self.now(), "loss": metrics["loss"],
+               "reward_mean": metrics["reward_mean"], "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
+               "tokens": metrics["tokens"], "weights_checksum": checksum, **{k: metrics[k] for k in STEP_STATS}}
         if self.lead:
-            self.log.append("steps", {"step": msg.step, "t_start": t_start, "t_end": self.now(),
-                                      "loss": metrics["loss"], "reward_mean": metrics["reward_mean"],
-                                      "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
-                                      "tokens": metrics["tokens"], "weights_checksum": checksum,
-                                      **{k: metrics[k] for k in STEP_STATS}})
+            self.log.append("steps", row)
         self.log.flush()
-        if self.lead:
-            self.comm.send(Published(version, checksum, {k: metrics[k] for k in ("loss", "reward_mean", "clip_frac")}),
+        if self.lead:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table
+            self.comm.send(Published(version, checksum, {k: v for k, v in row.items() if k != "weights_checksum"}),
                            0)

@@ -1,0 +1,144 @@
+"""Rank 0's metric sinks: one record per train step to TensorBoard event files and Weights & Biases.
+
+Invariants:
+- only rank 0 writes them, from the step records the orchestrator builds (``step_record``); the HDF5
+  logs stay the record of the run, and the sinks' scalars equal them;
+- a sink that fails (a full disk, wandb missing, no network) warns once, naming itself, and is dropped:
+  it never stops the run;
+- a resumed run continues the same TensorBoard directory and the same W&B run (its id is kept in
+  RUN_DIR/wandb-run-id), and its step axis continues at the resumed step: TensorBoard purges what an
+  earlier attempt wrote at or after that step, so no step is shown twice.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Protocol
+
+# the train-steps row's figures that are not scalars to plot
+NOT_SCALARS = ("step", "t_start", "t_end", "weights_checksum", "attempt")
+
+
+class Sink(Protocol):
+    name: str
+
+    def log(self, step: int, record: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+def step_record(train_row: dict, rollout: dict[str, float]) -> dict[str, float]:
+    """The record of one train step: the trainer's train-steps row as ``train/<column>`` (exactly the HDF5
+    table's values) and rank 0's figures as ``rollout/<name>`` and ``staleness/<name>``."""
+    out = {f"train/{k}": float(v) for k, v in train_row.items() if k not in NOT_SCALARS}
+    out |= {k if "/" in k else f"rollout/{k}": float(v) for k, v in rollout.items()}
+    return out
+
+
+class StepFigures:
+    """What rank 0 sees of the rollout side between two published steps, as the step record's
+    ``rollout/`` and ``staleness/`` figures."""
+
+    def __init__(self, now: float) -> None:
+        self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
+        self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
+
+    def on_done(self, response_len: int, kv_transfer_s: float) -> None:
+        self.tokens += response_len
+        self.kv_s += kv_transfer_s
+
+    def on_train(self, step: int, staleness: list[int]) -> None:
+        self.staleness[step] = staleness
+
+    def take(self, step: int, now: float, instances, queued: int, latest: int) -> dict[str, float]:
+        """The figures of train step ``step`` (published at ``now``); the counters start again."""
+        interval = max(now - self.t_last, 1e-9)
+        stale = self.staleness.pop(step, [])
+        targets = [x.target for x in instances if x.target is not None]
+        out = {"step_interval_s": interval, "tokens_per_s": self.tokens / interval, "migrations": self.migrations,
+               "kv_transfer_s": self.kv_s, "weight_loads": len(self.loads),
+               "weight_load_s": sum(self.loads) / len(self.loads) if self.loads else math.nan,
+               "versions_live": len(set(targets)), "queued": queued,
+               "staleness/mean": sum(stale) / len(stale) if stale else math.nan,
+               "staleness/max": max(stale, default=math.nan)}
+        out |= {f"instances_behind_{d}": targets.count(v) for d, v in
+                ((latest - v, v) for v in sorted(set(targets), reverse=True))}
+        out |= {f"staleness/groups_at_{s}": stale.count(s) for s in sorted(set(stale))}
+        self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
+        return out
+
+
+class TensorBoardSink:
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: events an earlier attempt wrote at or after the resumed step are hidden
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        for tag, value in record.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, cfg, config: dict, run_id: str) -> None:
+        import wandb
+
+        id_file = run_dir / "wandb-run-id"
+        wid = id_file.read_text().strip() if id_file.is_file() else f"{run_id}"
+        id_file.write_text(wid + "\n")
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(run_dir), id=wid,
+                              resume="allow", config=config, settings=wandb.Settings(silent=True))
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        self.run.log({k: v for k, v in record.items() if not math.isnan(v)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    """Every configured sink; ``log`` and ``close`` drop one that raises, with a single warning."""
+
+    def __init__(self, cfg, run_dir: Path, start_step: int, run_id: str) -> None:
+        self.sinks: list[Sink] = []
+        m = cfg.metrics
+        if m.tensorboard:
+            self._add(lambda: TensorBoardSink(run_dir, start_step), "tensorboard")
+        if m.wandb is not None and m.wandb.mode != "disabled":
+            self._add(lambda: WandbSink(run_dir, m.wandb, cfg.model_dump(mode="json"), run_id), "wandb")
+
+    def _add(self, build, name: str) -> None:
+        try:
+            self.sinks.append(build())
+        except Exception as e:  # noqa: BLE001 -- a sink must never stop the run
+            self._warn(name, e)
+
+    @staticmethod
+    def _warn(name: str, e: Exception) -> None:
+        print(f"dora-hpc: warning: metrics sink {name} failed and is switched off ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)
+
+    def _each(self, call) -> None:
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as e:  # noqa: BLE001
+                self.sinks.remove(sink)
+                self._warn(sink.name, e)
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        self._each(lambda s: s.log(step, record))
+
+    def close(self) -> None:
+        self._each(lambda s: s.close())
+        self.sinks = []
