@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .. import quiet_hf
 from ..config import RunConfig
+from ..runtime.dashboard import LiveView
 from ..runtime.roles import Roles
 
 
@@ -168,11 +169,14 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
             end_job()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    view = LiveView(tty=sys.stderr.isatty())
     try:
-        for line in proc.stdout:  # pass everything through
-            sys.stderr.write(line)
+        for line in proc.stdout:  # rank 0's status lines drive the panel; everything else passes through
+            if not view.feed(line):
+                sys.stderr.write(line)
         code = proc.wait()
     finally:
+        view.stop()  # before anything else is printed: the terminal is left clean, the cursor shown
         for s, h in previous.items():
             signal.signal(s, h)
         watcher.stop()

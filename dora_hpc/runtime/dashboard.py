@@ -1,71 +1,129 @@
-"""Rank 0's view of the run: a rich live dashboard on a terminal, one plain line per update otherwise.
+"""The run's live view: rank 0 describes its state, the launcher draws it on its own terminal.
 
-It only reads the policy's state and counters the orchestrator keeps; it never decides anything.
+Rank 0's stdout reaches the terminal only through mpiexec's pipes, so rank 0 never draws. On a terminal
+(``DORA_HPC_TTY=1``) it writes one status line (``MARKER`` + JSON) at most 4 times a second, which the
+launcher (launch/local.py) turns into a rich Live panel sized to its terminal, printing every other
+line of the job above it; otherwise (a log file, Slurm) rank 0 prints a plain status line every 2 s.
+
+It only reads the policy's state and the counters the orchestrator keeps; it never decides anything.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
-from rich.console import Console, Group
-from rich.live import Live
+from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
+MARKER = "\x1edora-status "  # starts a status line (ASCII record separator: never in a rank's own output)
+
+
+def status(orch) -> dict:
+    """What the dashboard shows, as plain data."""
+    t = orch.now()
+    return {"mode": orch.cfg.mode, "k": orch.cfg.dora.k if orch.cfg.mode == "dora" else None,
+            "step": orch.steps_done, "max_steps": orch.cfg.train.max_steps, "latest": orch.policy.latest,
+            "t": t, "tok_s": orch.finished_tokens / max(t, 1e-9),
+            "reward": orch.rewards[-1] if orch.rewards else None,
+            "instances": [[x.target, x.loading is not None, len(x.active)] for x in orch.policy.view.instances],
+            "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced),
+            "queued": {str(v): len(q) for v, q in sorted(orch.policy.view.queues.items()) if q},
+            "stale": {str(s): n for s, n in sorted(orch.stale.items())}}
+
+
+def _label(target: int | None, loading: bool, active: int) -> str:
+    return "-" if target is None else f"v{target}{'…' if loading else ''}·{active}"
+
+
+def line(s: dict) -> str:
+    """One plain status line (logs, Slurm)."""
+    inst = " ".join(_label(*x) for x in s["instances"])
+    reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
+    return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
+            f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} | reward {reward}")
+
+
+def panel(s: dict):
+    """The live panel: a few lines that wrap to any width (80x24 and up)."""
+    head = Text()
+    head.append(f"dora-hpc {s['mode']}" + (f" K={s['k']}" if s["k"] is not None else ""), style="bold")
+    reward = "-" if s["reward"] is None else f"{s['reward']:.3f}"
+    head.append(f"  step {s['step']}/{s['max_steps']}  latest v{s['latest']}  {s['tok_s']:,.0f} tok/s  "
+                f"reward {reward}  {s['t']:,.0f} s")
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=max(s["max_steps"], 1), completed=s["step"], width=40),
+                f"{100 * s['step'] / max(s['max_steps'], 1):.0f}%")
+    inst = Text("instances (version·live requests, … loading): ", style="dim")
+    for i, (target, loading, active) in enumerate(s["instances"]):
+        gone = i in s["fenced"]
+        inst.append(f"{i}:", style="dim")
+        inst.append("fenced" if gone else _label(target, loading, active),
+                    style="red strike" if gone else ("dim" if target is None else COLORS[target % len(COLORS)]))
+        inst.append("  ")
+    queued = "  ".join(f"v{v}: {n}" for v, n in s["queued"].items()) or "-"
+    stale = "  ".join(f"{k}: {n}" for k, n in s["stale"].items()) or "-"
+    return Group(head, bar, inst, Text(f"queued per version: {queued}"),
+                 Text(f"staleness of consumed groups (staleness: groups): {stale}"))
 
 
 class Dashboard:
-    def __init__(self, live: bool, max_steps: int) -> None:
-        self.max_steps = max_steps
-        self.live = Live(console=Console(force_terminal=True), refresh_per_second=4, transient=False) if live else None
-        if self.live:
-            self.live.start()
-        self.last_line = 0.0
+    """Rank 0's side: status lines for the launcher's panel on a terminal, plain lines otherwise."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+        self.last = 0.0
 
     def update(self, orch, force: bool = False) -> None:
-        if self.live:
-            self.live.update(self.render(orch))
-        elif force or time.time() - self.last_line >= 2.0:
-            self.last_line = time.time()
-            print(self.line(orch), file=sys.stderr, flush=True)
+        every = 0.25 if self.tty else 2.0
+        if not force and time.time() - self.last < every:
+            return
+        self.last = time.time()
+        s = status(orch)
+        if self.tty:  # one write: hydra forwards it whole, never interleaved with another rank's line
+            os.write(sys.stdout.fileno(), (MARKER + json.dumps(s) + "\n").encode())
+        else:
+            print(line(s), file=sys.stderr, flush=True)
 
     def close(self, orch) -> None:
-        if self.live:
-            self.live.update(self.render(orch))
+        self.update(orch, force=True)
+
+
+class LiveView:
+    """The launcher's side: rank 0's status lines redrawn in place as a rich Live panel on the launcher's
+    own terminal (its real size; every other line of the job printed above it). Without a terminal the
+    status lines are dropped (rank 0 then writes none). ``stop`` leaves the last panel and the cursor."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+        self.live = None
+
+    def feed(self, raw: str) -> bool:
+        """Whether ``raw`` was a status line (shown, or dropped if garbled), not a line to pass on."""
+        if not raw.startswith(MARKER):
+            return False
+        try:
+            view = panel(json.loads(raw[len(MARKER):]))
+        except (ValueError, KeyError, TypeError):
+            return True
+        if not self.tty:
+            return True
+        if self.live is None:
+            from rich.console import Console
+            from rich.live import Live
+
+            self.live = Live(view, console=Console(stderr=True), refresh_per_second=4, transient=False)
+            self.live.start()
+        else:
+            self.live.update(view)
+        return True
+
+    def stop(self) -> None:
+        if self.live is not None:
             self.live.stop()
-
-    @staticmethod
-    def _instances(orch) -> list[tuple[str, str]]:
-        out = []
-        for x in orch.policy.view.instances:
-            v = x.target
-            label = "-" if v is None else f"v{v}{'…' if x.loading is not None else ''}·{len(x.active)}"
-            out.append((label, "dim" if v is None else COLORS[v % len(COLORS)]))
-        return out
-
-    def line(self, orch) -> str:
-        inst = " ".join(label for label, _ in self._instances(orch))
-        queued = {v: len(q) for v, q in orch.policy.view.queues.items() if q}
-        t = orch.now()
-        reward = orch.rewards[-1] if orch.rewards else float("nan")
-        return (f"[{t:7.1f}s] step {orch.steps_done}/{self.max_steps} latest v{orch.policy.latest} | "
-                f"instances {inst} | queued {queued or '-'} | {orch.finished_tokens / max(t, 1e-9):.0f} tok/s | "
-                f"staleness {dict(sorted(orch.stale.items()))} | reward {reward:.3f}")
-
-    def render(self, orch):
-        t = orch.now()
-        head = Table.grid(padding=(0, 2))
-        head.add_row(Text(f"dora-hpc {orch.cfg.mode}", style="bold"), f"step {orch.steps_done}/{self.max_steps}",
-                     f"latest v{orch.policy.latest}", f"{orch.finished_tokens / max(t, 1e-9):,.0f} tok/s",
-                     f"reward {orch.rewards[-1]:.3f}" if orch.rewards else "reward -", f"{t:,.0f}s")
-        inst = Text("instances (version·live requests, … = loading): ")
-        for label, style in self._instances(orch):
-            inst.append(label + " ", style=style)
-        queued = {v: len(q) for v, q in orch.policy.view.queues.items() if q}
-        stale = ", ".join(f"{s}: {orch.stale[s]}" for s in sorted(orch.stale)) or "-"
-        return Group(head, inst, Text(f"queued per version: {queued or '-'}"),
-                     Text(f"staleness of consumed groups (staleness: groups): {stale}"),
-                     ProgressBar(total=self.max_steps, completed=orch.steps_done, width=60))
+            self.live = None

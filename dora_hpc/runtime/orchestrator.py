@@ -92,7 +92,7 @@ class Orchestrator:
         self.finished_tokens = 0
         self.stale = Counter()
         self.rewards: list[float] = []
-        self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1", cfg.train.max_steps)
+        self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1")  # the launcher draws it
         self.stop = stop or threading.Event()  # set by a signal handler: checkpoint, then end the run
         self.ckpt: dict | None = None    # the checkpoint in flight: version, rollout ranks flushed
         self.last_ckpt = -1              # version of the last committed checkpoint
