@@ -362,8 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.set_defaults(func=cmd_analyze)
     from .evaluate import add_parser as add_eval
+    from .export import add_parser as add_export
 
     add_eval(sub)
+    add_export(sub)
     b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
     b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "

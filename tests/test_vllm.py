@@ -252,3 +252,37 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
     with pytest.raises(RequestError, match="tensor-parallel size"):
         b.import_({**meta, "version": 1}, kv)
     assert not b.has_request(513)
+
+
+def test_an_exported_checkpoint_generates_in_vllm_as_the_builtin_engine_does(tmp_path):
+    """``dora-hpc export`` of a real run's last checkpoint is a model folder vLLM loads as any model:
+    greedy tokens equal the built-in engine's on the checkpoint's weights."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dora_hpc.engine.engine import Engine
+    from dora_hpc.engine.vllm import VllmEngine
+
+    repo, run_dir, out = Path(__file__).resolve().parents[1], tmp_path / "run", tmp_path / "hf"
+    cli = [sys.executable, "-m", "dora_hpc.cli"]
+    p = subprocess.run([*cli, "run", "configs/tiny-cpu.yaml", "--set", "mode=sync", "--set", "train.max_steps=2",
+                        "--set", "train.lr=0.01", "--set", "batch.tbs=4", "--run-dir", str(run_dir)], cwd=repo,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([*cli, "export", str(run_dir), "--out", str(out)], cwd=repo, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    model_dir = Path(json.loads((run_dir / "launch.json").read_text())["model_dir"])
+    builtin = Engine(model_dir, kv_blocks=64, block_size=16, max_num_seqs=8, max_batched_tokens=512, seed=0)
+    builtin.load_weights(load_file(run_dir / "checkpoints" / "step-2" / "weights.safetensors"), version=2)
+    served = VllmEngine(out, kv_blocks=64, max_num_seqs=8, seed=0, version=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for eng in (builtin, served):
+        for i, prompt in enumerate(prompts()):
+            eng.add(i, prompt, greedy, 2)
+    want, got = run_all(builtin), run_all(served)
+    assert {i: list(f.output) for i, f in got.items()} == {i: list(f.output) for i, f in want.items()}
