@@ -162,13 +162,21 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     from .analysis.basic import analyze
+    from .analysis.report import summary_rows, write_html
     from .store.shards import ShardError
 
     results = []
+    figures = Path(args.plots) if args.plots else None
+    tmp = None
+    if args.html and figures is None:  # the page needs figures: drawn aside, then inlined
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory()
+        figures = Path(tmp.name)
     for run_dir in args.run_dirs:
         plots = None
-        if args.plots:
-            plots = Path(args.plots) / Path(run_dir).name if len(args.run_dirs) > 1 else Path(args.plots)
+        if figures is not None:
+            plots = figures / Path(run_dir).name if len(args.run_dirs) > 1 else figures
         try:
             with warnings.catch_warnings():  # each skipped shard is named below, on one line
                 warnings.simplefilter("ignore")
@@ -180,37 +188,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     table.add_column("figure")
     for r in results:
         table.add_column(f"{r['run_dir']} ({r['mode']})", justify="right")
-    rows = [("train steps", "steps"), ("trajectories logged", "trajectories"), ("trajectories trained on", "consumed"),
-            ("max staleness", lambda r: r["staleness"]["max"]),
-            ("mean staleness", lambda r: f"{r['staleness']['mean']:.2f}"),
-            ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
-            ("dropped groups", "dropped_groups"), ("filtered groups (equal rewards)", "filtered_groups"),
-            ("reward errors", "reward_errors"),
-            ("fenced rollout ranks (hung; work started again elsewhere)",
-             lambda r: ", ".join(f"r{f['rank']} ({f['started_again']} trajectories)" for f in r["fenced"]) or "-"),
-            ("max versions live at once", "max_live_versions"),
-            ("slot utilization", lambda r: f"{r['slot_utilization']:.3f}"),
-            ("bubble fraction (1 - slot utilization)", lambda r: f"{r['bubble_fraction']:.3f}"),
-            ("inter-instance bubble (C.3)", lambda r: f"{r['inter_instance_bubble']:.3f}"),
-            ("rollout-only fraction", lambda r: f"{r['rollout_only_fraction']:.3f}"),
-            ("trained tokens / s", lambda r: f"{r['throughput_tokens_per_s']:.1f}"),
-            ("overheads, % of instance time", lambda r: ", ".join(f"{k} {100 * v:.2f}" for k, v in
-                                                                 r["overheads"].items()) or "-"),
-            ("reward first -> last step", lambda r: f"{r['reward_by_step'][0]:.3f} -> {r['reward_by_step'][-1]:.3f}"
-             if r["reward_by_step"] else "-"),
-            ("importance weight pi_prox/pi_behaviour, mean / max",
-             lambda r: f"{r['is_weight']['mean']:.3f} / {r['is_weight']['max']:.2f}" if r["is_weight"]["mean"]
-             is not None else "-"),
-            ("entropy of sampled tokens, first -> last step",
-             lambda r: f"{r['entropy']['first']:.3f} -> {r['entropy']['last']:.3f}" if r["entropy"]["first"]
-             is not None else "-"),
-            ("logprob gap rollout vs trainer, max (on-policy tokens)",
-             lambda r: f"{r['logprob_gap']['max']:.2e} ({r['logprob_gap']['tokens']})"
-             if r["logprob_gap"]["max"] is not None else "-")]
-    rows += [(f"invariant: {k}", lambda r, k=k: r["invariants"][k])
-             for k in results[0]["invariants"] if k != "offenders"]
-    for label, key in rows:
-        table.add_row(label, *[str(key(r) if callable(key) else r[key]) for r in results])
+    for label, values in summary_rows(results):
+        table.add_row(label, *values)
     console.print(table)
     for r in results:  # a run still going, or killed, has incomplete logs: say what was left out
         if r["missing"]:
@@ -220,6 +199,11 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         out = results[0] if len(results) == 1 else {"runs": results}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"wrote {args.json}")
+    if args.html:
+        write_html(Path(args.html), results)
+        console.print(f"wrote {args.html} (one self-contained page: open it in any browser)")
+    if tmp is not None:
+        tmp.cleanup()
     return 0
 
 
@@ -360,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
+    a.add_argument("--html", metavar="OUT.html", help="write one self-contained page: the table, every figure "
+                   "inline, the invariants' offenders")
     a.set_defaults(func=cmd_analyze)
     from .evaluate import add_parser as add_eval
     from .export import add_parser as add_export

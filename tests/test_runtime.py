@@ -190,8 +190,12 @@ def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     from dora_hpc.cli import main
 
     out = tmp_path / "cmp.json"
-    assert main(["analyze", str(run_dir), str(run_dir), "--json", str(out)]) == 0
+    page = tmp_path / "report.html"
+    assert main(["analyze", str(run_dir), str(run_dir), "--json", str(out), "--html", str(page)]) == 0
     assert [r["steps"] for r in json.loads(out.read_text())["runs"]] == [3, 3]
+    text = page.read_text()  # one self-contained page: both runs' table columns and inline figures only
+    assert text.count("<th>" + str(run_dir)) == 2 and "invariant: lost_groups" in text
+    assert text.count("src='data:image/png;base64,") >= 8 and "src='http" not in text and "href=" not in text
     assert main(["analyze", str(tmp_path / "missing")]) == 2
 
 
