@@ -178,8 +178,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         if figures is not None:
             plots = figures / Path(run_dir).name if len(args.run_dirs) > 1 else figures
         try:
-            with warnings.catch_warnings():  # each skipped shard is named below, on one line
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(), Console(stderr=True).status(f"analyze {run_dir}"):
+                warnings.simplefilter("ignore")  # each skipped shard is named below, on one line
                 results.append(analyze(run_dir, plots))
         except ShardError as e:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {escape(str(e))}", highlight=False)
@@ -224,7 +224,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         from .bench.analysis_bench import bench_analysis
 
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, Console(stderr=True).status(
+                f"bench analysis: writing and analysing {args.trajectories:,} trajectories"):
             s = bench_analysis(Path(args.out), args.trajectories, Path(tmp) / "run")
         console.print(f"analyze on {s['trajectories']:,} synthetic trajectories ({s['steps']:,} steps): "
                       f"{s['analyze_s']:.1f} s, peak RSS {s['peak_rss_mib']:.0f} MiB; invariants "

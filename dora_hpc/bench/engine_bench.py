@@ -74,36 +74,42 @@ def bench_engine(models: dict[str, Path], out: Path, repeats: int = 3, console=N
 
     cases = [("equal", 1), ("equal", 16), ("equal", 64), ("longtail", 64)]
     result: dict = {"torch_threads": torch.get_num_threads(), "repeats": repeats, "models": {}}
-    for name, folder in models.items():
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        vocab = hf.config.vocab_size
-        rows = {}
-        vllm = start_vllm(folder, max(b for _, b in cases))  # KV for the largest batch at 320 tokens each
-        for kind, batch in cases:
-            prompts, lens = workload(kind, vocab, batch)
-            run_builtin(folder, prompts[:1], [4])  # warm up every backend
-            run_hf(hf, prompts[:1], [4])
-            a, b, c = [], [], []
-            for _ in range(repeats):  # interleaved A B (C) A B (C)
-                a.append(run_builtin(folder, prompts, lens))
-                b.append(run_hf(hf, prompts, lens))
-                if vllm is not None:
-                    c.append(run_backend(vllm, prompts, lens))
-            key = f"{kind}-b{batch}"
-            rows[key] = {"builtin_tokens_per_s": statistics.median(a), "hf_generate_tokens_per_s": statistics.median(b),
-                         "ratio": statistics.median(x / y for x, y in zip(a, b, strict=True)),
-                         "useful_tokens": sum(lens), "p50_len": float(np.median(lens)),
-                         "p99_len": float(np.percentile(lens, 99)), "max_len": max(lens)}
-            if c:
-                rows[key]["vllm_tokens_per_s"] = statistics.median(c)
-                rows[key]["vllm_ratio_to_hf"] = statistics.median(z / y for z, y in zip(c, b, strict=True))
-            if console:
-                r = rows[key]
-                console.print(f"{name} {key}: built-in {r['builtin_tokens_per_s']:,.0f} tok/s, HF generate "
-                              f"{r['hf_generate_tokens_per_s']:,.0f} tok/s -> {r['ratio']:.2f}x"
-                              + (f"; vLLM {r['vllm_tokens_per_s']:,.0f} tok/s ({r['vllm_ratio_to_hf']:.2f}x HF)"
-                                 if c else ""))
-        result["models"][name] = rows
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as bar:
+        job = bar.add_task("engine bench", total=len(models) * len(cases))
+        for name, folder in models.items():
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            vocab = hf.config.vocab_size
+            rows = {}
+            vllm = start_vllm(folder, max(b for _, b in cases))  # KV for the largest batch at 320 tokens each
+            for kind, batch in cases:
+                prompts, lens = workload(kind, vocab, batch)
+                run_builtin(folder, prompts[:1], [4])  # warm up every backend
+                run_hf(hf, prompts[:1], [4])
+                a, b, c = [], [], []
+                for _ in range(repeats):  # interleaved A B (C) A B (C)
+                    a.append(run_builtin(folder, prompts, lens))
+                    b.append(run_hf(hf, prompts, lens))
+                    if vllm is not None:
+                        c.append(run_backend(vllm, prompts, lens))
+                key = f"{kind}-b{batch}"
+                bar.update(job, advance=1, description=f"engine bench: {name} {key}")
+                rows[key] = {"builtin_tokens_per_s": statistics.median(a),
+                             "hf_generate_tokens_per_s": statistics.median(b),
+                             "ratio": statistics.median(x / y for x, y in zip(a, b, strict=True)),
+                             "useful_tokens": sum(lens), "p50_len": float(np.median(lens)),
+                             "p99_len": float(np.percentile(lens, 99)), "max_len": max(lens)}
+                if c:
+                    rows[key]["vllm_tokens_per_s"] = statistics.median(c)
+                    rows[key]["vllm_ratio_to_hf"] = statistics.median(z / y for z, y in zip(c, b, strict=True))
+                if console:
+                    r = rows[key]
+                    console.print(f"{name} {key}: built-in {r['builtin_tokens_per_s']:,.0f} tok/s, HF generate "
+                                  f"{r['hf_generate_tokens_per_s']:,.0f} tok/s -> {r['ratio']:.2f}x"
+                                  + (f"; vLLM {r['vllm_tokens_per_s']:,.0f} tok/s ({r['vllm_ratio_to_hf']:.2f}x HF)"
+                                     if c else ""))
+            result["models"][name] = rows
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "engine.png")
