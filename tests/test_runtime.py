@@ -130,6 +130,15 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     p = subprocess.run(CLI + ["eval", str(run_dir), "--n", "3", "--samples", "0", "--json", str(tmp_path / "e.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and json.loads((tmp_path / "e.json").read_text())["step"] == 8, p.stderr[-2000:]
+    # ... and what `dora-hpc export` writes as a Hugging Face folder, with exactly the checkpoint's weights
+    p = subprocess.run(CLI + ["export", str(run_dir), "--out", str(tmp_path / "hf")], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    exported, saved = load_file(tmp_path / "hf" / "model.safetensors"), load_file(
+        run_dir / "checkpoints" / "step-8" / "weights.safetensors")
+    assert all(torch.equal(exported[k], saved[k]) for k in exported if k in saved) and len(exported) >= len(saved) - 1
 
 
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("fsdp", 2), pytest.param("megatron", 2, marks=(
