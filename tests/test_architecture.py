@@ -19,7 +19,7 @@ def test_no_mode_name_is_compared_outside_core_and_config():
     found = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
-        if rel.startswith("core/") or rel == "config.py":
+        if rel.startswith(("core/", "config/")):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if any(p.search(line) for p in COMPARE):
@@ -54,3 +54,72 @@ def test_build_policy_is_where_a_run_config_becomes_a_policy_config():
         assert p.name == mode and p.cfg.n_instances == 3 and p.cfg.tbs == 4 and p.cfg.k == 3
         assert p.cfg.rbs == (6 if traits_of(mode, 3).uses_rbs else 4)
     assert build_policy(cfg, 2).name == cfg.mode
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in it (a lazy import inside a function counts)."""
+    import ast
+
+    def name(p: Path) -> str:
+        parts = list(p.with_suffix("").relative_to(PKG.parent).parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    mods = {name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
+        graph[mod] = {d for d in deps if d in mods and d != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                comp.append(w := stack.pop())
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    graph = import_graph()
+    assert "dora_hpc.train.backend" in graph["dora_hpc.train.fsdp"]  # the walker sees relative imports
+    assert cycles(graph) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_file_over_400_lines():
+    long = {p.relative_to(PKG).as_posix(): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

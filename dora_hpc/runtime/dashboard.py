@@ -27,7 +27,8 @@ MARKER = "\x1edora-status "  # starts a status line (ASCII record separator: nev
 def status(orch) -> dict:
     """What the dashboard shows, as plain data."""
     t = orch.now()
-    return {"mode": orch.cfg.mode, "k": orch.cfg.dora.k if orch.cfg.mode == "dora" else None,
+    bound = orch.policy.traits(orch.cfg.dora.k).staleness_bound  # None: unbounded (partial rollout)
+    return {"mode": orch.cfg.mode, "k": bound,
             "step": orch.steps_done, "max_steps": orch.cfg.train.max_steps, "latest": orch.policy.latest,
             "t": t, "tok_s": orch.finished_tokens / max(t, 1e-9),
             "reward": orch.rewards[-1] if orch.rewards else None,

@@ -1,8 +1,10 @@
 """Trainer backends: where the policy's weights live and how the trainer ranks' gradients meet. The GRPO
-objective (grpo.py) is written once against this interface; ``build_backend`` picks one by name.
+objective (grpo.py) is written once against ``TrainBackend``; ``build_backend`` builds one by name from
+``BACKENDS`` (the one place a backend plugs in). Every backend goes through ``TrainBackend.__init__``;
+the configuration's checks (which backend takes tensor parallelism or bf16) live in config.py alone.
 
 * ``torch``: every trainer rank holds the whole model and optimizer; gradients are summed over the ranks
-  in flat buckets (``DataParallel.sum_grads_``), so replicas stay bit-identical;
+  in flat buckets (``DataParallel.sum_grads_``), so replicas stay bit-identical; see replicated.py;
 * ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state are
   sharded over the trainer ranks (gloo on CPU, NCCL on GPUs); see fsdp.py;
 * ``megatron``: megatron-core's GPTModel, tensor-parallel over the trainer ranks; see megatron.py.
@@ -22,6 +24,8 @@ Invariants every backend keeps:
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -30,34 +34,53 @@ import torch
 from .dp import DataParallel
 
 BackendName = Literal["torch", "fsdp", "megatron"]
+# name -> "module:class"; imported when chosen (megatron-core is an optional extra)
+BACKENDS: dict[str, str] = {"torch": "dora_hpc.train.replicated:ReplicatedBackend",
+                            "fsdp": "dora_hpc.train.fsdp:FSDPBackend",
+                            "megatron": "dora_hpc.train.megatron:MegatronBackend"}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """``activation_checkpointing``: every decoder layer keeps only its input for backward and recomputes
+    the rest (memory grows with layers x tokens instead of everything; the gradient is the same).
+    ``mixed_precision="bf16"``: float32 master weights, gradients and optimizer state, bfloat16 compute.
+    ``tensor_parallel``: megatron's TP size (default: every trainer rank). ``reference``: also hold the
+    frozen initial weights, for a KL penalty."""
+    reference: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: Literal["no", "bf16"] = "no"
+    tensor_parallel: int | None = None
 
 
 class TrainBackend:
-    """The replicated backend (``torch``): the whole model on every rank, gradients summed over the ranks."""
+    """The interface. ``__init__`` is the one constructor path: ``setup`` (process groups, meshes, the
+    backend's own configuration), then ``load`` for the policy (in train mode) and, when asked, the
+    frozen reference, then ``loaded``."""
 
-    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 activation_checkpointing: bool = False, mixed_precision: str = "no") -> None:
-        self.dp = dp
-        # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
-        self.mixed_precision = mixed_precision
-        self.autocast = mixed_precision == "bf16"
-        self.device = dp.device
+    def __init__(self, model_dir: str | Path, dp: DataParallel, opts: BackendOptions = BackendOptions()) -> None:
+        self.dp, self.opts, self.device = dp, opts, dp.device
+        self.mixed_precision = opts.mixed_precision
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = self._load(model_dir)
+        self.setup(model_dir)
+        self.model = self.load(model_dir)
         self.model.train()
-        if activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref = None
-        if reference:  # the frozen initial weights, for a KL penalty
-            self.ref = self._load(model_dir).eval()
+        if opts.reference:
+            self.ref = self.load(model_dir).eval()
             self.ref.requires_grad_(False)
+        self.loaded()
 
-    def _load(self, model_dir: str | Path) -> torch.nn.Module:
-        """The whole float32 model on this rank's device (sharded backends load their own way)."""
-        from transformers import AutoModelForCausalLM
+    # -- what a backend provides -----------------------------------------------------------------
+    def setup(self, model_dir: str | Path) -> None:
+        """Before any model is built."""
 
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+    def load(self, model_dir: str | Path) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def loaded(self) -> None:
+        """After the policy (and reference) are built."""
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
@@ -72,37 +95,29 @@ class TrainBackend:
         return samples
 
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        model = self.ref if reference else self.model
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
-        return out.logits.float()
+        raise NotImplementedError
 
     def micro_batches(self, n_local: int) -> int:
-        """How many micro-batches this rank runs, given it has data for ``n_local`` (replicas need not agree)."""
-        return n_local
+        """How many micro-batches this rank runs, given it has data for ``n_local``."""
+        raise NotImplementedError
 
     def finish_grads(self) -> None:
-        self.dp.sum_grads_(self.parameters())
+        raise NotImplementedError
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))
+        raise NotImplementedError
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        raise NotImplementedError
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        check_fit(missing, unexpected)
+        raise NotImplementedError
 
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return detached_copy(get_optimizer_state_dict(self.model, opt))
+        raise NotImplementedError
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.model, opt, state)
+        raise NotImplementedError
 
 
 def detached_copy(x):
@@ -122,26 +137,9 @@ def check_fit(missing: list[str], unexpected: list[str]) -> None:
         raise ValueError(f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}")
 
 
-def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                  tensor_parallel: int | None = None, activation_checkpointing: bool = False,
-                  mixed_precision: str = "no") -> TrainBackend:
-    """``activation_checkpointing``: every decoder layer keeps only its input for backward and recomputes
-    the rest (memory grows with layers x tokens instead of everything; the gradient is the same).
-    ``mixed_precision="bf16"``: float32 master weights, gradients and optimizer state, bfloat16 compute
-    (torch: autocast; fsdp: FSDP2's MixedPrecisionPolicy, bf16 all-gathers, float32 reduce-scatters)."""
-    if tensor_parallel is not None and name != "megatron":
-        raise ValueError(f"train.tensor_parallel is for the megatron backend, not {name}")
-    if mixed_precision not in ("no", "bf16") or (mixed_precision == "bf16" and name == "megatron"):
-        raise ValueError(f"train.mixed_precision={mixed_precision!r}: 'no', or 'bf16' with the torch or fsdp "
-                         "backend (megatron's needs its distributed optimizer, not wired here)")
-    if name == "torch":
-        return TrainBackend(model_dir, dp, reference, activation_checkpointing, mixed_precision)
-    if name == "fsdp":
-        from .fsdp import FSDPBackend
-
-        return FSDPBackend(model_dir, dp, reference, activation_checkpointing, mixed_precision)
-    if name == "megatron":
-        from .megatron import MegatronBackend
-
-        return MegatronBackend(model_dir, dp, reference, tensor_parallel, activation_checkpointing)
-    raise ValueError(f"train.backend: unknown trainer backend {name!r} (torch, fsdp or megatron)")
+def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel,
+                  opts: BackendOptions = BackendOptions()) -> TrainBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"train.backend: unknown trainer backend {name!r} ({', '.join(BACKENDS)})")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(model_dir, dp, opts)

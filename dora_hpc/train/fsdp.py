@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .backend import TrainBackend, check_fit, detached_copy
-from .dp import DataParallel
+from .backend import check_fit, detached_copy
+from .replicated import ReplicatedBackend
 
 
 def _shard(model: torch.nn.Module, mesh, bf16: bool = False) -> torch.nn.Module:
@@ -41,17 +41,18 @@ def _shard(model: torch.nn.Module, mesh, bf16: bool = False) -> torch.nn.Module:
     return model
 
 
-class FSDPBackend(TrainBackend):
-    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 activation_checkpointing: bool = False, mixed_precision: str = "no") -> None:
+class FSDPBackend(ReplicatedBackend):
+    """The replicated backend's objective-facing methods over a sharded model (it shares ``logits`` and
+    activation checkpointing; FSDP2 casts the gathered parameters itself, so there is no autocast)."""
+
+    def setup(self, model_dir: str | Path) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dp.ensure_process_group()
-        self.mesh = init_device_mesh(dp.device.type, (dp.size,), mesh_dim_names=("dp_shard",))
-        super().__init__(model_dir, dp, reference, activation_checkpointing, mixed_precision)
-        self.autocast = False  # FSDP2 casts the gathered parameters itself
+        self.dp.ensure_process_group()
+        self.mesh = init_device_mesh(self.dp.device.type, (self.dp.size,), mesh_dim_names=("dp_shard",))
+        self.autocast = False
 
-    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+    def load(self, model_dir: str | Path) -> torch.nn.Module:
         """The sharded model: built on the meta device, sharded, its shards allocated on this rank's device
         and filled from rank 0's copy of the checkpoint."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

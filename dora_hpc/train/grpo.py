@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from .backend import BackendName, build_backend
+from .backend import BackendName, BackendOptions, build_backend
 from .dp import DataParallel
 from .losses import LossConfig, aggregate, k3, policy_loss
 
@@ -138,9 +138,9 @@ class GRPOTrainer:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.dp = dp or DataParallel()
-        self.backend = build_backend(backend, model_dir, self.dp, reference=cfg.kl_coef > 0,
-                                     tensor_parallel=tensor_parallel, activation_checkpointing=activation_checkpointing,
-                                     mixed_precision=mixed_precision)
+        self.backend = build_backend(backend, model_dir, self.dp, BackendOptions(
+            reference=cfg.kl_coef > 0, activation_checkpointing=activation_checkpointing,
+            mixed_precision=mixed_precision, tensor_parallel=tensor_parallel))
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 

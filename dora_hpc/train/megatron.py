@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit
-from .dp import DataParallel
 
 
 def _cpu_shims() -> None:
@@ -87,17 +86,14 @@ def local_spec_bridge(hf_config):
 
 
 class MegatronBackend(TrainBackend):
-    def __init__(self, model_dir: str | Path, dp: DataParallel, reference: bool = False,
-                 tensor_parallel: int | None = None, activation_checkpointing: bool = False) -> None:
+    def setup(self, model_dir: str | Path) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
         from transformers import AutoConfig
 
+        dp = self.dp
         dp.ensure_process_group()
-        self.dp = dp
-        self.tp = tensor_parallel or dp.size
-        if self.tp < 1 or dp.size % self.tp:
-            raise ValueError(f"train.tensor_parallel={self.tp} must divide the {dp.size} trainer ranks")
+        self.tp = self.opts.tensor_parallel or dp.size  # config.py checks that it divides the trainer ranks
         on_gpu = dp.backend == "nccl"
         if not on_gpu:
             _cpu_shims()
@@ -111,23 +107,18 @@ class MegatronBackend(TrainBackend):
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
         self.replicas = dist.get_world_size(self.dp_group)
-        self.device = dp.device
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.bridge = local_spec_bridge(self.hf_config)
-        if activation_checkpointing:  # megatron's full recompute, one layer per checkpoint
+        if self.opts.activation_checkpointing:  # megatron's full recompute, one layer per checkpoint
             self.bridge.set_extra_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        self.model = self._build(model_dir)
-        self.model.train()
-        self.ref = None
-        if reference:
-            self.ref = self._build(model_dir).eval()
-            self.ref.requires_grad_(False)
+
+    def loaded(self) -> None:
         self.global_names = self.bridge._weight_name_mapping_mcore_local_to_global(self.model)
         self.params = dict(self.model.named_parameters())
         # each parameter's Hugging Face tensors (fused QKV and gate/up are several)
         self.hf_names = {n: self.bridge._weight_name_mapping_mcore_to_hf(self.global_names[n]) for n in self.params}
 
-    def _build(self, model_dir):
+    def load(self, model_dir: str | Path) -> torch.nn.Module:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -162,6 +153,10 @@ class MegatronBackend(TrainBackend):
         pos = torch.arange(n, device=self.device)[None].expand(b, -1)
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=self.device), 1)[None, None]
         return model(ids.to(self.device), pos, causal).float()
+
+    def micro_batches(self, n_local: int) -> int:
+        """TP peers hold the same union of samples; replicas (data-parallel) sum gradients after backward."""
+        return n_local
 
     def finish_grads(self) -> None:
         if self.replicas > 1:

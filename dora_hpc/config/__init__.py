@@ -11,20 +11,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from .core.policies import MODES, traits_of
+from ..core.policies import MODES, traits_of
+from .base import ConfigError, Section
+from .sim import HardwareSpec, LengthDist, ModelSpec, SimConfig, WorkloadConfig
+from .slurm import SlurmComponent, SlurmConfig
+
+__all__ = ["ConfigError", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section", "SimConfig",
+           "SlurmComponent", "SlurmConfig", "WorkloadConfig", "load_config", "parse_overrides", "validate",
+           "with_overrides"]
 
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
 Placement = Literal["colocated", "disaggregated"]
-
-
-class ConfigError(ValueError):
-    """A bad config file or override; the message names the key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class BatchConfig(Section):
@@ -50,26 +49,6 @@ class DoraConfig(Section):
     legacy_topup: bool = True
     kv_threshold: float = Field(0.9, gt=0, le=1)
     rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
-
-
-class LengthDist(Section):
-    """Lognormal token lengths: median * exp(sigma * N(0,1)), clipped to [min, max]."""
-
-    median: float = Field(gt=0)
-    sigma: float = Field(0.0, ge=0)
-    max: int = Field(gt=0)
-    min: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> LengthDist:
-        if not self.min <= self.median <= self.max:
-            raise ValueError(f"need min <= median <= max, got {self.min}, {self.median}, {self.max}")
-        return self
-
-
-class WorkloadConfig(Section):
-    prompt_len: LengthDist = LengthDist(median=128, sigma=0.3, max=512)
-    response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
 
 
 DEFAULT_PLACEMENT: dict[str, str] = {m: traits_of(m, 0).placement for m in MODES}  # each policy's own
@@ -276,87 +255,6 @@ class RuntimeConfig(Section):
             raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least 3 heartbeat_s "
                              f"({self.heartbeat_s}): a rank that is merely slow would be declared hung")
         return self
-
-
-class ModelSpec(Section):
-    """The policy model as the simulator's cost model sees it."""
-
-    params_b: float = Field(0.5, gt=0, description="parameters, billions")
-    layers: int = Field(24, ge=1)
-    hidden: int = Field(896, ge=1, description="hidden size (attention FLOPs of prefill)")
-    kv_heads: int = Field(2, ge=1)
-    head_dim: int = Field(64, ge=1)
-    bytes_per_param: int = Field(2, ge=1)
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params_b * 1e9 * self.bytes_per_param
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
-
-
-class HardwareSpec(Section):
-    """One accelerator and its links (the simulator's roofline)."""
-
-    hbm_gbps: float = Field(3350, gt=0, description="HBM bandwidth per accelerator, GB/s")
-    peak_tflops: float = Field(989, gt=0, description="dense bf16 peak per accelerator, TFLOP/s")
-    hbm_gb: float = Field(80, gt=0, description="memory per accelerator, GB")
-    decode_bw_efficiency: float = Field(0.7, gt=0, le=1)
-    prefill_mfu: float = Field(0.5, gt=0, le=1)
-    train_mfu: float = Field(0.3, gt=0, le=1)
-    step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
-    kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
-    weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
-    host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")
-    colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
-
-
-class SimConfig(Section):
-    steps: int = Field(20, ge=2, description="train steps to simulate")
-    warmup_steps: int = Field(2, ge=1, description="steps excluded from the measured window")
-    tick_s: float = Field(10.0, gt=0, description="temporal rebalancing trigger period, seconds")
-    model: ModelSpec = ModelSpec()
-    hardware: HardwareSpec = HardwareSpec()
-
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> SimConfig:
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
-        return self
-
-
-class SlurmComponent(Section):
-    """Resources of one component of the heterogeneous job (0: orchestrator + trainers, 1: rollout)."""
-
-    nodes: int | None = Field(None, ge=1)
-    cpus_per_task: int = Field(1, ge=1)
-    gpus_per_node: int | None = Field(None, ge=0)
-    mem_gb: float | None = Field(None, gt=0)
-    partition: str | None = None   # default: slurm.partition
-    constraint: str | None = None  # default: slurm.constraint
-
-
-class SlurmConfig(Section):
-    """``dora-hpc submit``: one heterogeneous job (or one plain job when ``heterogeneous`` is false; then
-    ``trainer`` gives the resources of its single component, which runs every rank)."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    time_min: int = Field(60, ge=1)
-    job_name: str = "dora-hpc"
-    heterogeneous: bool = True
-    trainer: SlurmComponent = SlurmComponent()
-    rollout: SlurmComponent = SlurmComponent()
-    signal_delay_s: int = Field(120, ge=1, description="SIGUSR1 this long before the time limit: checkpoint")
-    extra_sbatch: list[str] = Field(default_factory=list, description="extra sbatch flags, e.g. --exclusive")
-    setup: list[str] = Field(default_factory=list, description="shell lines before srun (module load ...)")
-    requeue_on_failure: int = Field(3, ge=0, description="a failed step (a dead rank, a failed MPI start) "
-                                    "requeues the job, at most this many times per run")
-    folder: str | None = None  # submitit's folder (logs, pickles); default RUN_DIR/slurm
 
 
 class RunConfig(Section):

@@ -1,0 +1,77 @@
+"""The simulator's sections of RunConfig: the workload's length distributions, the model and hardware
+it prices, and the simulation's own settings (sim/)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from .base import Section
+
+
+class LengthDist(Section):
+    """Lognormal token lengths: median * exp(sigma * N(0,1)), clipped to [min, max]."""
+
+    median: float = Field(gt=0)
+    sigma: float = Field(0.0, ge=0)
+    max: int = Field(gt=0)
+    min: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthDist:
+        if not self.min <= self.median <= self.max:
+            raise ValueError(f"need min <= median <= max, got {self.min}, {self.median}, {self.max}")
+        return self
+
+
+class WorkloadConfig(Section):
+    prompt_len: LengthDist = LengthDist(median=128, sigma=0.3, max=512)
+    response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
+
+
+class ModelSpec(Section):
+    """The policy model as the simulator's cost model sees it."""
+
+    params_b: float = Field(0.5, gt=0, description="parameters, billions")
+    layers: int = Field(24, ge=1)
+    hidden: int = Field(896, ge=1, description="hidden size (attention FLOPs of prefill)")
+    kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=1)
+    bytes_per_param: int = Field(2, ge=1)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+
+class HardwareSpec(Section):
+    """One accelerator and its links (the simulator's roofline)."""
+
+    hbm_gbps: float = Field(3350, gt=0, description="HBM bandwidth per accelerator, GB/s")
+    peak_tflops: float = Field(989, gt=0, description="dense bf16 peak per accelerator, TFLOP/s")
+    hbm_gb: float = Field(80, gt=0, description="memory per accelerator, GB")
+    decode_bw_efficiency: float = Field(0.7, gt=0, le=1)
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    train_mfu: float = Field(0.3, gt=0, le=1)
+    step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
+    kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
+    weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
+    host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")
+    colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
+
+
+class SimConfig(Section):
+    steps: int = Field(20, ge=2, description="train steps to simulate")
+    warmup_steps: int = Field(2, ge=1, description="steps excluded from the measured window")
+    tick_s: float = Field(10.0, gt=0, description="temporal rebalancing trigger period, seconds")
+    model: ModelSpec = ModelSpec()
+    hardware: HardwareSpec = HardwareSpec()
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> SimConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        return self

@@ -1,0 +1,39 @@
+"""The ``slurm:`` section of RunConfig: what ``dora-hpc submit`` asks of the cluster (launch/slurm.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Section
+
+
+class SlurmComponent(Section):
+    """Resources of one component of the heterogeneous job (0: orchestrator + trainers, 1: rollout)."""
+
+    nodes: int | None = Field(None, ge=1)
+    cpus_per_task: int = Field(1, ge=1)
+    gpus_per_node: int | None = Field(None, ge=0)
+    mem_gb: float | None = Field(None, gt=0)
+    partition: str | None = None   # default: slurm.partition
+    constraint: str | None = None  # default: slurm.constraint
+
+
+class SlurmConfig(Section):
+    """``dora-hpc submit``: one heterogeneous job (or one plain job when ``heterogeneous`` is false; then
+    ``trainer`` gives the resources of its single component, which runs every rank)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time_min: int = Field(60, ge=1)
+    job_name: str = "dora-hpc"
+    heterogeneous: bool = True
+    trainer: SlurmComponent = SlurmComponent()
+    rollout: SlurmComponent = SlurmComponent()
+    signal_delay_s: int = Field(120, ge=1, description="SIGUSR1 this long before the time limit: checkpoint")
+    extra_sbatch: list[str] = Field(default_factory=list, description="extra sbatch flags, e.g. --exclusive")
+    setup: list[str] = Field(default_factory=list, description="shell lines before srun (module load ...)")
+    requeue_on_failure: int = Field(3, ge=0, description="a failed step (a dead rank, a failed MPI start) "
+                                    "requeues the job, at most this many times per run")
+    folder: str | None = None  # submitit's folder (logs, pickles); default RUN_DIR/slurm

@@ -1,0 +1,63 @@
+"""The replicated trainer backend (``torch``): the whole model and optimizer on every trainer rank;
+gradients are summed over the ranks in flat buckets (``DataParallel.sum_grads_``), so the replicas stay
+bit-identical. Keeps every invariant of backend.py's interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .backend import TrainBackend, check_fit, detached_copy
+
+
+class ReplicatedBackend(TrainBackend):
+    def setup(self, model_dir: str | Path) -> None:
+        # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
+        self.autocast = self.mixed_precision == "bf16"
+
+    def load(self, model_dir: str | Path) -> torch.nn.Module:
+        """The whole float32 model on this rank's device."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+
+    def loaded(self) -> None:
+        if self.opts.activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        model = self.ref if reference else self.model
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
+        return out.logits.float()
+
+    def micro_batches(self, n_local: int) -> int:
+        """Replicas need not agree: each runs the micro-batches it has data for."""
+        return n_local
+
+    def finish_grads(self) -> None:
+        self.dp.sum_grads_(self.parameters())
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        check_fit(missing, unexpected)
+
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return detached_copy(get_optimizer_state_dict(self.model, opt))
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, opt, state)
+
+
