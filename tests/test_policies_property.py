@@ -139,12 +139,12 @@ def test_the_checker_catches_a_broken_policy():
 
 def checkpointed_run(mode: str, cfg: PolicyConfig, rng: random.Random, before: int, after: int):
     """A run that checkpoints after ``before`` random events and goes on for ``after`` more (a future the
-    crash loses): (the driver, the checkpoint's ledger snapshot, its version)."""
+    crash loses): (the driver, the policy's snapshot as a checkpoint keeps it, its version)."""
     first = RandomDriver(make_policy(mode, cfg), rng)
     first.feed(Start())
     for _ in range(before):
         first.step_once()
-    snapshot, version = first.p.ledger.to_dict(), first.p.next_step
+    snapshot, version = first.p.snapshot(), first.p.next_step
     for _ in range(after):
         first.step_once()
     return first, snapshot, version
@@ -163,7 +163,7 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     cfg = data.draw(configs(mode))
     rng = random.Random(seed)
     _, snapshot, version = checkpointed_run(mode, cfg, rng, before, after)
-    ledger = Ledger.from_dict(snapshot)
+    ledger = Ledger.from_dict(snapshot["ledger"])
     complete = [g for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE]
     # rows of complete groups may be lost with the crash (streaming policies re-dispatch them)
     lost = set(complete[: int(len(complete) * lose)]) if mode in ("dora", "partial") else set()
@@ -171,8 +171,8 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     plan = plan_resume(ledger, version, stored)
     assert set(plan.redispatch) >= lost
     policy = make_policy(mode, cfg)
-    policy.restore(ledger, plan)
-    second = RandomDriver.resumed(policy, rng, snapshot, plan.requeue)
+    policy.restore(ledger, plan, snapshot.get("window"))  # a windowed policy checks the stored window
+    second = RandomDriver.resumed(policy, rng, snapshot["ledger"], plan.requeue)
     second.run(steps=version + 6)
     second.check_nothing_lost()
     assert second.steps_done == version + 6
@@ -192,14 +192,14 @@ def test_resume_with_dynamic_sampling_keeps_filtered_groups_filtered(data, seed,
     cfg = PolicyConfig(**{**drawn, "filter_groups": True, "group_size": max(2, drawn["group_size"])})
     rng = random.Random(seed)
     first, snapshot, version = checkpointed_run("dora", cfg, rng, before, after)
-    ledger = Ledger.from_dict(snapshot)
+    ledger = Ledger.from_dict(snapshot["ledger"])
     filtered = {g for g, r in ledger.groups.items() if r.state is GroupState.FILTERED}
     stored = {g: cfg.group_size for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}
     plan = plan_resume(ledger, version, stored)
     assert not filtered.intersection(plan.requeue + plan.redispatch)
     policy = make_policy("dora", cfg)
-    policy.restore(ledger, plan)
-    second = RandomDriver.resumed(policy, rng, snapshot, plan.requeue)
+    policy.restore(ledger, plan, snapshot.get("window"))  # a windowed policy checks the stored window
+    second = RandomDriver.resumed(policy, rng, snapshot["ledger"], plan.requeue)
     second.rewards.update(first.rewards)  # requeued groups' rewards, as the shards hold them
     second.run(steps=version + 6)
     second.check_nothing_lost()
@@ -234,3 +234,19 @@ def test_dora_gives_an_idle_instance_to_a_starved_version_when_its_load_complete
     out = p.on(InstanceReady(1, 0))  # v0 has no work left; v1's group waits
     assert [(type(c), c.instance, c.version) for c in out] == [(AssignVersion, 1, 1)]
     assert [type(c) for c in p.on(InstanceReady(1, 1))] == [Dispatch]
+
+
+def test_resume_refuses_a_stored_window_that_its_ledger_contradicts():
+    """DORA rebuilds its window from the checkpoint's ledger and checks it against the stored window."""
+    from dora_hpc.core.ledger import GroupState, Ledger
+    from dora_hpc.core.resume import ResumeError, plan_resume
+
+    cfg = PolicyConfig(tbs=2, rbs=6, group_size=1, n_instances=2, slots=2, k=2)
+    _, snapshot, version = checkpointed_run("dora", cfg, random.Random(3), 60, 0)
+    ledger = Ledger.from_dict(snapshot["ledger"])
+    stored = {g: 1 for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}
+    plan = plan_resume(ledger, version, stored)
+    make_policy("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, snapshot["window"])  # agrees
+    bad = {**snapshot["window"], "unconsumed": {**snapshot["window"]["unconsumed"], "0": 99}}
+    with pytest.raises(ResumeError, match="window"):
+        make_policy("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, bad)

@@ -53,10 +53,10 @@ class BarrierPolicy(Policy):
     def on_ready(self, instance: int) -> list[Command]:
         return self._maybe_train() + self._maybe_roll() + super().on_ready(instance)
 
-    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+    def restore(self, ledger: Ledger, plan: ResumePlan, window: dict | None = None) -> None:
         """Batch b holds groups [b*RBS, (b+1)*RBS): a batch with no group to re-dispatch is closed
         (waits for the trainer); at most one, the newest, may still be rolling."""
-        super().restore(ledger, plan)
+        super().restore(ledger, plan, window)
         self.complete.clear()
         batches: dict[int, list[int]] = {}
         for g in sorted(plan.requeue + plan.redispatch):
@@ -223,12 +223,17 @@ class Dora(Policy):
         self.window.admit(version)
         return super().admit(version)
 
-    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
-        super().restore(ledger, plan)
-        live: dict[int, int] = {}
-        for rec in ledger.groups.values():
-            if rec.state in (GroupState.PENDING, GroupState.COMPLETE):
-                live[rec.version] = live.get(rec.version, 0) + 1
+    def restore(self, ledger: Ledger, plan: ResumePlan, window: dict | None = None) -> None:
+        """The window is rebuilt from the ledger; the checkpoint's stored window, taken at the same
+        moment, must count the same unconsumed groups per version (else the checkpoint is inconsistent)."""
+        stored = _unconsumed(ledger)  # before re-dispatched groups move to plan.version
+        if window is not None:
+            kept = {int(v): c for v, c in window["unconsumed"].items() if c}
+            if kept != stored or window["k"] != self.cfg.k:
+                raise ResumeError(f"dora: the checkpoint's window (K={window['k']}, unconsumed {kept}) is not the "
+                                  f"one its ledger gives (K={self.cfg.k}, unconsumed {stored})")
+        super().restore(ledger, plan, window)
+        live = _unconsumed(ledger)
         self.window = VersionWindow(self.cfg.k, self.cfg.tbs, latest=plan.version, next_step=plan.version,
                                     unconsumed=live)
         if not self.window.fits():
@@ -335,3 +340,12 @@ def make_policy(mode: str, cfg: PolicyConfig) -> Policy:
         raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
                          "has none")
     return POLICIES[mode](cfg)
+
+
+def _unconsumed(ledger: Ledger) -> dict[int, int]:
+    """Groups per version not yet consumed (pending or complete): what the window counts."""
+    live: dict[int, int] = {}
+    for rec in ledger.groups.values():
+        if rec.state in (GroupState.PENDING, GroupState.COMPLETE):
+            live[rec.version] = live.get(rec.version, 0) + 1
+    return live

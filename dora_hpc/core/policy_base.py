@@ -131,10 +131,11 @@ class Policy:
                 return out + self.on_lost()
         raise TypeError(f"unknown event {event!r}")
 
-    def restore(self, ledger: Ledger, plan: ResumePlan) -> None:
+    def restore(self, ledger: Ledger, plan: ResumePlan, window: dict | None = None) -> None:
         """Continue a run from a checkpoint (core/resume.py); call on a fresh policy before Start.
         Stored complete groups wait for the trainer; the others are queued again, whole, under
-        ``plan.version``, which is also the latest version and the next train step."""
+        ``plan.version``, which is also the latest version and the next train step. ``window``: the
+        checkpoint's own (``snapshot``), which a windowed policy checks against the ledger's."""
         self.ledger = ledger
         self.latest = self.next_step = plan.version
         for g in plan.redispatch:

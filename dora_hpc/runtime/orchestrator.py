@@ -122,7 +122,7 @@ class Orchestrator:
         ledger = Ledger.from_dict(st["ledger"])
         stored = stored_groups(self.run_dir, ledger, max_attempt=st["attempt"])
         plan = plan_resume(ledger, ckpt.step, {g: len(rows) for g, rows in stored.items()})
-        self.policy.restore(ledger, plan)
+        self.policy.restore(ledger, plan, st.get("window"))
         self.requeued = [stored[g] for g in plan.requeue]
         self.steps_done = self.last_ckpt = ckpt.step
         self.rewards = list(st.get("rewards", []))
