@@ -17,7 +17,7 @@ the window only when all of its groups have been consumed (or dropped): the wind
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -62,22 +62,13 @@ class VersionWindow:
         n = self.next_step
         if version > self.latest or version + self.k < n + slack:
             return 0
-        free = None
-        below = sum(c for v, c in self.unconsumed.items() if v < version)
-        for v in range(version, self.latest + 1):
-            below += self.unconsumed.get(v, 0)
-            cap = self.tbs * (v + self.k - n + 1) - below
-            free = cap if free is None else min(free, cap)
-        return max(0, free or 0)
+        return max(0, min(self._headroom(self.unconsumed, n, range(version, self.latest + 1))))
 
     def fits(self) -> bool:
         """Does every unconsumed group still fit the admission bound (a restored window must)?"""
-        below = 0
-        for v in sorted(self.unconsumed):
-            below += self.unconsumed[v]
-            if v > self.latest or below > self.tbs * (v + self.k - self.next_step + 1):
-                return False
-        return True
+        versions = sorted(self.unconsumed)
+        return (not versions or versions[-1] <= self.latest) and all(
+            h >= 0 for h in self._headroom(self.unconsumed, self.next_step, versions))
 
     def admit(self, version: int) -> None:
         if self.room(version) < 1:
@@ -105,13 +96,8 @@ class VersionWindow:
         for v in sorted(completed):
             take[v] = min(completed[v], left)
             left -= take[v]
-        after = self.next_step + 1
-        below = 0
-        for v in sorted(self.unconsumed):
-            below += self.unconsumed[v] - take.get(v, 0)
-            if below > self.tbs * (v + self.k - after + 1):
-                return False
-        return True
+        left = {v: c - take.get(v, 0) for v, c in self.unconsumed.items()}
+        return all(h >= 0 for h in self._headroom(left, self.next_step + 1, sorted(left)))
 
     def consume(self, versions: list[int]) -> int:
         """Record that step ``next_step`` consumes groups of these versions; returns the step."""
@@ -126,6 +112,18 @@ class VersionWindow:
             raise StalenessViolation(f"step {step} leaves groups of versions {left} unconsumed")
         self.next_step += 1
         return step
+
+    def _headroom(self, counts: Mapping[int, int], step: int, versions: Iterable[int]) -> Iterator[int]:
+        """The admission bound, the one rule behind ``room``, ``fits`` and ``can_train``: for each ``v`` of
+        ``versions`` (ascending), how many more groups of versions <= v the steps from ``step`` on can
+        still take before v leaves the window (TBS a step, ``v + k - step + 1`` steps), given ``counts``
+        groups unconsumed per version."""
+        order, below, i = sorted(counts), 0, 0
+        for v in versions:
+            while i < len(order) and order[i] <= v:
+                below += counts[order[i]]
+                i += 1
+            yield self.tbs * (v + self.k - step + 1) - below
 
     def _release(self, version: int) -> None:
         if self.unconsumed.get(version, 0) < 1:

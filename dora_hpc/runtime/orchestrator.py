@@ -48,6 +48,7 @@ from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
 from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
+from .clock import OpLog
 from .comm import (
     AbortTraj,
     Checkpoint,
@@ -80,7 +81,7 @@ class RankHung(RuntimeError):
     """A rank sent nothing for ``runtime.hang_timeout_s``; the run cannot continue without it (resumable)."""
 
 
-class Orchestrator:
+class Orchestrator(OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float, attempt: int = 0,
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
@@ -136,9 +137,6 @@ class Orchestrator:
     @property
     def stopping(self) -> bool:
         return self.stop.is_set()
-
-    def now(self) -> float:
-        return time.time() - self.t0
 
     def run(self) -> str:
         """Returns "done" (max_steps trained) or "preempted" (stopped by a signal, checkpoint committed)."""
@@ -371,13 +369,6 @@ class Orchestrator:
             self.comm.send(Pause(step) if paused else Resume(step), r)
         self.paused = paused
         self.op("pause" if paused else "resume", version=step)
-
-    def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
-           t_start: float | None = None) -> None:
-        t = self.now()
-        self.log.append("ops", {"t_start": t if t_start is None else t_start, "t_end": t, "kind": kind,
-                                "traj_id": traj_id, "peer": peer,
-                                "bytes": 0, "version": version, "detail": detail})
 
     def report(self, force: bool = False) -> None:
         self.dashboard.update(self, force)

@@ -28,6 +28,7 @@ from ..engine.interface import make_engine
 from ..engine.sampling import SamplingParams
 from ..store.shards import ShardWriter
 from ..train.grpo import weights_checksum
+from .clock import OpLog
 from .comm import (
     TAG_KV,
     AbortTraj,
@@ -51,7 +52,7 @@ from .comm import (
 FAULT = os.environ.get("DORA_HPC_FAULT", "")  # a fault-injection point for tests (see send_migration)
 
 
-class RolloutRank:
+class RolloutRank(OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float,
                  attempt: int = 0) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
@@ -60,7 +61,7 @@ class RolloutRank:
         cj = cfg.model_dump_json()
         rows = cfg.store.rows_per_shard
         self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, rows, attempt)
-        self.events = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, rows, attempt)
+        self.log = ShardWriter(run_dir, "events", comm.rank, "rollout", run_id, cj, rows, attempt)
         self.info: dict[int, dict] = {}
         self.deferred: list[tuple[object, int]] = []
         # weights that overtook their LoadVersion: received at once (header, source, state), so buffers
@@ -73,9 +74,6 @@ class RolloutRank:
         self.gone: set[int] = set()                    # finished or aborted here: nothing will arrive
         self.forward: dict[int, MigrateOut] = {}       # migrate on at once when it arrives (never imported)
         self.abort_on_arrival: set[int] = set()
-
-    def now(self) -> float:
-        return time.time() - self.t0
 
     def run(self) -> None:
         while self.running:
@@ -90,7 +88,7 @@ class RolloutRank:
         for msg, src in self.deferred:  # set aside while loading weights; the run ended first
             self.comm.discard(msg, src)
         self.traj_log.flush()
-        self.events.flush()
+        self.log.flush()
 
     # -- generation --------------------------------------------------------------------------------
     def step(self) -> None:
@@ -99,7 +97,7 @@ class RolloutRank:
         finished = self.engine.step()
         st = self.engine.stats()
         new = (st["decode_tokens"] - before["decode_tokens"]) + (st["prefill_tokens"] - before["prefill_tokens"])
-        self.events.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
+        self.log.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
                                      + before["waiting"], "capacity": self.engine.max_num_seqs, "new_tokens": new,
                                      "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version})
         freed = st["free_cache_s"] - before["free_cache_s"]  # every backend keeps engine.COUNTERS
@@ -159,7 +157,7 @@ class RolloutRank:
                     self.abort_on_arrival.add(msg.traj_id)
             case Flush():  # a checkpoint relies on every trajectory reported so far being on disk
                 self.traj_log.flush()
-                self.events.flush()
+                self.log.flush()
                 self.comm.send(Flushed(self.instance, msg.version), 0)
             case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
                 self.early.append((msg, src, self.comm.recv_weights(msg, src)))
@@ -257,10 +255,3 @@ class RolloutRank:
         self.info[meta["req_id"]] = info
         self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
                 nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}")
-
-    def op(self, kind: str, traj_id: int = -1, peer: int = -1, version: int = -1, detail: str = "",
-           t_start: float | None = None, nbytes: int = 0) -> None:
-        now = self.now()
-        self.events.append("ops", {"t_start": now if t_start is None else t_start, "t_end": now, "kind": kind,
-                                   "traj_id": traj_id, "peer": peer, "bytes": nbytes, "version": version,
-                                   "detail": detail})

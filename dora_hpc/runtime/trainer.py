@@ -35,6 +35,7 @@ from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
 from ..train.grpo import GRPOTrainer, Sample, grpo_config, weights_checksum
+from .clock import RankClock
 from .comm import (
     Checkpoint,
     Checkpointed,
@@ -54,7 +55,7 @@ STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "c
               "response_len_max")
 
 
-class TrainerRank:
+class TrainerRank(RankClock):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
                  resume: ckpt_store.Checkpoint | None = None) -> None:
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
@@ -83,9 +84,6 @@ class TrainerRank:
         self.deferred: list[tuple[object, int]] = []
         self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept
         self.running = True
-
-    def now(self) -> float:
-        return time.time() - self.t0
 
     def run(self) -> None:
         while self.running:
