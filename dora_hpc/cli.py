@@ -207,105 +207,6 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    args.out = args.out or f"results/{args.what}"
-    if args.what == "engine":
-        from .bench.engine_bench import bench_engine
-        from .engine.local_models import build_tiny_model, convert_smollm2
-
-        models = {"tiny-qwen2": build_tiny_model()}
-        if not args.tiny_only:
-            models["smollm2-135m"] = convert_smollm2()
-        bench_engine(models, Path(args.out), repeats=args.repeats, console=console)
-        console.print(f"wrote {args.out}/summary.json and {args.out}/engine.png")
-        return 0
-    if args.what == "analysis":
-        import tempfile
-
-        from .bench.analysis_bench import bench_analysis
-
-        with tempfile.TemporaryDirectory() as tmp, Console(stderr=True).status(
-                f"bench analysis: writing and analysing {args.trajectories:,} trajectories"):
-            s = bench_analysis(Path(args.out), args.trajectories, Path(tmp) / "run")
-        console.print(f"analyze on {s['trajectories']:,} synthetic trajectories ({s['steps']:,} steps): "
-                      f"{s['analyze_s']:.1f} s, peak RSS {s['peak_rss_mib']:.0f} MiB; invariants "
-                      f"{s['invariants']}; wrote {args.out}/summary.json")
-        return 0
-    if args.what in ("modes", "ablation", "convergence"):
-        from .bench import modes_bench as mb
-
-        if args.config is None:
-            raise ConfigError(f"bench {args.what}: CONFIG is required (e.g. configs/bench-modes.yaml)")
-        load_config(args.config, args.overrides)  # a bad config fails here, not in the first run
-        try:
-            if args.what == "modes":
-                modes = args.modes.split(",") if args.modes else None
-                unknown = sorted(set(modes or []) - set(mb.MODES))
-                if unknown:
-                    raise ConfigError(f"--modes: unknown {unknown}; choose from {','.join(mb.MODES)}")
-                s = mb.bench_modes(args.config, Path(args.out), args.overrides, args.repeats, modes,
-                                   unpaced=not args.no_unpaced, console=console)
-                _print_cases(console, s["modes"], s["ratios"])
-            elif args.what == "ablation":
-                if args.ablation not in mb.ABLATIONS:
-                    raise ConfigError(f"--ablation: unknown {args.ablation!r}; choose from {','.join(mb.ABLATIONS)}")
-                s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console,
-                                      which=args.ablation)
-                _print_cases(console, s["variants"], s["ratios"])
-            else:
-                from .bench.convergence_bench import CASES, DEFAULT_CASES, LOSSES, bench_convergence
-
-                seeds = [int(x) for x in args.seeds.split(",")]
-                losses = args.losses.split(",")
-                bad = [x for x in losses if x not in LOSSES]
-                if bad:
-                    raise ConfigError(f"--losses: unknown {bad}; choose from {','.join(LOSSES)}")
-                which = args.cases.split(",") if args.cases else DEFAULT_CASES
-                bad = [x for x in which if x not in CASES]
-                if bad or "sync" not in which:
-                    raise ConfigError(f"--cases: {'unknown ' + str(bad) if bad else 'sync (the baseline) is missing'}"
-                                      f"; choose from {','.join(CASES)}")
-                if args.eval < 0:
-                    raise ConfigError(f"--eval: {args.eval} held-out prompts; give 0 (none) or more")
-                s = bench_convergence(args.config, Path(args.out), args.overrides, seeds, console=console,
-                                      losses=losses, which=which, eval_n=args.eval)
-                for case, c in s["cases"].items():
-                    v = s["verdict"].get(case)
-                    console.print(f"  {case}: mean reward {c['first']:.3f} (step 0) -> {c['final']:.3f} (last "
-                                  f"{s['tail_steps']} steps), clip_frac {c['clip_frac']:.3f}"
-                                  + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, "
-                                     f"{'within' if v['within_noise'] else 'outside'} its seed spread "
-                                     f"{s['sync_seed_spread']:.3f}" if v else ""))
-                for case, v in s.get("heldout", {}).get("verdict", {}).items():
-                    console.print(f"  {case}: held-out greedy mean reward {s['cases'][case]['heldout_final']:.3f}"
-                                  " (over the initial model: " + ", ".join(
-                                      f"seed {k} {g:+.3f}" for k, g in v["gain_over_initial_by_seed"].items()) + ")"
-                                  + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, sync's seed spread "
-                                     f"{s['heldout']['sync_seed_spread']:.3f}" if case != s["baseline"] else ""))
-        except mb.BenchError as e:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
-            return 1
-        console.print(f"wrote {args.out}/summary.json (runs and their logs in {args.out}/runs)")
-        return 0
-    raise ConfigError(f"bench: unknown benchmark {args.what!r}")
-
-
-def _print_cases(console: Console, cases: dict, ratios: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title="medians over interleaved repeats")
-    table.add_column("figure")
-    for c in cases:
-        table.add_column(c, justify="right")
-    for key in ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
-                "slot_utilization_limit", "inter_instance_bubble", "max_staleness", "migrations",
-                "reprefill_tokens", "engine_steps_per_trained_token", "instance_busy_s"):
-        table.add_row(key, *[f"{v[key]:.4g}" for v in cases.values()])
-    console.print(table)
-    for k, v in ratios.items():
-        console.print(f"  {k}: {v:.3f}" if v is not None else f"  {k}: -")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
@@ -348,37 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--html", metavar="OUT.html", help="write one self-contained page: the table, every figure "
                    "inline, the invariants' offenders")
     a.set_defaults(func=cmd_analyze)
+    from .bench.cli import add_parser as add_bench
     from .evaluate import add_parser as add_eval
     from .export import add_parser as add_export
 
     add_eval(sub)
     add_export(sub)
-    b = sub.add_parser("bench", help="benchmarks (long-running; results/ holds committed outputs)")
-    b.add_argument("what", choices=["engine", "analysis", "modes", "ablation", "convergence"],
-                   help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
-                        "modes: the five modes on the real runtime; ablation: one mechanism on vs off (--ablation); "
-                        "convergence: mean reward per step of sync and dora (--cases), held-out eval (--eval)")
-    b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
-    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="modes/ablation/convergence: override a config key in every run (repeatable)")
-    b.add_argument("--seeds", default="0,1", help="convergence: comma-separated seeds (their spread is the noise)")
-    b.add_argument("--losses", default="ppo_clip", help="convergence: comma-separated objectives, each running "
-                   "every case: ppo_clip, ppo_clip+truncate, decoupled, decoupled+truncate, decoupled+mask, gspo")
-    b.add_argument("--cases", help="convergence: comma-separated subset of sync,dora-k1,dora-k2,dora-k3 with sync "
-                   "(default sync,dora-k1,dora-k3)")
-    b.add_argument("--eval", type=int, default=0, metavar="N", help="convergence: score each run's final "
-                   "checkpoint and each seed's initial model on N held-out prompts (dora-hpc eval; 0: none)")
-    b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
-                                   "dora-k1,dora-k2,dora-k3")
-    b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")
-    b.add_argument("--ablation", default="kv-migration",
-                   help="ablation: kv-migration (DORA migrating with KV vs by re-prefill) or weight-serving "
-                        "(the trainer answering weight requests during its step vs between steps)")
-    b.add_argument("--out", help="output directory (default results/<what>)")
-    b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
-    b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
-    b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")
-    b.set_defaults(func=cmd_bench)
+    add_bench(sub)
     return parser
 
 

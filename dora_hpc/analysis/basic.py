@@ -93,18 +93,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     stale = chk.stale
     lengths = joined(traj["response_len"], chk.matched, 0)
 
-    published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}
-    by_attempt = {(int(a), int(st) + 1): str(c) for a, st, c in
-                  zip(all_tsteps["attempt"], all_tsteps["step"], all_tsteps["weights_checksum"], strict=True)}
-    loads = [(int(v), str(d), by_attempt.get((int(a), int(v)), published.get(int(v))))
-             for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
-             if kind == "weight_load"]
-    is_mig = ops["kind"] == "migration_in"
-    mig = int(is_mig.sum())
-    mig_detail = {"count": mig, "kv_bytes": int(ops["bytes"][is_mig].sum()),
-                  "seconds": float((ops["t_end"] - ops["t_start"])[is_mig].sum()),
-                  "by_reprefill": int(sum(1 for d in ops["detail"][is_mig] if "reprefill=True" in str(d))),
-                  "weight_syncs": int((ops["kind"] == "weight_load").sum())}
+    mig = migration_figures(ops)
     result = {
         "run_dir": str(run_dir),
         "mode": mode,
@@ -112,41 +101,23 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "steps": int(len(tsteps["step"])),
         "trajectories": int(len(traj["traj_id"])),
         "consumed": int(len(consumed["traj_id"])),
-        "invariants": {
-            "mixed_version_trajectories": len(mixed),
-            "staleness_over_k": len(chk.over_k),
-            "lost_groups": len(chk.lost),
-            "duplicate_groups": len(chk.duplicate),
-            "split_groups": len(chk.split),
-            "offenders": {"mixed_version_trajectories": mixed[:20], "staleness_over_k": chk.over_k[:20].tolist(),
-                          "lost_groups": chk.lost[:20].tolist(), "duplicate_groups": chk.duplicate[:20].tolist(),
-                          "split_groups": chk.split[:20].tolist()},
-        },
+        "invariants": invariant_figures(chk, mixed),
         "staleness": {"max": int(stale.max(initial=0)), "mean": float(stale.mean()) if len(stale) else 0.0,
-                      "histogram": {str(s): int(c) for s, c in zip(*np.unique(stale, return_counts=True),
-                                                                   strict=True)},
-                      "by_version": {str(v): int(c) for v, c in zip(*np.unique(consumed["version"],
-                                                                               return_counts=True), strict=True)}},
+                      "histogram": _counts(stale), "by_version": _counts(consumed["version"])},
         "stratified": stratified(stale, consumed["reward"], consumed["group_id"], lengths),
         "partial_segments": {} if single_version else {"trajectories_with_switches": len(chk.mixed)},
-        "migrations": mig,
-        "migration": mig_detail,
+        "migrations": mig["count"],
+        "migration": mig,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,
         "dropped_groups": len(chk.dropped),
         "filtered_groups": len(chk.filtered),
         "reward_errors": int(traj["has_error"].sum()),
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
-        "weights": {"published": len(published), "loads": len(loads),
-                    "mismatched_loads": sum(1 for _v, c, want in loads if want is not None and c != want),
-                    "v0_checksums": len({c for v, c, _w in loads if v == 0})},
+        "weights": weight_figures(tsteps, all_tsteps, ops),
         "fenced": [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
                    for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
                                                strict=True) if kind == "fence"],
-        "preemption": {"attempts": len(hist.starts), "chain": hist.chain,
-                       "resumed_at_steps": [hist.starts[a] for a in hist.chain[1:]],
-                       "redispatched_groups": int(sum(1 for kind, a in zip(ops["kind"], ops["attempt"], strict=True)
-                                                      if kind == "discarded_by_preemption" and int(a) in hist.owns)),
-                       "discarded_trajectories": chk.discarded},
+        "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
@@ -163,6 +134,48 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
     return result
+
+
+def _counts(values: np.ndarray) -> dict[str, int]:
+    return {str(v): int(c) for v, c in zip(*np.unique(values, return_counts=True), strict=True)}
+
+
+def invariant_figures(chk, mixed: list) -> dict:
+    """The five run invariants (docs/invariants.md): how many rows break each, and the first 20."""
+    broken = {"mixed_version_trajectories": mixed, "staleness_over_k": chk.over_k.tolist(),
+              "lost_groups": chk.lost.tolist(), "duplicate_groups": chk.duplicate.tolist(),
+              "split_groups": chk.split.tolist()}
+    return {**{k: len(v) for k, v in broken.items()}, "offenders": {k: v[:20] for k, v in broken.items()}}
+
+
+def migration_figures(ops: dict[str, np.ndarray]) -> dict:
+    is_mig = ops["kind"] == "migration_in"
+    return {"count": int(is_mig.sum()), "kv_bytes": int(ops["bytes"][is_mig].sum()),
+            "seconds": float((ops["t_end"] - ops["t_start"])[is_mig].sum()),
+            "by_reprefill": int(sum(1 for d in ops["detail"][is_mig] if "reprefill=True" in str(d))),
+            "weight_syncs": int((ops["kind"] == "weight_load").sum())}
+
+
+def weight_figures(tsteps: dict, all_tsteps: dict, ops: dict) -> dict:
+    """Every weight load's checksum against the one its version was published with (by the same attempt
+    when it published it, else by the run's effective history)."""
+    published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}
+    by_attempt = {(int(a), int(st) + 1): str(c) for a, st, c in
+                  zip(all_tsteps["attempt"], all_tsteps["step"], all_tsteps["weights_checksum"], strict=True)}
+    loads = [(int(v), str(d), by_attempt.get((int(a), int(v)), published.get(int(v))))
+             for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
+             if kind == "weight_load"]
+    return {"published": len(published), "loads": len(loads),
+            "mismatched_loads": sum(1 for _v, c, want in loads if want is not None and c != want),
+            "v0_checksums": len({c for v, c, _w in loads if v == 0})}
+
+
+def preemption_figures(hist, ops: dict, chk) -> dict:
+    return {"attempts": len(hist.starts), "chain": hist.chain,
+            "resumed_at_steps": [hist.starts[a] for a in hist.chain[1:]],
+            "redispatched_groups": int(sum(1 for kind, a in zip(ops["kind"], ops["attempt"], strict=True)
+                                           if kind == "discarded_by_preemption" and int(a) in hist.owns)),
+            "discarded_trajectories": chk.discarded}
 
 
 def logprob_gap(tsteps: dict[str, np.ndarray]) -> dict:

@@ -132,10 +132,7 @@ def main(run_dir: str) -> int:
 
         torch.set_num_threads(1)
         from ..config import validate
-        from ..data.tasks import make_task
-        from ..store import checkpoint
         from .comm import Comm
-        from .roles import Roles
 
         run = Path(run_dir)
         (run / "pids").mkdir(exist_ok=True)
@@ -144,77 +141,99 @@ def main(run_dir: str) -> int:
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"])
         start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
-        gpus = None
-        if cfg.runtime.device == "cuda":  # before the data plane or any model touches CUDA
-            bind_gpus(MPI.COMM_WORLD, Roles(MPI.COMM_WORLD.Get_size(), cfg.cluster.trainer_ranks),
-                      cfg.engine.tensor_parallel)
-            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
-        where = MPI.COMM_WORLD.gather({"rank": rank, "host": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
-                                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "gpus": gpus}, root=0)
-        if rank == 0:  # one world across the job's components: say so, once per launch
-            print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
-                f"r{w['rank']}@{w['host']}" + (f"[GPU {w['gpus']}]" if w["gpus"] is not None else "")
-                + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "") for w in where),
-                file=sys.stderr, flush=True)
-            print(f"dora-hpc: model {meta['model_dir']} loads on every trainer and rollout rank", file=sys.stderr,
-                  flush=True)
-        attempt = start["attempt"]
+        announce(MPI.COMM_WORLD, cfg, meta, start)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                     heartbeat_s=cfg.runtime.heartbeat_s)
-        t0 = meta["t0"]
-        role = comm.roles.role(rank)
-        resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it
-        if start["checkpoint"] and role in ("orchestrator", "trainer"):
-            resume = checkpoint.load(Path(start["checkpoint"]), verified=True)
-        model_dir = Path(meta["model_dir"])
-        outcome = "done"
-        if role == "orchestrator":
-            from .orchestrator import Orchestrator
-
-            task = make_task(cfg, meta["vocab_size"], model_dir)
-            orch = Orchestrator(comm, cfg, run, task, meta["run_id"], t0, attempt, resume, stop=STOP)
-            outcome = orch.run()
-            if outcome == "preempted":
-                (run / "preempted.json").write_text(json.dumps(
-                    {"attempt": attempt, "checkpoint_step": orch.last_ckpt, "signal": STOP_SIGNAL[:1]}))
-        elif role == "trainer":
-            from .trainer import TrainerRank
-
-            TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume).run()
-        else:
-            from .rollout import RolloutRank
-
-            task = make_task(cfg, meta["vocab_size"], model_dir)
-            RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0, attempt).run()
+        outcome = play(comm, cfg, run, meta, start)
         comm.close()
-        # MPICH's process manager signals SIGUSR1 to ranks still finishing when one exits; Python's
-        # finalization resets handlers it installed to the default (die), so ignore it from here on
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        (run / "pids" / f"rank-{rank}.done").write_text("ok")  # a clean exit: the launcher must not blame it
-        if outcome == "preempted" and STOP_SIGNAL[:1] == [signal.SIGUSR1] and os.environ.get("SLURM_JOB_ID"):
-            # Slurm's early warning (--signal=USR1@T): the checkpoint is in; ask Slurm to run us again
-            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
-        if comm.fenced:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
-            comm.group.Barrier()
-            if rank == 0:
-                MPI.COMM_WORLD.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks
+        finish(MPI.COMM_WORLD, comm, run, outcome)
         return 0
     except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
-        try:  # a marker for the launcher: this rank raised (it may be a consequence of a dead peer)
-            (Path(run_dir) / "pids" / f"rank-{rank}.failed").write_text(f"{type(e).__name__}: {e}")
-        except OSError:
-            pass
-        from ..store import DiskFull
-        from .orchestrator import RankHung
-
-        if isinstance(e, DiskFull | RankHung):  # not a bug: the message says all; the job is resumable
-            sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror if isinstance(e, DiskFull) else e}\n")
-        else:
-            sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        time.sleep(0.2)
+        fail(Path(run_dir), rank, e)
         MPI.COMM_WORLD.Abort(1)
         return 1
+
+
+def announce(world, cfg, meta: dict, start: dict) -> None:
+    """Bind GPUs (before the data plane or any model touches CUDA); rank 0 names every rank once."""
+    from .roles import Roles
+
+    gpus = None
+    if cfg.runtime.device == "cuda":
+        bind_gpus(world, Roles(world.Get_size(), cfg.cluster.trainer_ranks), cfg.engine.tensor_parallel)
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    where = world.gather({"rank": world.Get_rank(), "host": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+                          "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "gpus": gpus}, root=0)
+    if world.Get_rank() == 0:  # one world across the job's components: say so, once per launch
+        print(f"dora-hpc: attempt {start['attempt']}: one MPI world of {len(where)} ranks: " + ", ".join(
+            f"r{w['rank']}@{w['host']}" + (f"[GPU {w['gpus']}]" if w["gpus"] is not None else "")
+            + (f"(job {w['slurm_job_id']})" if w["slurm_job_id"] else "") for w in where),
+            file=sys.stderr, flush=True)
+        print(f"dora-hpc: model {meta['model_dir']} loads on every trainer and rollout rank", file=sys.stderr,
+              flush=True)
+
+
+def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
+    """This rank's role, to the end of the run: "done" or (rank 0) "preempted"."""
+    from ..data.tasks import make_task
+    from ..store import checkpoint
+
+    attempt, t0, model_dir = start["attempt"], meta["t0"], Path(meta["model_dir"])
+    role = comm.roles.role(comm.rank)
+    resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it
+    if start["checkpoint"] and role in ("orchestrator", "trainer"):
+        resume = checkpoint.load(Path(start["checkpoint"]), verified=True)
+    if role == "orchestrator":
+        from .orchestrator import Orchestrator
+
+        task = make_task(cfg, meta["vocab_size"], model_dir)
+        orch = Orchestrator(comm, cfg, run, task, meta["run_id"], t0, attempt, resume, stop=STOP)
+        outcome = orch.run()
+        if outcome == "preempted":
+            (run / "preempted.json").write_text(json.dumps(
+                {"attempt": attempt, "checkpoint_step": orch.last_ckpt, "signal": STOP_SIGNAL[:1]}))
+        return outcome
+    if role == "trainer":
+        from .trainer import TrainerRank
+
+        TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume).run()
+    else:
+        from .rollout import RolloutRank
+
+        task = make_task(cfg, meta["vocab_size"], model_dir)
+        RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], t0, attempt).run()
+    return "done"
+
+
+def finish(world, comm, run: Path, outcome: str) -> None:
+    # MPICH's process manager signals SIGUSR1 to ranks still finishing when one exits; Python's
+    # finalization resets handlers it installed to the default (die), so ignore it from here on
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    (run / "pids" / f"rank-{world.Get_rank()}.done").write_text("ok")  # a clean exit: the launcher must not blame it
+    if outcome == "preempted" and STOP_SIGNAL[:1] == [signal.SIGUSR1] and os.environ.get("SLURM_JOB_ID"):
+        # Slurm's early warning (--signal=USR1@T): the checkpoint is in; ask Slurm to run us again
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+    if comm.fenced:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
+        comm.group.Barrier()
+        if world.Get_rank() == 0:
+            world.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks
+
+
+def fail(run: Path, rank: int, e: BaseException) -> None:
+    """Say why this rank failed, once, and leave the launcher a marker (it may follow a dead peer)."""
+    try:
+        (run / "pids" / f"rank-{rank}.failed").write_text(f"{type(e).__name__}: {e}")
+    except OSError:
+        pass
+    from ..store import DiskFull
+    from .orchestrator import RankHung
+
+    if isinstance(e, DiskFull | RankHung):  # not a bug: the message says all; the job is resumable
+        sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror if isinstance(e, DiskFull) else e}\n")
+    else:
+        sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    sys.stderr.flush()
+    time.sleep(0.2)
 
 
 if __name__ == "__main__":

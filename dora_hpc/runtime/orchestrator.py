@@ -140,18 +140,9 @@ class Orchestrator(OpLog):
 
     def run(self) -> str:
         """Returns "done" (max_steps trained) or "preempted" (stopped by a signal, checkpoint committed)."""
-        for bad in getattr(self.task, "malformed", []):  # skipped prompt rows: recorded, never fatal
-            self.op("malformed_row", detail=bad)
-            print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
-        for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
-            for s in trajs:
-                self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
-                                          s.tokens, s.logprobs, s.reward, s.attempt),
-                               self.roles.trainer_of_group(s.group_id))
-        self.feed(Start())
+        self.begin()
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
-        every = self.cfg.train.checkpoint_every
         while self.steps_done < self.cfg.train.max_steps or self.ckpt is not None:
             if time.time() > deadline:
                 raise RuntimeError(f"run exceeded runtime.timeout_s={self.cfg.runtime.timeout_s}")
@@ -173,48 +164,70 @@ class Orchestrator(OpLog):
                 continue
             msg, src = got
             self.last_heard[src] = time.monotonic()
-            if src in self.fenced:
-                continue  # given up on: its work is being done elsewhere
-            match msg:
-                case Heartbeat():
-                    pass
-                case Flushed() | Checkpointed():
-                    self.on_checkpoint_progress(msg)
-                case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
-                    self.stop.set()
-                case Published() if self.stopping:  # the step under way when the stop came: it is in the
-                    self.record_step(msg)            # checkpoint being taken, so its record is kept
-                case _ if self.stopping:
-                    pass  # frozen: the final snapshot is taken; what happens now is not kept
-                case Ready():
-                    self.loads.pop(msg.instance, None)
-                    self.figures.loads.append(msg.load_s)
-                    self.feed(InstanceReady(msg.instance, msg.version))
-                case Done():
-                    if self.epoch.get(msg.traj_id) != msg.epoch:
-                        continue  # an earlier dispatch of a trajectory that was started again
-                    del self.epoch[msg.traj_id]
-                    self.moved_from.pop(msg.traj_id, None)
-                    self.unflushed.setdefault(src, []).append(msg.traj_id)
-                    self.finished_tokens += msg.response_len
-                    self.figures.on_done(msg.response_len, msg.kv_transfer_s)
-                    self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
-                    if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
-                        self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
-                case Published():
-                    self.steps_done += 1
-                    self.record_step(msg)
-                    self.op("publish", version=msg.version, detail=msg.checksum)
-                    self.report(force=True)
-                    last = self.steps_done >= self.cfg.train.max_steps  # the trained model is always kept
-                    if every and (msg.version % every == 0 or last) and self.ckpt is None:
-                        self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
-                    if self.steps_done < self.cfg.train.max_steps:
-                        self.feed(VersionPublished(msg.version))
-                        if self.paused and not self.policy.trainer_busy:  # after the new weights' LoadVersion
-                            self.set_paused(False, msg.version)
-                case _:
-                    raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
+            if src not in self.fenced:  # a fenced rank's work is being done elsewhere
+                self.on_message(msg, src)
+        return self.end()
+
+    def begin(self) -> None:
+        for bad in getattr(self.task, "malformed", []):  # skipped prompt rows: recorded, never fatal
+            self.op("malformed_row", detail=bad)
+            print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
+        for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
+            for s in trajs:
+                self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
+                                          s.tokens, s.logprobs, s.reward, s.attempt),
+                               self.roles.trainer_of_group(s.group_id))
+        self.feed(Start())
+
+    def on_message(self, msg, src: int) -> None:
+        match msg:
+            case Heartbeat():
+                pass
+            case Flushed() | Checkpointed():
+                self.on_checkpoint_progress(msg)
+            case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
+                self.stop.set()
+            case Published() if self.stopping:  # the step under way when the stop came: it is in the
+                self.record_step(msg)            # checkpoint being taken, so its record is kept
+            case _ if self.stopping:
+                pass  # frozen: the final snapshot is taken; what happens now is not kept
+            case Ready():
+                self.loads.pop(msg.instance, None)
+                self.figures.loads.append(msg.load_s)
+                self.feed(InstanceReady(msg.instance, msg.version))
+            case Done():
+                self.on_done(msg, src)
+            case Published():
+                self.on_published(msg)
+            case _:
+                raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
+
+    def on_done(self, msg: Done, src: int) -> None:
+        if self.epoch.get(msg.traj_id) != msg.epoch:
+            return  # an earlier dispatch of a trajectory that was started again
+        del self.epoch[msg.traj_id]
+        self.moved_from.pop(msg.traj_id, None)
+        self.unflushed.setdefault(src, []).append(msg.traj_id)
+        self.finished_tokens += msg.response_len
+        self.figures.on_done(msg.response_len, msg.kv_transfer_s)
+        self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
+        if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
+            self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
+
+    def on_published(self, msg: Published) -> None:
+        self.steps_done += 1
+        self.record_step(msg)
+        self.op("publish", version=msg.version, detail=msg.checksum)
+        self.report(force=True)
+        every, last = self.cfg.train.checkpoint_every, self.steps_done >= self.cfg.train.max_steps
+        if every and (msg.version % every == 0 or last) and self.ckpt is None:  # the trained model is kept
+            self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
+        if not last:
+            self.feed(VersionPublished(msg.version))
+            if self.paused and not self.policy.trainer_busy:  # after the new weights' LoadVersion
+                self.set_paused(False, msg.version)
+
+    def end(self) -> str:
         outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
         open_groups = [g for g, rec in self.policy.ledger.groups.items()
                        if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
