@@ -1,1 +1,1 @@
-"""Launchers: local mpiexec (this module's local.py); Slurm comes next."""
+"""Launchers: local mpiexec (local.py) and a heterogeneous Slurm job through submitit (slurm.py)."""

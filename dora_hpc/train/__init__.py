@@ -1,1 +1,1 @@
-"""Trainer side: the GRPO/PPO objective and its backends (torch now; FSDP2 and megatron-core later)."""
+"""Trainer side: the GRPO objective (grpo.py, losses.py) over its backends: replicated torch, FSDP2, megatron."""
