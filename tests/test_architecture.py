@@ -123,3 +123,12 @@ def test_no_file_over_400_lines():
     long = {p.relative_to(PKG).as_posix(): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_no_function_over_60_lines():
+    import ast
+
+    long = [f"{p.relative_to(PKG).as_posix()}:{n.name} ({n.end_lineno - n.lineno + 1})"
+            for p in PKG.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long

@@ -57,41 +57,24 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict) -> list[str]:
 def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     """Every figure of a run (see the module docstring). Partial logs are analysed and what they lack is
     listed under ``missing``; a run dir without one readable train step raises NothingToAnalyse."""
-    run_dir = Path(run_dir)
+    run_dir, cfg = Path(run_dir), _config(Path(run_dir))
     scans = {k: scan(run_dir, k) for k in ("traj", "events", "train")}
-    cfg = _config(run_dir)
     mode, k, g_size = cfg.get("mode"), cfg.get("dora", {}).get("k"), cfg.get("batch", {}).get("group_size", 1)
-    consumed = read_table(run_dir, "train", "consumed", scan_result=scans["train"])
-    tsteps = read_table(run_dir, "train", "steps", scan_result=scans["train"])
-    if not len(tsteps["step"]):
-        read = ", ".join(f"{len(s.files)} {kind}" for kind, s in scans.items())
-        raise NothingToAnalyse(f"{run_dir}: nothing to analyse: no train step logged (the run stopped before its "
-                               f"first step, or no train shard is readable); shards read: {read}"
-                               + "".join(f"; {m}" for m in missing_logs(scans, cfg))
-                               if any(s.files or s.bad or s.tmp_skipped for s in scans.values()) else
-                               f"{run_dir}: nothing to analyse: no HDF5 shard in it (is it a run directory?)")
+    consumed, all_tsteps = (read_table(run_dir, "train", t, scan_result=scans["train"]) for t in ("consumed", "steps"))
+    if not len(all_tsteps["step"]):
+        raise NothingToAnalyse(_nothing(run_dir, scans, cfg))
     traj = read_trajectories(scans["traj"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
     esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True,
                         columns=["t_start", "t_end", "batch_size", "capacity", "version"])
-
-    # a preempted and resumed run: keep only the rows its final history is made of (analysis/history.py)
     hist = history(ops)
-    keep = hist.step_mask(consumed["attempt"], consumed["consume_step"])
-    consumed = {c: v[keep] for c, v in consumed.items()}
-    keep = hist.step_mask(tsteps["attempt"], tsteps["step"])
-    all_tsteps = tsteps
-    tsteps = {c: v[keep] for c, v in tsteps.items()}
-    order = np.argsort(tsteps["step"], kind="stable")
-    tsteps = {c: v[order] for c, v in tsteps.items()}
+    consumed, tsteps = effective(hist, consumed, all_tsteps)
 
     traits = traits_of(mode, k or 0) if mode in MODES else None  # a log of an unknown mode: nothing bound
     bound = traits.staleness_bound if traits else None
     chk = check(traj, consumed, ops, set(hist.owns), hist.chain[-1], bound, g_size)
     single_version = traits is None or traits.single_version
-    mixed = chk.mixed.tolist() if single_version else []
-    stale = chk.stale
-    lengths = joined(traj["response_len"], chk.matched, 0)
+    mixed, stale = chk.mixed.tolist() if single_version else [], chk.stale
 
     mig = migration_figures(ops)
     result = {
@@ -104,7 +87,8 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "invariants": invariant_figures(chk, mixed),
         "staleness": {"max": int(stale.max(initial=0)), "mean": float(stale.mean()) if len(stale) else 0.0,
                       "histogram": _counts(stale), "by_version": _counts(consumed["version"])},
-        "stratified": stratified(stale, consumed["reward"], consumed["group_id"], lengths),
+        "stratified": stratified(stale, consumed["reward"], consumed["group_id"],
+                                 joined(traj["response_len"], chk.matched, 0)),
         "partial_segments": {} if single_version else {"trajectories_with_switches": len(chk.mixed)},
         "migrations": mig["count"],
         "migration": mig,
@@ -114,18 +98,14 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "reward_errors": int(traj["has_error"].sum()),
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": weight_figures(tsteps, all_tsteps, ops),
-        "fenced": [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
-                   for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
-                                               strict=True) if kind == "fence"],
+        "fenced": fenced(ops),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
         **loss_stats(tsteps),
-        # step n's trained tokens over the time since step n-1 ended (from step 1; across a resume the
-        # interval includes the restart)
-        "tokens_per_s_by_step": (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist(),
+        "tokens_per_s_by_step": tokens_per_s_by_step(tsteps),
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
         "missing": missing_logs(scans, cfg),
     }
@@ -134,6 +114,38 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
     return result
+
+
+def _nothing(run_dir: Path, scans: dict, cfg: dict) -> str:
+    if not any(s.files or s.bad or s.tmp_skipped for s in scans.values()):
+        return f"{run_dir}: nothing to analyse: no HDF5 shard in it (is it a run directory?)"
+    read = ", ".join(f"{len(s.files)} {kind}" for kind, s in scans.items())
+    return (f"{run_dir}: nothing to analyse: no train step logged (the run stopped before its first step, or no "
+            f"train shard is readable); shards read: {read}" + "".join(f"; {m}" for m in missing_logs(scans, cfg)))
+
+
+def effective(hist, consumed: dict, tsteps: dict) -> tuple[dict, dict]:
+    """A preempted and resumed run: only the rows its final history is made of (analysis/history.py);
+    train steps in step order."""
+    keep = hist.step_mask(consumed["attempt"], consumed["consume_step"])
+    consumed = {c: v[keep] for c, v in consumed.items()}
+    keep = hist.step_mask(tsteps["attempt"], tsteps["step"])
+    tsteps = {c: v[keep] for c, v in tsteps.items()}
+    order = np.argsort(tsteps["step"], kind="stable")
+    return consumed, {c: v[order] for c, v in tsteps.items()}
+
+
+def tokens_per_s_by_step(tsteps: dict) -> list[float]:
+    """Step n's trained tokens over the time since step n-1 ended (from step 1; across a resume the interval
+    includes the restart)."""
+    return (tsteps["tokens"][1:] / np.maximum(np.diff(tsteps["t_end"]), 1e-9)).tolist()
+
+
+def fenced(ops: dict) -> list[dict]:
+    """Each rollout rank rank 0 gave up on (runtime/orchestrator.py: fence), with what it left undone."""
+    return [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
+            for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
+                                        strict=True) if kind == "fence"]
 
 
 def _counts(values: np.ndarray) -> dict[str, int]:

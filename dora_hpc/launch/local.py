@@ -123,14 +123,18 @@ def _die_with_parent() -> None:  # runs in the child before exec: SIGKILL it whe
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
-    """Run the job; returns mpiexec's exit code, or PREEMPTED when a signal stopped it at a checkpoint."""
+def check_device(cfg: RunConfig) -> None:
     if cfg.runtime.device == "cuda":
         import torch
 
         if torch.cuda.device_count() == 0:  # NVML: CUDA itself is not initialised here
             raise LaunchError("runtime.device=cuda, but this machine has no GPU that torch can use "
                               f"(torch {torch.__version__}); run with runtime.device=cpu")
+
+
+def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
+    """Run the job; returns mpiexec's exit code, or PREEMPTED when a signal stopped it at a checkpoint."""
+    check_device(cfg)
     quiet_hf()  # before the model is converted or cached here, and for every rank mpiexec starts
     prepare(cfg, run_dir, resume)
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
@@ -180,6 +184,12 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         watcher.stop()
+    return outcome(code, cfg, run_dir, watcher, asked, n)
+
+
+def outcome(code: int, cfg: RunConfig, run_dir: Path, watcher: DeathWatch, asked: list[int], n: int) -> int:
+    """The launcher's exit code for how the job ended, and the one line that says why."""
+    pid_dir = run_dir / "pids"
     if len(asked) > 1:
         sys.stderr.write("dora-hpc: stopped at once by a second signal; the last committed checkpoint stands; "
                          f"continue with: dora-hpc run --resume --run-dir {run_dir}\n")

@@ -23,6 +23,33 @@ from .costs import CostModel
 from .workload import Workload
 
 
+def inter_instance_bubbles(sim: Simulator, warmup: int) -> list[float]:
+    """Per train-step interval after warm-up: the mean idle share of the instances against the busiest."""
+    out = []
+    marks = sim.busy_marks[warmup - 1:] + [[sim._busy_now(i) for i in sim.inst]]
+    for a, b in zip(marks, marks[1:], strict=False):
+        busy = [y - x for x, y in zip(a, b, strict=True)]
+        top = max(busy)
+        if top > 0:
+            out.append(sum((top - x) / top for x in busy) / len(busy))
+    return out
+
+
+def lost_groups(sim: Simulator) -> int:
+    """Groups neither consumed nor dropped with a trajectory that is neither alive nor finished."""
+    g_size, lost = sim.cfg.batch.group_size, 0
+    for g in {r.group for r in sim.trajs.values()}:
+        if sim.consumed[g] or g in sim.dropped:
+            continue
+        for t in range(g * g_size, (g + 1) * g_size):
+            rec = sim.trajs.get(t)
+            alive = t in sim.policy.view.trajs or t in sim.in_transit
+            if not (alive or (rec is not None and rec.finished)):
+                lost += 1
+                break
+    return lost
+
+
 def summarize(sim: Simulator) -> dict:
     cfg = sim.cfg
     w = cfg.sim.warmup_steps
@@ -34,26 +61,10 @@ def summarize(sim: Simulator) -> dict:
     slot_util = (sum(sim.slot_seconds_now(i) for i in sim.inst) - sim.slot_seconds_at_t0) / (slots * span)
     rollout_span = span - (sum(s["train_s"] for s in sim.steps[w:]) if sim.colocated else 0.0)
     slot_bubble = 1.0 - slot_util * span / rollout_span
-    bubbles = []
-    marks = sim.busy_marks[w - 1:] + [[sim._busy_now(i) for i in sim.inst]]
-    for a, b in zip(marks, marks[1:], strict=False):
-        busy = [y - x for x, y in zip(a, b, strict=True)]
-        top = max(busy)
-        if top > 0:
-            bubbles.append(sum((top - x) / top for x in busy) / len(busy))
+    bubbles = inter_instance_bubbles(sim, w)
     mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
-    g_size = cfg.batch.group_size
     split = sum(1 for vs in sim.group_versions().values() if len(vs) > 1)
-    lost = 0
-    for g in {r.group for r in sim.trajs.values()}:
-        if sim.consumed[g] or g in sim.dropped:
-            continue
-        for t in range(g * g_size, (g + 1) * g_size):
-            rec = sim.trajs.get(t)
-            alive = t in sim.policy.view.trajs or t in sim.in_transit
-            if not (alive or (rec is not None and rec.finished)):
-                lost += 1
-                break
+    lost = lost_groups(sim)
     wall = t1
     counts, ops = sim.total("counts"), sim.total("ops")
     return {

@@ -218,33 +218,30 @@ class GRPOTrainer:
                 if not weight:
                     continue
                 with torch.no_grad():
-                    same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
-                    on_policy = mask * same  # tokens sampled under the step's starting weights
-                    per = {"loss": float(loss), "gap_sum": float(((prox_lp - old_lp).abs() * on_policy).sum()),
-                           "gap_tokens": float(on_policy.sum()), "kl": float((kl * mask).sum()),
-                           "entropy": float((ent.to(mask.device) * mask).sum()),
-                           **{k: float((v * mask).sum()) for k, v in st.items()}}
-                    tot += torch.tensor([per[k] for k in SUMS], dtype=torch.float64)
-                    top = torch.maximum(top, torch.tensor([float((st["is_weight"] * mask).max()),
-                                                           float(mask.sum(1).max())], dtype=torch.float64))
+                    sums, tops = self._micro_stats(batch, loss, prox_lp, old_lp, mask, kl, ent, st)
+                    tot += sums
+                    top = torch.maximum(top, tops)
             self.backend.finish_grads()
             norms.append(self.backend.clip_grad_norm(cfg.max_grad_norm))
             self.opt.step()
         self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
         self.dp._all_reduce(top, "max")
         self.step += 1
-        m = dict(zip(SUMS, (float(x) for x in tot), strict=True))
-        per_token = {k: m[k] / n_tokens for k in ("kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high",
-                                                  "is_weight", "is_truncated", "is_masked")}
-        return {"loss": m["loss"] / len(parts), "clip_frac": per_token["clip_low"] + per_token["clip_high"],
-                "clip_frac_low": per_token["clip_low"], "clip_frac_high": per_token["clip_high"],
-                "clip_band_frac": per_token["clip_band"], "kl": per_token["kl"], "ratio_mean": per_token["ratio"],
-                "entropy": per_token["entropy"], "is_weight_mean": per_token["is_weight"],
-                "is_weight_max": float(top[0]), "is_truncated_frac": per_token["is_truncated"],
-                "is_masked_frac": per_token["is_masked"], "response_len_mean": n_tokens / n_samples,
-                "response_len_max": int(top[1]), "grad_norm": sum(norms) / len(norms), "tokens": int(n_tokens),
-                "advantages": adv_all, "reward_mean": reward_sum / n_samples, "gap_tokens": int(m["gap_tokens"]),
-                "logprob_gap": m["gap_sum"] / m["gap_tokens"] if m["gap_tokens"] else math.nan}
+        return step_metrics(dict(zip(SUMS, (float(x) for x in tot), strict=True)), top, norms, len(parts),
+                            n_tokens, n_samples, reward_sum) | {"advantages": adv_all}
+
+    def _micro_stats(self, batch, loss, prox_lp, old_lp, mask, kl, ent, st) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's sums (SUMS order) and maxima (importance weight, response length)."""
+        same = torch.tensor([float(s.version == self.step) for s in batch], device=mask.device)[:, None]
+        on_policy = mask * same  # tokens sampled under the step's starting weights
+        per = {"loss": float(loss), "gap_sum": float(((prox_lp - old_lp).abs() * on_policy).sum()),
+               "gap_tokens": float(on_policy.sum()), "kl": float((kl * mask).sum()),
+               "entropy": float((ent.to(mask.device) * mask).sum()),
+               **{k: float((v * mask).sum()) for k, v in st.items()}}
+        return (torch.tensor([per[k] for k in SUMS], dtype=torch.float64),
+                torch.tensor([float((st["is_weight"] * mask).max()), float(mask.sum(1).max())], dtype=torch.float64))
+
+
 
     def _micro(self, samples: list[Sample]):
         """(offset, micro-batch, weight) over ``samples``; sharded backends run as many as their busiest rank,
@@ -280,3 +277,19 @@ class GRPOTrainer:
         self.backend.load_optimizer_state(self.opt, rest["optimizer"])
         self.step = rest["step"]
         torch.set_rng_state(rest["torch_rng"])
+
+
+def step_metrics(m: dict[str, float], top: torch.Tensor, norms: list[float], n_parts: int, n_tokens: float,
+                 n_samples: float, reward_sum: float) -> dict:
+    """A step's metrics over all replicas, from its summed figures ``m`` (SUMS) and maxima ``top``."""
+    per_token = {k: m[k] / n_tokens for k in ("kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high",
+                                              "is_weight", "is_truncated", "is_masked")}
+    return {"loss": m["loss"] / n_parts, "clip_frac": per_token["clip_low"] + per_token["clip_high"],
+            "clip_frac_low": per_token["clip_low"], "clip_frac_high": per_token["clip_high"],
+            "clip_band_frac": per_token["clip_band"], "kl": per_token["kl"], "ratio_mean": per_token["ratio"],
+            "entropy": per_token["entropy"], "is_weight_mean": per_token["is_weight"],
+            "is_weight_max": float(top[0]), "is_truncated_frac": per_token["is_truncated"],
+            "is_masked_frac": per_token["is_masked"], "response_len_mean": n_tokens / n_samples,
+            "response_len_max": int(top[1]), "grad_norm": sum(norms) / len(norms), "tokens": int(n_tokens),
+            "reward_mean": reward_sum / n_samples, "gap_tokens": int(m["gap_tokens"]),
+            "logprob_gap": m["gap_sum"] / m["gap_tokens"] if m["gap_tokens"] else math.nan}
