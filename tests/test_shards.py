@@ -23,7 +23,7 @@ def test_rows_round_trip_with_vlen_columns_and_rotation(tmp_path):
     assert t["logprobs"][3].dtype == np.float32 and t["finish_reason"][6] == "stop"
     assert t["n_migrations"][0] == -1  # unset columns get their documented default
     with h5py.File(tmp_path / "traj-r3-00000.h5") as f:
-        assert dict(f.attrs) == {"schema_version": 4, "run_id": "r1", "rank": 3, "role": "rollout",
+        assert dict(f.attrs) == {"schema_version": 5, "run_id": "r1", "rank": 3, "role": "rollout",
                                  "config_json": '{"seed": 0}', "attempt": 0}
     assert t["attempt"].tolist() == [0] * 7  # every row says which launch wrote it
     # a new writer (after a restart) continues the numbering instead of overwriting
@@ -70,3 +70,22 @@ def test_a_version_2_train_shard_reads_its_newer_columns_as_defaults(tmp_path):
     assert t["step"].tolist() == [0, 1] and t["loss"].tolist() == [0.5, 0.25]
     assert np.isnan(t["logprob_gap"][0]) and t["logprob_gap"][1] == 2e-6
     assert t["gap_tokens"].tolist() == [-1, 30]
+
+
+def test_a_version_4_trajectory_shard_reads_its_tag_under_the_new_name(tmp_path):
+    """Schema 5 renamed dispatch_step (it holds a version) to dispatch_version and dropped prompt_id and
+    t_first_token: a shard written before reads its old column under the new name, and the dropped ones
+    are never asked for."""
+    w = ShardWriter(tmp_path, "traj", rank=2, role="rollout", run_id="r1")
+    w.append("trajectories", {"traj_id": 0, "group_id": 0, "version": 1, "dispatch_version": 1})
+    p = w.flush()
+    with h5py.File(p, "a") as f:  # as schema 4 wrote it
+        f.attrs["schema_version"] = 4
+        g = f["trajectories"]
+        g["dispatch_step"] = g["dispatch_version"][()]
+        del g["dispatch_version"]
+        g["prompt_id"], g["t_first_token"] = g["group_id"][()], np.full(1, np.nan)
+    w.append("trajectories", {"traj_id": 1, "group_id": 0, "version": 1, "dispatch_version": 0})
+    w.flush()
+    t = read_table(tmp_path, "traj", "trajectories")
+    assert t["dispatch_version"].tolist() == [1, 0] and "prompt_id" not in t and "t_first_token" not in t

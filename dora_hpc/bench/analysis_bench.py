@@ -52,7 +52,7 @@ def synthetic_run(run_dir: Path, trajectories: int, rows_per_shard: int = 100_00
         idx = np.flatnonzero(rank == r)
         for s, lo in enumerate(range(0, len(idx), rows_per_shard)):
             sl = idx[lo:lo + rows_per_shard]
-            cols = {"traj_id": traj_id[sl], "group_id": group[sl], "prompt_id": group[sl], "version": version[sl],
+            cols = {"traj_id": traj_id[sl], "group_id": group[sl], "version": version[sl],
                     "response_len": resp[sl], "reward": reward[sl], "attempt": np.zeros(len(sl), np.int64),
                     "reprefill_tokens": np.zeros(len(sl), np.int64),
                     "segment_versions": _column("vlen_i4", [[v] for v in version[sl].tolist()])}

@@ -115,10 +115,10 @@ class RolloutRank(OpLog):
         shaping = self.cfg.reward
         reward += overlong_penalty(len(f.output), info["max_tokens"], shaping.overlong_buffer, shaping.overlong_penalty)
         self.traj_log.append("trajectories", {
-            "traj_id": f.req_id, "prompt_id": info["group_id"], "group_id": info["group_id"],
-            "sample_idx": info["sample_idx"], "version": f.version, "dispatch_step": info["dispatch_version"],
+            "traj_id": f.req_id, "group_id": info["group_id"],
+            "sample_idx": info["sample_idx"], "version": f.version, "dispatch_version": info["dispatch_version"],
             "prompt_len": len(f.prompt), "response_len": len(f.output), "reward": reward,
-            "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"], "t_first_token": float("nan"),
+            "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"],
             "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
             "instance_path": info["path"], "reward_error": error, "tokens": f.output, "logprobs": f.logprobs,
             "segment_versions": info["segments"]})

@@ -28,15 +28,18 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 4  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3, 4)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split, importance
-#                       weights, response lengths). An older shard reads a newer column as its default
+SCHEMA_VERSION = 5  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4, 5)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
+#   importance weights, response lengths); 5: trajectories name their tag `dispatch_version` (was
+#   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured).
+#   An older shard reads a newer column as its default, or under its old name (RENAMED)
+RENAMED = {("trajectories", "dispatch_version"): "dispatch_step"}  # (table, column) -> its name before 5
 
 # column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
 TRAJECTORIES = {
-    "traj_id": "i8", "prompt_id": "i8", "group_id": "i8", "sample_idx": "i8", "version": "i8",
-    "dispatch_step": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
-    "t_dispatch": "f8", "t_first_token": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
+    "traj_id": "i8", "group_id": "i8", "sample_idx": "i8", "version": "i8",
+    "dispatch_version": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
+    "t_dispatch": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
     "instance_path": "str", "reward_error": "str", "tokens": "vlen_i4", "logprobs": "vlen_f4",
     "segment_versions": "vlen_i4", "attempt": "i8",
 }
@@ -231,11 +234,12 @@ def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tupl
             g = f[table]
             rows = g[next(iter(g))].shape[0] if len(g) else 0
             for c in cols:
-                if c not in g:  # a column newer than the shard's schema version
+                stored = c if c in g else RENAMED.get((table, c), c)  # an older shard's name for it
+                if stored not in g:  # a column newer than the shard's schema version
                     kind = FILE_KINDS[_kind_of(path)][table][c]
                     yield c, _column(kind, [_default(kind)] * rows)
                     continue
-                arr = g[c][()]
+                arr = g[stored][()]
                 if arr.dtype.kind == "O" and len(arr) and isinstance(arr[0], bytes):
                     arr = np.array([x.decode() for x in arr], dtype=object)
                 yield c, arr
