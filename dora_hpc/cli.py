@@ -78,12 +78,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if args.config is None:
             if not args.resume:
                 raise ConfigError("CONFIG is required (only --resume may omit it: the run's own config is used)")
-            cfg = with_overrides(validate(saved_config(run_dir)), dict(parse_overrides(args.overrides)))
+            cfg = with_overrides(validate(saved_config(run_dir), saved=True), dict(parse_overrides(args.overrides)))
         else:
             cfg = load_config(args.config, args.overrides)
         resume = ("if_any" if args.allow_fresh else "required") if args.resume else "no"
         console.print(f"dora-hpc run: mode={cfg.mode} K={cfg.dora.k} ranks=1+{cfg.cluster.trainer_ranks}+"
-                      f"{cfg.cluster.rollout_ranks} steps={cfg.train.max_steps} -> {run_dir}"
+                      f"{cfg.cluster.rollout_instances} steps={cfg.train.max_steps} -> {run_dir}"
                       + (" (resume)" if args.resume else ""))
         code = launch(cfg, run_dir, resume)
     except LaunchError as e:
@@ -134,7 +134,7 @@ def cmd_submit(args: argparse.Namespace, console: Console) -> int:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot submit[/]: {e}", highlight=False)
         return 2
     console.print(f"submitted job {job.job_id}: {1 + cfg.cluster.trainer_ranks} orchestrator/trainer + "
-                  f"{cfg.cluster.rollout_ranks} rollout ranks, one MPI world -> {run_dir}", soft_wrap=True)
+                  f"{cfg.cluster.rollout_instances} rollout ranks, one MPI world -> {run_dir}", soft_wrap=True)
     console.print(f"follow: tail -f {job.paths.stdout}; afterwards: dora-hpc analyze {run_dir}", soft_wrap=True)
     return 0
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, load_config, parse_overrides, with_overrides
+from .config import ConfigError, RunConfig, load_config, parse_overrides, validate, with_overrides
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -53,7 +53,7 @@ def resolve(target: str, step: int | None, config: str | None, overrides: list[s
         meta = json.loads((path / "launch.json").read_text())
         if config:
             raise EvalError(f"--config: {target} is a run directory; its own config is used (change keys with --set)")
-        cfg = with_overrides(RunConfig.model_validate(meta["config"]), dict(parse_overrides(overrides)))
+        cfg = with_overrides(validate(meta["config"], saved=True), dict(parse_overrides(overrides)))
         model_dir = Path(meta["model_dir"])
         if not (model_dir / "config.json").is_file():
             raise EvalError(f"{target}: its model folder {model_dir} is gone (launch.json names it)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
-SHORT = ["--set", "train.max_steps=3", "--set", "cluster.rollout_ranks=2", "--set", "batch.tbs=4",
+SHORT = ["--set", "train.max_steps=3", "--set", "cluster.rollout_instances=2", "--set", "batch.tbs=4",
          "--set", "batch.rbs=6"]
 KEYS = {"throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
         "bubble_fraction", "max_staleness", "reprefill_tokens", "migrations", "overheads",

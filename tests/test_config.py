@@ -59,3 +59,24 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
     assert code == 2
     assert "batch.tbs" in capsys.readouterr().err
     assert main(["simulate", "configs/sim/small.yaml", "--modes", "dora,warp", "--out", str(tmp_path)]) == 2
+
+
+def test_deprecated_keys_keep_working_and_name_their_new_key(tmp_path, capsys):
+    """cluster.rollout_ranks -> cluster.rollout_instances and dora.kv_offload -> engine.on_kv_full: one
+    release of grace, a message naming the new key; both names disagreeing is an error naming both."""
+    from dora_hpc.config import ConfigError, load_config, validate
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["cluster.rollout_ranks=2", "dora.kv_offload=false"])
+    assert cfg.cluster.rollout_instances == 2 and cfg.engine.on_kv_full == "recompute"
+    err = capsys.readouterr().err
+    assert "cluster.rollout_ranks is deprecated: use cluster.rollout_instances" in err
+    assert "dora.kv_offload is deprecated: use engine.on_kv_full" in err
+    old = tmp_path / "old.yaml"
+    old.write_text("cluster: {rollout_ranks: 2, rollout_instances: 3}\n")
+    with pytest.raises(ConfigError, match="cluster.rollout_ranks.*cluster.rollout_instances"):
+        load_config(old)
+    # a run of an older release saved both (they could differ): its runtime's key wins, silently
+    saved = {"cluster": {"rollout_ranks": 2, "rollout_instances": 3},
+             "dora": {"kv_offload": False}, "engine": {"on_kv_full": "offload"}}
+    cfg = validate(saved, saved=True)
+    assert cfg.cluster.rollout_instances == 2 and cfg.engine.on_kv_full == "offload"

@@ -101,7 +101,7 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     run_dir = tmp_path / "dp"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", "--set", "batch.tbs=4",
                  "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
-                 "--set", "cluster.rollout_ranks=2", "--set", f"train.backend={backend}",
+                 "--set", "cluster.rollout_instances=2", "--set", f"train.backend={backend}",
                  "--set", f"runtime.data_plane={plane}", "--set", "runtime.weight_bucket_mb=0.25",  # ~7 buckets
                  "--set", "train.mini_batches=2", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

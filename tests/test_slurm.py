@@ -223,7 +223,7 @@ def test_data_parallel_trainers_in_a_heterogeneous_job(tmp_path, slurm_cluster):
 
     run_dir = tmp_path / "dp"
     # the local cluster's nodes have 2 CPUs each: component 0's 3 tasks span 2 of them
-    job = submit(run_dir, 3, "cluster.trainer_ranks=2", "cluster.rollout_ranks=2", "slurm.trainer.nodes=2")
+    job = submit(run_dir, 3, "cluster.trainer_ranks=2", "cluster.rollout_instances=2", "slurm.trainer.nodes=2")
     try:
         wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
                  what="the data-parallel job")

@@ -177,7 +177,7 @@ def test_a_real_run_on_the_vllm_backend_keeps_every_invariant(tmp_path, mode):
 
     run_dir = tmp_path / mode
     cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm",
-           "--set", f"mode={mode}", "--set", "train.max_steps=4", "--set", "cluster.rollout_ranks=2",
+           "--set", f"mode={mode}", "--set", "train.max_steps=4", "--set", "cluster.rollout_instances=2",
            "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
     p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -47,7 +47,8 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict) -> list[str]:
     first = 1 + cluster.get("trainer_ranks", 0)
     for kind in ("traj", "events"):
         have = {_rank(p) for p in scans[kind].files}
-        absent = [r for r in range(first, first + cluster.get("rollout_ranks", 0)) if r not in have]
+        n = cluster.get("rollout_ranks", cluster.get("rollout_instances", 0))  # an older release's name first
+        absent = [r for r in range(first, first + n) if r not in have]
         if absent:
             out.append(f"no {kind} shard from rollout rank{'s' if len(absent) > 1 else ''} "
                        + ", ".join(map(str, absent)))

@@ -81,7 +81,7 @@ def figures(a: dict, cfg) -> dict:
     steps = read_table(Path(a["run_dir"]), "train", "steps", ["t_start", "t_end", "tokens"])
     dur = steps["t_end"] - steps["t_start"]
     train_rate = statistics.median((steps["tokens"] / dur.clip(min=1e-9)).tolist())
-    n_inst = cfg.cluster.rollout_ranks
+    n_inst = cfg.cluster.rollout_instances
     # zero-bubble limit: every instance decodes a full batch every (paced) step, bounded by the trainer
     full_rate = n_inst * cfg.cluster.max_num_seqs / cfg.engine.step_time_s if cfg.engine.pacing else float("inf")
     limit = min(full_rate, train_rate)

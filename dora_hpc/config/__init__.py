@@ -7,6 +7,7 @@ names the offending key (``batch.rbs: ...``); the CLI turns it into exit code 2.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,10 +16,11 @@ from pydantic import Field, ValidationError, model_validator
 
 from ..core.policies import MODES, traits_of
 from .base import ConfigError, Section
+from .deprecated import DEPRECATED, renamed, undeprecate
 from .sim import HardwareSpec, LengthDist, ModelSpec, SimConfig, WorkloadConfig
 from .slurm import SlurmComponent, SlurmConfig
 
-__all__ = ["ConfigError", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section", "SimConfig",
+__all__ = ["DEPRECATED", "ConfigError", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section", "SimConfig",
            "SlurmComponent", "SlurmConfig", "WorkloadConfig", "load_config", "parse_overrides", "validate",
            "with_overrides"]
 
@@ -45,7 +47,6 @@ class BatchConfig(Section):
 class DoraConfig(Section):
     k: int = Field(2, ge=0, description="staleness bound K")
     kv_migration: bool = Field(True, description="migrate requests with their KV (False: re-prefill)")
-    kv_offload: bool = Field(True, description="park preempted KV in host memory (False: recompute)")
     legacy_topup: bool = True
     kv_threshold: float = Field(0.9, gt=0, le=1)
     rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
@@ -57,11 +58,11 @@ DEFAULT_PLACEMENT: dict[str, str] = {m: traits_of(m, 0).placement for m in MODES
 class ClusterConfig(Section):
     accelerators: int = Field(8, ge=2, description="total accelerators, shared by rollout and training")
     accelerators_per_instance: int = Field(1, ge=1, description="accelerators per rollout instance (TP)")
-    rollout_instances: int = Field(4, ge=1, description="disaggregated: rollout instances; trainer gets the rest")
+    rollout_instances: int = Field(4, ge=1, description="rollout instances, one MPI rank each in a run; the "
+                                   "simulator's disaggregated split gives the trainer the other accelerators")
     max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per rollout instance")
     placement: dict[Mode, Placement] = Field(default_factory=lambda: dict(DEFAULT_PLACEMENT))
     trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks (data-parallel replicas)")
-    rollout_ranks: int = Field(2, ge=1, description="runtime: rollout MPI ranks")
 
     @model_validator(mode="after")
     def _split_fits(self) -> ClusterConfig:
@@ -157,8 +158,9 @@ class EngineConfig(Section):
                                                   "(the trainer computes in float32; bfloat16 rollouts differ by "
                                                   "rounding, which the importance ratio absorbs)")
     on_kv_full: Literal["offload", "recompute"] = Field(
-        "offload", description="builtin: a sequence preempted for KV space moves its KV to host memory and back "
-        "(offload: DORA's hierarchical memory, nothing recomputed) or drops it and recomputes it (recompute)")
+        "offload", description="a sequence preempted for KV space moves its KV to host memory and back (offload: "
+        "DORA's hierarchical memory, nothing recomputed) or drops it and recomputes it (recompute); the "
+        "built-in engine and the simulator (which models offload for DORA only)")
 
     @model_validator(mode="after")
     def _vllm_only(self) -> EngineConfig:
@@ -326,12 +328,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    tree = undeprecate(tree, saved=False)
     for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
+        _set_dotted(tree, *renamed(key, value))
     return validate(tree)
 
 
-def validate(tree: dict[str, Any]) -> RunConfig:
+def validate(tree: dict[str, Any], saved: bool = False) -> RunConfig:
+    """``saved``: a run's own config (launch.json), perhaps of an older release's names."""
+    tree = undeprecate(copy.deepcopy(tree), saved)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -346,5 +351,5 @@ def with_overrides(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     """A validated copy of ``cfg`` with dotted keys replaced (used by sweeps)."""
     tree = cfg.model_dump()
     for key, value in values.items():
-        _set_dotted(tree, key, value)
+        _set_dotted(tree, *renamed(key, value))
     return validate(tree)

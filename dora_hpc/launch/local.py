@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from .. import quiet_hf
-from ..config import RunConfig
+from ..config import RunConfig, validate
 from ..runtime.dashboard import LiveView
 from ..runtime.roles import Roles
 
@@ -99,7 +99,9 @@ def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
             if found is None:
                 raise LaunchError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from; pass "
                                   "--allow-fresh to start the run again from step 0 (earlier logs are kept)")
-        old, new = _flat(meta["config"]), _flat(cfg.model_dump(mode="json"))
+        # the saved config in today's names (an older release's run may use deprecated ones)
+        old = _flat(validate(meta["config"], saved=True).model_dump(mode="json"))
+        new = _flat(cfg.model_dump(mode="json"))
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
                          and not k.startswith(RESUMABLE_CHANGES))
         if changed:
@@ -137,7 +139,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     check_device(cfg)
     quiet_hf()  # before the model is converted or cached here, and for every rank mpiexec starts
     prepare(cfg, run_dir, resume)
-    n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_instances
     pid_dir = run_dir / "pids"
     shutil.rmtree(pid_dir, ignore_errors=True)  # markers of an earlier launch would mislead DeathWatch
     # -disable-auto-cleanup: mpiexec leaves the job to us when a rank dies, so DeathWatch sees exactly

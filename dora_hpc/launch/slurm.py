@@ -69,9 +69,9 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     if "%j" in str(folder):
         raise ValueError("slurm.folder must not contain %j (it breaks srun's output redirection)")
     first = _component_flags(s.trainer, head, cfg)
-    second = _component_flags(s.rollout, c.rollout_ranks, cfg) if s.heterogeneous else None
+    second = _component_flags(s.rollout, c.rollout_instances, cfg) if s.heterogeneous else None
     if second is None:  # one plain job: all ranks in one component
-        first["ntasks"] = head + c.rollout_ranks
+        first["ntasks"] = head + c.rollout_instances
     ex = HetSlurmExecutor(folder, second, need_srun)
     srun_args = ["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--het-group=0,1"] if second is not None else [])
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,

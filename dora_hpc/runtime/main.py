@@ -139,7 +139,7 @@ def main(run_dir: str) -> int:
         (run / "pids" / f"rank-{rank}").write_text(str(os.getpid()))
         install_signals(run, rank)
         meta = json.loads((run / "launch.json").read_text())
-        cfg = validate(meta["config"])
+        cfg = validate(meta["config"], saved=True)
         start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
         announce(MPI.COMM_WORLD, cfg, meta, start)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,

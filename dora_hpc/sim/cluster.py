@@ -60,7 +60,7 @@ class Simulator:
         self.cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
         self.policy = build_policy(cfg, n_inst, mode)
         self.work = Workload(cfg.workload, cfg.seed)
-        offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.dora.kv_offload
+        offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
         self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
         self.now = 0.0
         self._q: list[tuple[float, int, tuple]] = []

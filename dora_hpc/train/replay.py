@@ -57,13 +57,13 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
            mpi_comm=None) -> list[dict] | None:
     """Train the run's batches with ``backend`` on the ranks of ``mpi_comm`` (None: this process alone);
     returns, on the first rank, each step's replayed and logged metrics."""
-    from ..config import RunConfig
+    from ..config import validate
     from ..data.tasks import make_task
     from .dp import DataParallel
     from .grpo import GRPOTrainer, Sample, grpo_config
 
     meta, batches, logged = load_batches(run_dir, steps)
-    cfg = RunConfig.model_validate(meta["config"])
+    cfg = validate(meta["config"], saved=True)
     model_dir = Path(meta["model_dir"])
     task = make_task(cfg, meta["vocab_size"], model_dir)
     dp = DataParallel(mpi_comm)
