@@ -164,7 +164,7 @@ def _train(work: Path, backend: str) -> dict:
     from dora_hpc.train.dp import DataParallel
     from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample
 
-    dp = DataParallel(None, backend="nccl" if DEVICE == "cuda" else "gloo")
+    dp = DataParallel(None, collectives="nccl" if DEVICE == "cuda" else "gloo")
     mp = "bf16" if DEVICE == "cuda" and backend == "fsdp" else "no"  # megatron runs in float32
     trainer = GRPOTrainer(model_dir(work), GRPOConfig(lr=1e-6, micro_batch=4), dp=dp, backend=backend,
                           mixed_precision=mp)

@@ -42,9 +42,9 @@ def bench_modes_cmd(args: argparse.Namespace, console: Console) -> None:
     from . import modes_bench as mb
 
     modes = args.modes.split(",") if args.modes else None
-    unknown = sorted(set(modes or []) - set(mb.MODES))
+    unknown = sorted(set(modes or []) - set(mb.CASES))
     if unknown:
-        raise ConfigError(f"--modes: unknown {unknown}; choose from {','.join(mb.MODES)}")
+        raise ConfigError(f"--modes: unknown {unknown}; choose from {','.join(mb.CASES)}")
     s = mb.bench_modes(args.config, Path(args.out), args.overrides, args.repeats, modes,
                        unpaced=not args.no_unpaced, console=console)
     print_cases(console, s["modes"], s["ratios"])

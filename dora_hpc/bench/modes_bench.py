@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import load_config
 
-MODES: dict[str, list[str]] = {
+CASES: dict[str, list[str]] = {
     "sync": ["mode=sync"], "one_step": ["mode=one_step"], "partial": ["mode=partial"],
     "oversample": ["mode=oversample"],
     "dora-k1": ["mode=dora", "dora.k=1"], "dora-k2": ["mode=dora", "dora.k=2"], "dora-k3": ["mode=dora", "dora.k=3"],
@@ -164,7 +164,7 @@ def machine() -> dict:
 def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3,
                 modes: list[str] | None = None, unpaced: bool = True, console=None) -> dict:
     sets = list(sets or [])
-    cases = {m: MODES[m] for m in (modes or MODES)}
+    cases = {m: CASES[m] for m in (modes or CASES)}
     _fresh(out)
     paced, rows = run_matrix(config, [*sets, "engine.pacing=true"], cases, out, repeats, console=console)
     summary: dict = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "modes": paced,

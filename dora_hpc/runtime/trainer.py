@@ -60,7 +60,7 @@ class TrainerRank(RankClock):
                  resume: ckpt_store.Checkpoint | None = None) -> None:
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
-        self.dp = DataParallel(comm.trainer_comm, backend="nccl" if cfg.runtime.device == "cuda" else "gloo")
+        self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
         self.lead = comm.rank == comm.roles.lead_trainer
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,

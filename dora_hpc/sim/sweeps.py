@@ -39,12 +39,12 @@ JOINT: dict[str, dict] = {
     "light tail: sigma 0.6, cap 8k, K 3": {
         "workload.response_len.sigma": 0.6, "workload.response_len.max": 8192, "dora.k": 3},
 }
-MODES = ("sync", "partial", "dora")
+SWEPT_MODES = ("sync", "partial", "dora")
 
 
 def _variant(cfg: RunConfig, label: str, changes: dict) -> dict:
     c = with_overrides(cfg, changes)
-    rows = {m: summarize(Simulator(c, m, timeline=False).run()) for m in MODES}
+    rows = {m: summarize(Simulator(c, m, timeline=False).run()) for m in SWEPT_MODES}
     tput = {m: r["throughput_tokens_per_s"] for m, r in rows.items()}
     limit = zero_bubble_limit(c, rows["dora"]["placement"])
     return {"variant": label, "changes": changes, "throughput_tokens_per_s": tput,

@@ -50,13 +50,13 @@ def rendezvous(mpi_comm) -> tuple[str, int]:
 
 
 class DataParallel:
-    def __init__(self, mpi_comm=None, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+    def __init__(self, mpi_comm=None, collectives: str = "gloo", timeout_s: float = 600.0) -> None:
         """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank). The trainer
-        computes on CPU, hence gloo; a GPU trainer passes "nccl" (each rank then uses GPU rank % count)."""
+        computes on CPU, hence gloo collectives; a GPU trainer passes "nccl" (each rank then uses GPU rank % count)."""
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
         self.mpi = mpi_comm
-        self.backend = backend
+        self.collectives = collectives  # torch.distributed's backend: gloo or nccl
         self.timeout_s = timeout_s
         self.initialised = False
         if self.size > 1:
@@ -71,16 +71,16 @@ class DataParallel:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised by someone else in this process")
         host, port = rendezvous(self.mpi)
-        if self.backend == "nccl":
+        if self.collectives == "nccl":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        dist.init_process_group(self.collectives, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.size, timeout=datetime.timedelta(seconds=self.timeout_s))
         self.initialised = True
 
     @property
     def device(self) -> torch.device:
         """Where this rank computes: its GPU (rank % visible GPUs) under NCCL, else the CPU."""
-        if self.backend == "nccl":
+        if self.collectives == "nccl":
             return torch.device("cuda", self.rank % torch.cuda.device_count())
         return torch.device("cpu")
 
@@ -98,7 +98,7 @@ class DataParallel:
         import torch.distributed as dist
 
         op_ = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        if self.backend == "nccl" and not t.is_cuda:  # NCCL reduces device memory only
+        if self.collectives == "nccl" and not t.is_cuda:  # NCCL reduces device memory only
             t.copy_(self._all_reduce(t.cuda(), op, group).cpu())
         else:
             dist.all_reduce(t, op=op_, group=group)

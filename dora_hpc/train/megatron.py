@@ -94,7 +94,7 @@ class MegatronBackend(TrainBackend):
         dp = self.dp
         dp.ensure_process_group()
         self.tp = self.opts.tensor_parallel or dp.size  # config.py checks that it divides the trainer ranks
-        on_gpu = dp.backend == "nccl"
+        on_gpu = dp.collectives == "nccl"
         if not on_gpu:
             _cpu_shims()
         if not mpu.model_parallel_is_initialized():
