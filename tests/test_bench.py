@@ -62,6 +62,14 @@ def test_convergence_cases_run_every_mode_under_every_loss():
     assert list(cases(["ppo_clip"], ["dora-k2", "sync"])) == ["sync", "dora-k2"]  # sync first: the baseline
 
 
+def test_reach_is_the_first_step_whose_three_step_mean_gets_there():
+    from dora_hpc.bench.convergence_bench import reach
+
+    assert reach([0.1, 0.5, 0.9, 1.0, 1.0], [1, 2, 3, 4, 5], 0.8) == {"step": 4, "t": 5}
+    assert reach([0.9, 0.9, 0.9], [1, 2, 3], 0.9) == {"step": 2, "t": 3}
+    assert reach([0.1, 0.2, 0.3], [1, 2, 3], 0.9) is None
+
+
 def test_bench_convergence_reads_reward_curves_from_the_logs_and_scores_held_out_prompts(tmp_path):
     out = tmp_path / "conv"
     p = bench("convergence", "configs/tiny-cpu.yaml", "--out", str(out), "--seeds", "0", "--cases", "sync,dora-k2",
@@ -72,6 +80,7 @@ def test_bench_convergence_reads_reward_curves_from_the_logs_and_scores_held_out
     for c in s["cases"].values():
         assert len(c["curves"]["0"]) == 3 and all(0 <= r <= 1 for r in c["curves"]["0"])
     assert set(s["verdict"]) == {"dora-k2"} and (out / "convergence.png").exists()
+    assert s["cases"]["sync"]["reach"]["reward"] == 0.95 * s["cases"]["sync"]["final"]
     # held-out: the initial model once, each run's final checkpoint (step 3), on 6 prompts training never drew
     initial = json.loads((out / "runs" / "initial-s0.eval.json").read_text())
     final = json.loads((out / "runs" / "dora-k2-s0.eval.json").read_text())

@@ -83,7 +83,10 @@ def bench_convergence_cmd(args: argparse.Namespace, console: Console) -> None:
                       f"{s['tail_steps']} steps), clip_frac {c['clip_frac']:.3f}"
                       + (f"; gap to {s['baseline']} {v['gap_to_sync']:+.3f}, "
                          f"{'within' if v['within_noise'] else 'outside'} its seed spread "
-                         f"{s['sync_seed_spread']:.3f}" if v else ""))
+                         f"{s['sync_seed_spread']:.3f}" if v else "")
+                      + (f"; reaches {c['reach']['reward']:.3f} at step {c['reach']['median_step']:g}, "
+                         f"{c['reach']['median_s']:.0f} s (median over seeds)" if c["reach"]["median_s"] is not None
+                         else "; some seed never reaches the reward"))
     for case, v in s.get("heldout", {}).get("verdict", {}).items():
         console.print(f"  {case}: held-out greedy mean reward {s['cases'][case]['heldout_final']:.3f}"
                       " (over the initial model: " + ", ".join(

@@ -44,8 +44,19 @@ def cases(losses: list[str], which: list[str] | None = None) -> dict[str, list[s
             for loss in losses for c, sets in CASES.items() if c in which}
 
 
+REACH = 0.95  # "reaches sync's reward": the 3-step mean batch reward at 95% of sync's final
+
+
 def final(curve: list[float], tail: int) -> float:
     return statistics.fmean(curve[-tail:])
+
+
+def reach(curve: list[float], times: list[float], target: float, window: int = 3) -> dict | None:
+    """The first step (and its end time, s since launch) whose ``window``-step mean reward is >= target."""
+    for i in range(window - 1, len(curve)):
+        if statistics.fmean(curve[i - window + 1: i + 1]) >= target:
+            return {"step": i, "t": times[i]}
+    return None
 
 
 def run_dir(out: Path, case: str, seed: int) -> Path:
@@ -91,6 +102,13 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
             found[case]["heldout_final_by_seed"] = held
             found[case]["heldout_final"] = statistics.fmean(held.values())
     base = next(iter(found))
+    target = REACH * found[base]["final"]
+    for c in found.values():  # when each seed's batch reward (3-step mean) first reaches REACH x sync's final
+        c["reach"] = {"reward": target, "by_seed": {
+            seed: reach(c["curves"][seed], c["times"][seed], target) for seed in c["curves"]}}
+        hit = [r for r in c["reach"]["by_seed"].values() if r is not None]
+        c["reach"]["median_s"] = statistics.median(r["t"] for r in hit) if len(hit) == len(seeds) else None
+        c["reach"]["median_step"] = statistics.median(r["step"] for r in hit) if len(hit) == len(seeds) else None
     noise = max(found[base]["final_by_seed"]) - min(found[base]["final_by_seed"])
     verdict = {c: {"gap_to_sync": found[c]["final"] - found[base]["final"],
                    "within_noise": abs(found[c]["final"] - found[base]["final"]) <= noise}
