@@ -20,12 +20,13 @@ import sys
 import torch
 from mpi4py import MPI
 
+from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.train.dp import DataParallel
-from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample, weights_checksum
+from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, weights_checksum
 from dora_hpc.train.losses import LossConfig
 
 
-def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
+def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Trajectory]:
     """Deterministic groups of unequal lengths and rewards (no engine needed: behaviour logprobs are
     made up, which only moves the ratio away from 1 and exercises the clip)."""
     gen = torch.Generator().manual_seed(step)
@@ -36,7 +37,7 @@ def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Sample]:
             n = int(torch.randint(2, 14, (1,), generator=gen))
             resp = torch.randint(3, 200, (n,), generator=gen).tolist()
             lps = (-torch.rand(n, generator=gen) * 6).tolist()
-            out.append(Sample(prompt, resp, lps, float(torch.rand(1, generator=gen)), step * 100 + gid))
+            out.append(Trajectory(-1, step * 100 + gid, -1, prompt, resp, lps, float(torch.rand(1, generator=gen))))
     return out
 
 

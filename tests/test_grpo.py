@@ -5,10 +5,11 @@ import importlib.util
 import pytest
 import torch
 
+from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.engine.engine import Engine
 from dora_hpc.engine.local_models import build_tiny_model
 from dora_hpc.engine.sampling import SamplingParams
-from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample, group_advantages, weights_checksum
+from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, group_advantages, weights_checksum
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,12 @@ def rollout(engine, version, n_groups, g, step, max_tokens=12):
     while engine.has_work():
         for f in engine.step():
             gid = f.req_id // g
-            out.append(Sample(f.prompt, f.output, f.logprobs, even_reward(f.output), gid))
+            out.append(Trajectory(f.req_id, gid, -1, f.prompt, f.output, f.logprobs, even_reward(f.output)))
     return out
 
 
 def test_group_advantages_are_within_group():
-    s = [Sample([1], [2], [0.0], r, g) for r, g in [(1, 0), (0, 0), (5, 1), (5, 1)]]
+    s = [Trajectory(i, g, -1, [1], [2], [0.0], r) for i, (r, g) in enumerate([(1, 0), (0, 0), (5, 1), (5, 1)])]
     adv = group_advantages(s)
     assert adv[0] > 0 > adv[1] and adv[2] == adv[3] == 0.0
 
@@ -120,7 +121,7 @@ def test_grpo_raises_the_reward_and_published_weights_arrive_bit_exactly(tiny):
 def test_bad_samples_are_refused(tiny):
     trainer = GRPOTrainer(tiny)
     with pytest.raises(ValueError, match="behaviour logprob"):
-        trainer.train_step([Sample([1, 2], [3, 4], [0.0], 1.0, 0)])
+        trainer.train_step([Trajectory(0, 0, -1, [1, 2], [3, 4], [0.0], 1.0)])
 
 
 megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")

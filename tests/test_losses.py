@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from dora_hpc.train.grpo import Sample, group_advantages
+from dora_hpc.core.trajectory import Trajectory
+from dora_hpc.train.grpo import group_advantages
 from dora_hpc.train.losses import LossConfig, aggregate, k3, policy_loss
 
 L = math.log
@@ -109,7 +110,8 @@ def test_aggregations_and_advantages():
     assert aggregate(per_tok, MASK, "token", 7, 4, 10).item() == pytest.approx(18 / 7)
     assert aggregate(per_tok, MASK, "sequence", 7, 4, 10).item() == pytest.approx((2 + 2 + 2 + 6) / 4)
     assert aggregate(per_tok, MASK, "constant", 7, 4, 10).item() == pytest.approx(18 / 40)
-    samples = [Sample([1], [2], [0.0], r, g) for r, g in ((1.0, 0), (0.0, 0), (0.5, 1), (0.5, 1))]
+    rewards = ((1.0, 0), (0.0, 0), (0.5, 1), (0.5, 1))
+    samples = [Trajectory(i, g, -1, [1], [2], [0.0], r) for i, (r, g) in enumerate(rewards)]
     assert group_advantages(samples, std_norm=False) == [0.5, -0.5, 0.0, 0.0]  # Dr. GRPO
     std = math.sqrt(0.5)  # sample std of (1, 0)
     assert group_advantages(samples) == pytest.approx([0.5 / std, -0.5 / std, 0.0, 0.0], rel=1e-5)

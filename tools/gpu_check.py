@@ -161,8 +161,9 @@ def section_weights(work: Path, small: bool) -> dict:
 
 
 def _train(work: Path, backend: str) -> dict:
+    from dora_hpc.core.trajectory import Trajectory
     from dora_hpc.train.dp import DataParallel
-    from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, Sample
+    from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
 
     dp = DataParallel(None, collectives="nccl" if DEVICE == "cuda" else "gloo")
     mp = "bf16" if DEVICE == "cuda" and backend == "fsdp" else "no"  # megatron runs in float32
@@ -174,8 +175,8 @@ def _train(work: Path, backend: str) -> dict:
         prompt = torch.randint(10, 4000, (128,), generator=gen).tolist()
         for _ in range(4):
             resp = torch.randint(10, 4000, (384,), generator=gen).tolist()
-            samples.append(Sample(prompt, resp, (-torch.rand(384, generator=gen)).tolist(),
-                                  float(torch.rand(1, generator=gen)), g))
+            samples.append(Trajectory(-1, g, -1, prompt, resp, (-torch.rand(384, generator=gen)).tolist(),
+                                      float(torch.rand(1, generator=gen))))
     rows = []
     for _ in range(3):  # the first includes warm-up
         s, m = timed(lambda: trainer.train_step(samples))

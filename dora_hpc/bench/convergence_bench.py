@@ -115,20 +115,22 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
                for c in found if c != base}
     summary = {"seeds": seeds, "tail_steps": tail, "baseline": base, "sync_seed_spread": noise,
                "verdict": verdict, "cases": found}
+    if "heldout_final" in found[base]:
+        summary["heldout"] = heldout_verdict(found, base, out, seeds)
+    return summary
+
+
+def heldout_verdict(found: dict, base: str, out: Path, seeds: list[int]) -> dict:
+    """Each case's held-out greedy reward against sync's (within its seed spread?) and each seed's initial."""
     initial = {str(s): json.loads(p.read_text())["greedy"]["mean_reward"] for s in seeds
                if (p := out / "runs" / f"initial-s{s}.eval.json").is_file()}
-    if "heldout_final" in found[base]:
-        held_noise = max(found[base]["heldout_final_by_seed"].values()) - min(
-            found[base]["heldout_final_by_seed"].values())
-        summary["heldout"] = {
-            "initial_by_seed": initial, "sync_seed_spread": held_noise,
+    noise = max(found[base]["heldout_final_by_seed"].values()) - min(found[base]["heldout_final_by_seed"].values())
+    return {"initial_by_seed": initial, "sync_seed_spread": noise,
             "verdict": {c: {"gap_to_sync": found[c]["heldout_final"] - found[base]["heldout_final"],
-                            "within_noise": abs(found[c]["heldout_final"] - found[base]["heldout_final"])
-                            <= held_noise,
+                            "within_noise": abs(found[c]["heldout_final"] - found[base]["heldout_final"]) <= noise,
                             "gain_over_initial_by_seed": {s: v - initial[s] for s, v in
                                                           found[c]["heldout_final_by_seed"].items() if s in initial}}
                         for c in found if "heldout_final" in found[c]}}
-    return summary
 
 
 def _eval(target: str, step: int | None, path: Path, n: int) -> None:

@@ -101,16 +101,7 @@ class Forget:             # orchestrator -> the trainer owning the group: it is 
     group_id: int
 
 
-@dataclass(frozen=True)
-class Trajectory:         # rollout -> lead trainer
-    traj_id: int
-    group_id: int
-    version: int
-    prompt: list[int]
-    output: list[int]
-    logprobs: list[float]
-    reward: float
-    attempt: int = 0      # the launch that generated it (a re-queued one may predate a resume)
+# rollout -> lead trainer: core/trajectory.py's Trajectory, the record itself
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from ..core.events import (
@@ -70,7 +71,6 @@ from .comm import (
     SendWeights,
     Shutdown,
     StopRequest,
-    Trajectory,
 )
 from .comm import Train as TrainMsg
 from .dashboard import Dashboard
@@ -174,9 +174,7 @@ class Orchestrator(OpLog):
             print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
         for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
             for s in trajs:
-                self.comm.send(Trajectory(s.traj_id, s.group_id, s.version, self.task.prompt(s.group_id),
-                                          s.tokens, s.logprobs, s.reward, s.attempt),
-                               self.roles.trainer_of_group(s.group_id))
+                self.comm.send(replace(s, prompt=self.task.prompt(s.group_id)), self.roles.trainer_of_group(s.group_id))
         self.feed(Start())
 
     def on_message(self, msg, src: int) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.trajectory import Trajectory
 from ..data.tasks import overlong_penalty
 from ..engine.engine import RequestError
 from ..engine.interface import make_engine
@@ -45,7 +46,6 @@ from .comm import (
     Resume,
     SendWeights,
     Shutdown,
-    Trajectory,
     WeightsHeader,
 )
 
@@ -109,22 +109,23 @@ class RolloutRank(OpLog):
             self.finish(f, st["kv_used_fraction"])
 
     def finish(self, f, kv_frac: float) -> None:
+        """The engine's finished request becomes the trajectory record (rewarded): its HDF5 row, the
+        trainer's sample and rank 0's Done all come from it."""
         info = self.info.pop(f.req_id)
         self.gone.add(f.req_id)
         reward, error = self.task.safe_reward(info["group_id"], f.output)
         shaping = self.cfg.reward
         reward += overlong_penalty(len(f.output), info["max_tokens"], shaping.overlong_buffer, shaping.overlong_penalty)
+        t = Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward, self.attempt)
         self.traj_log.append("trajectories", {
-            "traj_id": f.req_id, "group_id": info["group_id"],
-            "sample_idx": info["sample_idx"], "version": f.version, "dispatch_version": info["dispatch_version"],
-            "prompt_len": len(f.prompt), "response_len": len(f.output), "reward": reward,
-            "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"],
+            "traj_id": t.traj_id, "group_id": t.group_id, "sample_idx": info["sample_idx"], "version": t.version,
+            "dispatch_version": info["dispatch_version"], "prompt_len": len(t.prompt), "response_len": len(t.response),
+            "reward": t.reward, "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"],
             "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
-            "instance_path": info["path"], "reward_error": error, "tokens": f.output, "logprobs": f.logprobs,
+            "instance_path": info["path"], "reward_error": error, "tokens": t.response, "logprobs": t.logprobs,
             "segment_versions": info["segments"]})
-        self.comm.send(Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward,
-                                  self.attempt), self.comm.roles.trainer_of_group(info["group_id"]))
-        self.comm.send(Done(f.req_id, self.instance, len(f.output), reward, kv_frac, info["epoch"], info["kv_s"]), 0)
+        self.comm.send(t, self.comm.roles.trainer_of_group(t.group_id))
+        self.comm.send(Done(t.traj_id, self.instance, len(t.response), reward, kv_frac, info["epoch"], info["kv_s"]), 0)
 
     # -- control -----------------------------------------------------------------------------------
     def handle(self, msg, src: int) -> None:

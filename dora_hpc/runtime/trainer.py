@@ -28,13 +28,15 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from ..core.policies import traits_of
+from ..core.trajectory import Trajectory
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
-from ..train.grpo import GRPOTrainer, Sample, grpo_config, weights_checksum
+from ..train.grpo import GRPOTrainer, grpo_config, weights_checksum
 from .clock import RankClock
 from .comm import (
     Checkpoint,
@@ -46,7 +48,6 @@ from .comm import (
     SendWeights,
     Shutdown,
     Train,
-    Trajectory,
 )
 
 # train-step metrics logged as they are (store/shards.py: TRAIN_STEPS)
@@ -185,8 +186,7 @@ class TrainerRank(RankClock):
         trajs = [t for g in mine for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
         # partial rollout: a trajectory's tokens may span versions, so none counts as sampled under one
         tagged = self.traits.single_version
-        samples = [Sample(t.prompt, t.output, t.logprobs, t.reward, t.group_id, t.version if tagged else -1)
-                   for t in trajs]
+        samples = trajs if tagged else [replace(t, version=-1) for t in trajs]
         with self.serving_weights():
             metrics = self.trainer.train_step(samples, msg.group_ids)
         state = self.trainer.state_dict()

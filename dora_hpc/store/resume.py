@@ -9,29 +9,19 @@ columns first and the token columns only for the rows kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from ..core.ledger import GroupState, Ledger
+from ..core.trajectory import Trajectory
 from .shards import scan
 
 
-@dataclass(frozen=True)
-class StoredTrajectory:
-    traj_id: int
-    group_id: int
-    version: int
-    attempt: int
-    tokens: list[int]
-    logprobs: list[float]
-    reward: float
-
-
-def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, list[StoredTrajectory]]:
-    """Complete groups of ``ledger`` whose trajectories the shards hold, each as its G rows (by traj id)."""
+def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, list[Trajectory]]:
+    """Complete groups of ``ledger`` whose trajectories the shards hold, each as its G records (by traj id,
+    without their prompt)."""
     wanted = {g: rec.version for g, rec in ledger.groups.items() if rec.state is GroupState.COMPLETE}
     best: dict[int, tuple[int, Path, int]] = {}  # traj_id -> (attempt, file, row)
     found = scan(run_dir, "traj")
@@ -46,7 +36,7 @@ def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, 
     by_file: dict[Path, list[tuple[int, int]]] = {}
     for tid, (_a, path, row) in best.items():
         by_file.setdefault(path, []).append((row, tid))
-    out: dict[int, list[StoredTrajectory]] = {}
+    out: dict[int, list[Trajectory]] = {}
     for path, rows in by_file.items():
         rows.sort()
         idx = [r for r, _ in rows]
@@ -55,9 +45,9 @@ def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, 
             cols = {c: t[c][idx] for c in ("traj_id", "group_id", "version", "attempt", "tokens", "logprobs",
                                            "reward")}
         for i in range(len(idx)):
-            s = StoredTrajectory(int(cols["traj_id"][i]), int(cols["group_id"][i]), int(cols["version"][i]),
-                                 int(cols["attempt"][i]), cols["tokens"][i].tolist(), cols["logprobs"][i].tolist(),
-                                 float(cols["reward"][i]))
+            s = Trajectory(int(cols["traj_id"][i]), int(cols["group_id"][i]), int(cols["version"][i]), [],
+                           cols["tokens"][i].tolist(), cols["logprobs"][i].tolist(), float(cols["reward"][i]),
+                           int(cols["attempt"][i]))  # its prompt is the task's: the orchestrator adds it
             out.setdefault(s.group_id, []).append(s)
     whole = {}
     for g, trajs in out.items():

@@ -12,7 +12,7 @@ Invariants:
   Hugging Face parameter names, ready for ``Engine.load_weights``;
 * ``logprob_gap`` measures the rollout engine against the trainer: the mean |log pi_theta - log
   pi_behaviour| over the tokens of samples generated under the weights the trainer holds when the step
-  starts (``Sample.version == step``), i.e. the same policy computed twice; it is float noise (~1e-6 in
+  starts (``Trajectory.version == step``), i.e. the same policy computed twice; it is float noise (~1e-6 in
   float32) unless the engine samples from other weights than it was sent;
 * data parallel: each replica gets whole groups, normalises its loss by the global token (or sample)
   count and the gradients are summed over replicas, so R replicas take the same step as one rank
@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch
 
+from ..core.trajectory import Trajectory
 from .backend import BackendName, BackendOptions, build_backend
 from .dp import DataParallel
 from .losses import LossConfig, aggregate, k3, policy_loss
@@ -70,20 +71,12 @@ def grpo_config(cfg) -> GRPOConfig:
                                       t.is_cap, tuple(t.is_band)))
 
 
-@dataclass(frozen=True)
-class Sample:
-    prompt: list[int]
-    response: list[int]
-    logprobs: list[float]   # behaviour logprob of each response token
-    reward: float
-    group_id: int
-    version: int = -1       # the policy version it was sampled under (-1: unknown)
+# the stand-in of an empty micro-batch (its loss is multiplied by 0)
+EMPTY = Trajectory(-1, -1, -1, [0], [0], [0.0], 0.0)
 
 
-EMPTY = Sample([0], [0], [0.0], 0.0, -1)  # the stand-in of an empty micro-batch (its loss is multiplied by 0)
-
-
-def split_groups(samples: list[Sample], n: int, batch_groups: Sequence[int] | None = None) -> list[list[Sample]]:
+def split_groups(samples: list[Trajectory], n: int,
+                 batch_groups: Sequence[int] | None = None) -> list[list[Trajectory]]:
     """``samples`` cut into ``n`` mini-batches of whole groups: the group at position i of ``batch_groups``
     (the whole train batch's group ids, in order; default: this share's, by first appearance) goes to
     mini-batch ``i * n // len``, so data-parallel replicas cut the batch where one rank would. A mini-batch
@@ -94,7 +87,7 @@ def split_groups(samples: list[Sample], n: int, batch_groups: Sequence[int] | No
     if n <= 1:
         return [samples]
     part = {g: i * n // len(groups) for i, g in enumerate(groups)}
-    out: list[list[Sample]] = [[] for _ in range(n)]
+    out: list[list[Trajectory]] = [[] for _ in range(n)]
     for s in samples:
         out[part[s.group_id]].append(s)
     return out
@@ -108,7 +101,7 @@ def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def group_advantages(samples: list[Sample], std_norm: bool = True, eps: float = 1e-6) -> list[float]:
+def group_advantages(samples: list[Trajectory], std_norm: bool = True, eps: float = 1e-6) -> list[float]:
     by_group: dict[int, list[float]] = defaultdict(list)
     for s in samples:
         by_group[s.group_id].append(s.reward)
@@ -144,7 +137,7 @@ class GRPOTrainer:
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
-    def _token_logprobs(self, batch: list[Sample], reference: bool = False,
+    def _token_logprobs(self, batch: list[Trajectory], reference: bool = False,
                         entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and their
         mask; with ``entropy`` ([B, Lr], filled in place, no gradient) each position's policy entropy."""
@@ -170,7 +163,7 @@ class GRPOTrainer:
                     entropy[i, :r] = -(lp.exp() * lp).sum(-1).to(entropy.device)
         return out, mask
 
-    def train_step(self, samples: list[Sample], batch_groups: Sequence[int] | None = None) -> dict:
+    def train_step(self, samples: list[Trajectory], batch_groups: Sequence[int] | None = None) -> dict:
         """``cfg.mini_batches`` optimizer steps on ``samples`` (this replica's share of the train batch: whole
         groups, split into mini-batches of whole groups, each micro-batched); returns metrics of the whole
         batch (over all replicas) and this share's advantages. A replica may get no samples in a step (or in
@@ -243,7 +236,7 @@ class GRPOTrainer:
 
 
 
-    def _micro(self, samples: list[Sample]):
+    def _micro(self, samples: list[Trajectory]):
         """(offset, micro-batch, weight) over ``samples``; sharded backends run as many as their busiest rank,
         an empty one as the stand-in EMPTY with weight 0 (it joins the collectives, moves nothing)."""
         mb = self.cfg.micro_batch
@@ -251,7 +244,7 @@ class GRPOTrainer:
             batch = samples[start : start + mb]
             yield start, batch or [EMPTY], 1.0 if batch else 0.0
 
-    def _logprobs_no_grad(self, samples: list[Sample]) -> list[list[float]]:
+    def _logprobs_no_grad(self, samples: list[Trajectory]) -> list[list[float]]:
         """Each sample's response-token logprobs under the current weights (the proximal policy of a step)."""
         out: list[list[float]] = []
         with torch.no_grad():

@@ -58,9 +58,10 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
     """Train the run's batches with ``backend`` on the ranks of ``mpi_comm`` (None: this process alone);
     returns, on the first rank, each step's replayed and logged metrics."""
     from ..config import validate
+    from ..core.trajectory import Trajectory
     from ..data.tasks import make_task
     from .dp import DataParallel
-    from .grpo import GRPOTrainer, Sample, grpo_config
+    from .grpo import GRPOTrainer, grpo_config
 
     meta, batches, logged = load_batches(run_dir, steps)
     cfg = validate(meta["config"], saved=True)
@@ -72,7 +73,8 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
                           mixed_precision=cfg.train.mixed_precision if backend != "megatron" else "no")
     out = []
     for step, rows in enumerate(batches):
-        mine = [Sample(task.prompt(g), resp, lps, r, g) for g, resp, lps, r in rows if g % dp.size == dp.rank]
+        mine = [Trajectory(-1, g, -1, task.prompt(g), resp, lps, r)  # version unknown: no logprob gap
+                for g, resp, lps, r in rows if g % dp.size == dp.rank]
         m = trainer.train_step(mine, list(dict.fromkeys(g for g, *_ in rows)))  # mini-batches: the batch's order
         run = logged.get(step, {})
         out.append({"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
