@@ -134,7 +134,7 @@ def generate(engine, task, prompts, temperature: float, top_p: float, samples: i
     keys = {seed_base + i * samples + s: (g, s) for i, (g, _) in enumerate(prompts) for s in range(samples)}
     while engine.has_work():
         for f in engine.step():
-            out[keys[f.req_id]] = f.output
+            out[keys[f.req_id]] = f.response
             on_done()
     return out
 

@@ -60,12 +60,12 @@ def test_greedy_generation_matches_transformers(tiny_dir, hf_model):
     for i, p in enumerate(ps):
         ref = hf_model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                 pad_token_id=0)[0, len(p):].tolist()
-        assert out[i].output == ref and out[i].finish_reason == "length"
+        assert out[i].response == ref and out[i].finish_reason == "length"
     # the logprobs are those of transformers' distribution at each sampled token
     with torch.no_grad():
-        full = torch.tensor([ps[0] + out[0].output])
+        full = torch.tensor([ps[0] + out[0].response])
         ref_lp = torch.log_softmax(hf_model(full).logits[0, len(ps[0]) - 1:-1], -1)
-    expect = ref_lp.gather(1, torch.tensor(out[0].output)[:, None])[:, 0]
+    expect = ref_lp.gather(1, torch.tensor(out[0].response)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(out[0].logprobs), expect, atol=1e-4)
     assert engine.stats()["kv_blocks_used"] == 0
 
@@ -104,12 +104,12 @@ def test_migration_continues_identically_with_zero_reprefill(tiny_dir):
         a.step()
         b.step()
     meta, kv = a.export(1)
-    assert len(meta["output"]) == 12 and kv.shape[2] == meta["n_cached"]
+    assert len(meta["response"]) == 12 and kv.shape[2] == meta["n_cached"]
     json.dumps(meta)  # the control-plane part is plain data
     b.import_(meta, kv)
     got = {**run_all(a), **run_all(b)}
     for i in range(3):
-        assert got[i].output == expected[i].output
+        assert got[i].response == expected[i].response
         assert torch.allclose(torch.tensor(got[i].logprobs), torch.tensor(expected[i].logprobs), atol=1e-5)
     assert b.stats()["reprefill_tokens"] == 0 and b.stats()["recompute_tokens"] == 0
     assert b.stats()["prefill_tokens"] == 5  # only request 99's prompt was ever prefilled on b
@@ -125,7 +125,7 @@ def test_offload_restore_round_trips_bit_exactly(tiny_dir):
     e.offload(0)
     assert e.stats()["offloaded"] == 1 and e.stats()["kv_blocks_used"] == 0
     e.step()  # an offloaded request does not advance
-    assert len(e.seqs[0].output) == 5
+    assert len(e.seqs[0].response) == 5
     e.restore(0)
     assert torch.equal(e.kv.export(e.seqs[0].table, e.seqs[0].n_cached), before)
 
@@ -135,13 +135,13 @@ def test_weight_swap_changes_outputs_and_old_version_is_refused(tiny_dir):
     p = prompts(512, lens=(12,))[0]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     e.add(0, p, greedy, 0)
-    before = run_all(e)[0].output
+    before = run_all(e)[0].response
     state = {k: v + 0.05 * torch.randn_like(v) for k, v in e.model.state_dict().items()}
     e.load_weights(state, version=1)
     with pytest.raises(RequestError, match="v0"):
         e.add(1, p, greedy, version=0)
     e.add(1, p, greedy, version=1)
-    assert run_all(e)[1].output != before
+    assert run_all(e)[1].response != before
     e.add(2, p, greedy, version=1)
     with pytest.raises(RequestError, match="live requests"):
         e.load_weights(state, version=2)
@@ -159,7 +159,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_dir):
         e.add(0, p, SamplingParams(), 0)
     with pytest.raises(RequestError, match="not on this engine"):
         e.export(42)
-    assert len(run_all(e)[0].output) == 20
+    assert len(run_all(e)[0].response) == 20
 
 
 @pytest.mark.parametrize("on_kv_full", ["recompute", "offload"])
@@ -181,7 +181,7 @@ def test_kv_pressure_preempts_without_changing_results(tiny_dir, on_kv_full):
     else:
         assert st["recompute_tokens"] == 0 and st["offloads"] == st["preemptions"]
         assert st["offloaded_tokens"] > 0 and st["free_cache_s"] > 0
-    assert all(a[i].output == b[i].output for i in range(4))
+    assert all(a[i].response == b[i].response for i in range(4))
     assert max(abs(x - y) for i in range(4) for x, y in zip(a[i].logprobs, b[i].logprobs, strict=True)) < 1e-4
 
 
@@ -200,7 +200,7 @@ def test_heavy_kv_pressure_with_mixed_lengths_keeps_every_result(tiny_dir, on_kv
             e.add(i, p, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True), 0)
     a, b = run_all(roomy), run_all(tight)
     assert tight.stats()["preemptions"] > 5 and tight.stats()["kv_blocks_used"] == 0
-    assert all(a[i].output == b[i].output for i in range(len(reqs)))
+    assert all(a[i].response == b[i].response for i in range(len(reqs)))
 
 
 def test_malformed_checkpoint_folders(tiny_dir, tmp_path):
@@ -241,9 +241,9 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
     engine.add(0, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
     out = run_all(engine)[0]
     with torch.no_grad():
-        ref = hf(torch.tensor([ids + out.output])).logits[0, len(ids) - 1:-1]
-    lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(out.output)[:, None])[:, 0]
-    assert out.output == ref.argmax(-1).tolist()
+        ref = hf(torch.tensor([ids + out.response])).logits[0, len(ids) - 1:-1]
+    lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(out.response)[:, None])[:, 0]
+    assert out.response == ref.argmax(-1).tolist()
     assert torch.allclose(torch.tensor(out.logprobs), lp, atol=1e-4)
     # raw logits of the built-in forward at the prompt's last token
     m = engine.model

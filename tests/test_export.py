@@ -58,7 +58,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_its_logits_and_genera
     engine = Engine(model_dir, kv_blocks=64, block_size=16, max_num_seqs=4, max_batched_tokens=256, seed=0)
     engine.load_weights(state, version=4)
     engine.add(0, PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), 4)
-    tokens = run_all(engine)[0].output
+    tokens = run_all(engine)[0].response
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

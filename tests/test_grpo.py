@@ -30,7 +30,7 @@ def rollout(engine, version, n_groups, g, step, max_tokens=12):
     while engine.has_work():
         for f in engine.step():
             gid = f.req_id // g
-            out.append(Trajectory(f.req_id, gid, -1, f.prompt, f.output, f.logprobs, even_reward(f.output)))
+            out.append(Trajectory(f.req_id, gid, -1, f.prompt, f.response, f.logprobs, even_reward(f.response)))
     return out
 
 

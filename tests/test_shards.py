@@ -2,7 +2,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dora_hpc.store.shards import ShardError, ShardWriter, read_table, scan
+from dora_hpc.store.shards import ShardError, ShardWriter, read_table, scan, stored_name
 
 
 def writer(tmp_path, **kw):
@@ -12,18 +12,18 @@ def writer(tmp_path, **kw):
 def test_rows_round_trip_with_vlen_columns_and_rotation(tmp_path):
     w = writer(tmp_path, rows_per_shard=3)
     for i in range(7):
-        w.append("trajectories", {"traj_id": i, "version": i % 2, "tokens": list(range(i)),
+        w.append("trajectories", {"traj_id": i, "version": i % 2, "response": list(range(i)),
                                   "logprobs": [-0.5] * i, "finish_reason": "stop", "reward": 1.0 * i})
     w.flush()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["traj-r3-00000.h5", "traj-r3-00001.h5", "traj-r3-00002.h5"]
     t = read_table(tmp_path, "traj", "trajectories")
     assert t["traj_id"].tolist() == list(range(7))
-    assert [len(x) for x in t["tokens"]] == list(range(7)) and t["tokens"][4].tolist() == [0, 1, 2, 3]
+    assert [len(x) for x in t["response"]] == list(range(7)) and t["response"][4].tolist() == [0, 1, 2, 3]
     assert t["logprobs"][3].dtype == np.float32 and t["finish_reason"][6] == "stop"
     assert t["n_migrations"][0] == -1  # unset columns get their documented default
     with h5py.File(tmp_path / "traj-r3-00000.h5") as f:
-        assert dict(f.attrs) == {"schema_version": 5, "run_id": "r1", "rank": 3, "role": "rollout",
+        assert dict(f.attrs) == {"schema_version": 6, "run_id": "r1", "rank": 3, "role": "rollout",
                                  "config_json": '{"seed": 0}', "attempt": 0}
     assert t["attempt"].tolist() == [0] * 7  # every row says which launch wrote it
     # a new writer (after a restart) continues the numbering instead of overwriting
@@ -72,20 +72,26 @@ def test_a_version_2_train_shard_reads_its_newer_columns_as_defaults(tmp_path):
     assert t["gap_tokens"].tolist() == [-1, 30]
 
 
-def test_a_version_4_trajectory_shard_reads_its_tag_under_the_new_name(tmp_path):
+def test_older_trajectory_shards_read_their_columns_under_the_new_names(tmp_path):
     """Schema 5 renamed dispatch_step (it holds a version) to dispatch_version and dropped prompt_id and
-    t_first_token: a shard written before reads its old column under the new name, and the dropped ones
-    are never asked for."""
+    t_first_token; schema 6 renamed tokens to response. A shard written before reads its old columns
+    under the new names (read_table, and resume's direct reads through stored_name), and the dropped
+    ones are never asked for."""
     w = ShardWriter(tmp_path, "traj", rank=2, role="rollout", run_id="r1")
-    w.append("trajectories", {"traj_id": 0, "group_id": 0, "version": 1, "dispatch_version": 1})
+    w.append("trajectories", {"traj_id": 0, "group_id": 0, "version": 1, "dispatch_version": 1, "response": [5, 6]})
     p = w.flush()
     with h5py.File(p, "a") as f:  # as schema 4 wrote it
         f.attrs["schema_version"] = 4
         g = f["trajectories"]
         g["dispatch_step"] = g["dispatch_version"][()]
-        del g["dispatch_version"]
+        g["tokens"] = g["response"][()]
+        del g["dispatch_version"], g["response"]
         g["prompt_id"], g["t_first_token"] = g["group_id"][()], np.full(1, np.nan)
-    w.append("trajectories", {"traj_id": 1, "group_id": 0, "version": 1, "dispatch_version": 0})
-    w.flush()
+        assert stored_name(g, "trajectories", "response") == "tokens"
+    w.append("trajectories", {"traj_id": 1, "group_id": 0, "version": 1, "dispatch_version": 0, "response": [7]})
+    p6 = w.flush()
+    with h5py.File(p6) as f:
+        assert stored_name(f["trajectories"], "trajectories", "response") == "response"
     t = read_table(tmp_path, "traj", "trajectories")
     assert t["dispatch_version"].tolist() == [1, 0] and "prompt_id" not in t and "t_first_token" not in t
+    assert [x.tolist() for x in t["response"]] == [[5, 6], [7]] and "tokens" not in t

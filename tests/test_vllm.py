@@ -68,10 +68,10 @@ def test_sampled_token_logprobs_and_greedy_tokens_match_transformers(engines, hf
     out = run_all(eng)
     for i, p in enumerate(ps):
         sampled = out[i]
-        assert len(sampled.output) == 16 and sampled.finish_reason == "length"
-        diff = (torch.tensor(sampled.logprobs) - hf_logprobs(hf_model, p, sampled.output)).abs().max()
+        assert len(sampled.response) == 16 and sampled.finish_reason == "length"
+        diff = (torch.tensor(sampled.logprobs) - hf_logprobs(hf_model, p, sampled.response)).abs().max()
         assert diff <= 1e-4, diff
-        greedy = out[10 + i].output
+        greedy = out[10 + i].response
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
         assert greedy == ref[0, len(p):].tolist()
@@ -88,7 +88,7 @@ def test_migration_keeps_tokens_and_counts_what_is_recomputed(engines, carry_kv)
     n = a.progress(101)[1]
     before = b.stats()["reprefill_tokens"]
     meta, kv = a.export(101)
-    assert not a.has_request(101) and len(meta["output"]) == n
+    assert not a.has_request(101) and len(meta["response"]) == n
     if carry_kv:
         bs = a.block_size
         assert kv is not None and meta["n_cached"] == (len(p) + n - 1) // bs * bs == kv.shape[2] * bs
@@ -98,7 +98,7 @@ def test_migration_keeps_tokens_and_counts_what_is_recomputed(engines, carry_kv)
     else:
         b.import_(meta, None)
     got = run_all(b)[101]
-    assert got.output == ref.output and len(got.logprobs) == 60
+    assert got.response == ref.response and len(got.logprobs) == 60
     assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
     recomputed = b.stats()["reprefill_tokens"] - before
     assert recomputed == (len(p) + n - meta["n_cached"] if carry_kv else len(p) + n)
@@ -119,7 +119,7 @@ def test_offload_restore_continues_a_greedy_request_identically(engines):
     assert not a.has_work() and a.stats()["offloaded"] == 1
     before = a.stats()["recompute_tokens"]
     a.restore(201)
-    assert run_all(a)[201].output == ref.output
+    assert run_all(a)[201].response == ref.response
     assert 1 <= a.stats()["recompute_tokens"] - before <= a.block_size  # the KV came back from host
 
 
@@ -130,7 +130,7 @@ def test_weight_swap_changes_outputs_and_refuses_the_old_version(engines, tiny_d
     p = prompts(1, seed=5)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     a.add(300, p, greedy, 0)
-    old = run_all(a)[300].output
+    old = run_all(a)[300].response
     a.add(301, p, greedy, 0)
     with pytest.raises(RequestError, match="live requests"):
         a.load_weights({}, 1)
@@ -143,7 +143,7 @@ def test_weight_swap_changes_outputs_and_refuses_the_old_version(engines, tiny_d
     with pytest.raises(RequestError, match="tagged v0"):
         a.add(302, p, greedy, 0)
     a.add(303, p, greedy, 1)
-    assert run_all(a)[303].output != old
+    assert run_all(a)[303].response != old
     # every weight took, the tied LM head too (vLLM's CPU build packs it once; the engine repacks it)
     from transformers import AutoModelForCausalLM
 
@@ -151,7 +151,7 @@ def test_weight_swap_changes_outputs_and_refuses_the_old_version(engines, tiny_d
     hf.load_state_dict(new, strict=False)
     a.add(304, p, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), 1)
     got = run_all(a)[304]
-    assert (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.output)).abs().max() <= 1e-4
+    assert (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.response)).abs().max() <= 1e-4
     a.load_weights(state, 0)  # back to v0 for the other tests
 
 
@@ -164,7 +164,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engines):
     with pytest.raises(RequestError, match="tagged v7"):
         a.add(402, [5, 6], SamplingParams(max_tokens=4), 7)
     a.add(403, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0)
-    assert len(run_all(a)[403].output) == 4
+    assert len(run_all(a)[403].response) == 4
 
 
 @pytest.mark.parametrize("mode", ["dora", "partial", "sync"])
@@ -229,7 +229,7 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
         p = prompts(3, seed=6 + version)[2]
         a.add(500 + version, p, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True), version)
         got = run_all(a)[500 + version]
-        diff = (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.output)).abs().max()
+        diff = (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.response)).abs().max()
         assert diff <= 1e-4, (version, diff)
 
     p = prompts(3, seed=8)[2]
@@ -241,7 +241,7 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
     before = b.stats()["reprefill_tokens"]
     b.import_(meta, kv)
     out = run_all(b)
-    assert out[511].output == ref.output
+    assert out[511].response == ref.response
     assert 1 <= b.stats()["reprefill_tokens"] - before <= b.block_size
 
     single = engines[0]  # a TP=1 instance's KV does not fit a TP=2 one
@@ -285,4 +285,4 @@ def test_an_exported_checkpoint_generates_in_vllm_as_the_builtin_engine_does(tmp
         for i, prompt in enumerate(prompts()):
             eng.add(i, prompt, greedy, 2)
     want, got = run_all(builtin), run_all(served)
-    assert {i: list(f.output) for i, f in got.items()} == {i: list(f.output) for i, f in want.items()}
+    assert {i: list(f.response) for i, f in got.items()} == {i: list(f.response) for i, f in want.items()}

@@ -1,4 +1,4 @@
-"""Are two runs the same run? Compare their HDF5 logs: every trajectory (id, group, version, tokens,
+"""Are two runs the same run? Compare their HDF5 logs: every trajectory (id, group, version, response,
 logprobs, reward) and every train step (loss, reward, clip fraction, tokens), exactly.
 
     python tools/compare_runs.py RUN_A RUN_B
@@ -16,7 +16,7 @@ import numpy as np
 
 from dora_hpc.store.shards import read_table
 
-TRAJ = ["traj_id", "group_id", "version", "reward", "tokens", "logprobs"]
+TRAJ = ["traj_id", "group_id", "version", "reward", "response", "logprobs"]
 STEPS = ["step", "loss", "reward_mean", "clip_frac", "tokens", "weights_checksum"]
 
 
@@ -27,15 +27,15 @@ def rows(run: str, kind: str, table: str, cols: list[str], key: str) -> dict:
 
 
 def drift(a: str, b: str) -> dict:
-    """Where the runs differ, how much: per version, the trajectories whose tokens differ, and the largest
-    logprob difference over trajectories whose tokens agree (same tokens, same weights: float noise)."""
+    """Where the runs differ, how much: per version, the trajectories whose responses differ, and the largest
+    logprob difference over trajectories whose responses agree (same tokens, same weights: float noise)."""
     x, y = rows(a, "traj", "trajectories", TRAJ, "traj_id"), rows(b, "traj", "trajectories", TRAJ, "traj_id")
     out: dict = {}
     for i in range(min(len(x["traj_id"]), len(y["traj_id"]))):
         v = int(x["version"][i])
         d = out.setdefault(v, {"trajectories": 0, "tokens_differ": 0, "max_logprob_diff": 0.0})
         d["trajectories"] += 1
-        if not np.array_equal(x["tokens"][i], y["tokens"][i]):
+        if not np.array_equal(x["response"][i], y["response"][i]):
             d["tokens_differ"] += 1
         else:
             gap = float(np.max(np.abs(x["logprobs"][i] - y["logprobs"][i]), initial=0.0))

@@ -95,7 +95,7 @@ def _generate(engine, batch: int, prompt_len: int, new: int, first_id: int) -> t
     def run():
         nonlocal n
         while engine.has_work():
-            n += sum(len(f.output) for f in engine.step())
+            n += sum(len(f.response) for f in engine.step())
     s, _ = timed(run)
     return s, n
 
@@ -132,7 +132,7 @@ def section_kv(work: Path, small: bool) -> dict:
         outs = []
         for e in (b, c):
             while e.has_work():
-                outs += [f.output for f in e.step()]
+                outs += [f.response for f in e.step()]
         nbytes = kv.numel() * kv.element_size()
         migrate = t_export + t_to_host + t_import
         if i:

@@ -45,7 +45,7 @@ def run_backend(engine, prompts: list[list[int]], lens: list[int]) -> float:
     t = time.perf_counter()
     done = 0
     while engine.has_work():
-        done += sum(len(f.output) for f in engine.step())
+        done += sum(len(f.response) for f in engine.step())
     assert done == sum(lens)
     return done / (time.perf_counter() - t)
 

@@ -41,14 +41,14 @@ class EvenTokensTask:
     def max_tokens(self, traj_id: int) -> int:
         return self._length(self.resp_dist, self._rng(1, traj_id))
 
-    def reward(self, group_id: int, output: list[int]) -> float:
+    def reward(self, group_id: int, response: list[int]) -> float:
         if self.user_reward is not None:
-            return self.user_reward(output)
-        return sum(1 for t in output if t % 2 == 0) / max(len(output), 1)
+            return self.user_reward(response)
+        return sum(1 for t in response if t % 2 == 0) / max(len(response), 1)
 
-    def safe_reward(self, group_id: int, output: list[int]) -> tuple[float, str]:
+    def safe_reward(self, group_id: int, response: list[int]) -> tuple[float, str]:
         try:
-            return float(self.reward(group_id, output)), ""
+            return float(self.reward(group_id, response)), ""
         except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
             return 0.0, f"{type(e).__name__}: {e}"
 

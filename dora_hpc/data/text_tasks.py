@@ -47,8 +47,8 @@ class TextTask:
     def max_tokens(self, traj_id: int) -> int:
         return self.max_new
 
-    def safe_reward(self, group_id: int, output: list[int]) -> tuple[float, str]:
-        text = self.tok.decode(output, skip_special_tokens=True)
+    def safe_reward(self, group_id: int, response: list[int]) -> tuple[float, str]:
+        text = self.tok.decode(response, skip_special_tokens=True)
         fut = self._pool.submit(self.score, group_id, text)
         try:
             return float(fut.result(timeout=self.timeout)), ""

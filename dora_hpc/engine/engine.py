@@ -69,7 +69,7 @@ class Sequence:
     version: int
     prompt: list[int]
     params: SamplingParams
-    output: list[int] = field(default_factory=list)
+    response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     n_cached: int = 0                 # tokens whose KV is in the pool
@@ -79,10 +79,10 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        return self.prompt + self.response
 
     def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.response)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Finished:
     req_id: int
     version: int
     prompt: list[int]
-    output: list[int]
+    response: list[int]
     logprobs: list[float]
     finish_reason: str
 
@@ -127,7 +127,7 @@ class Engine:
     def progress(self, req_id: int) -> tuple[int, int]:
         """(prompt tokens, generated tokens) of a live request."""
         seq = self._get(req_id)
-        return len(seq.prompt), len(seq.output)
+        return len(seq.prompt), len(seq.response)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The hosted version's weights (Hugging Face names)."""
@@ -152,7 +152,7 @@ class Engine:
         """Remove a request and return (metadata, KV [layers, 2, tokens, kvh, d] in host memory) for import_."""
         seq = self._get(req_id)
         kv = seq.host_kv if seq.status is Status.OFFLOADED else self.kv.export(seq.table, seq.n_cached).cpu()
-        meta = {"req_id": seq.req_id, "version": seq.version, "prompt": seq.prompt, "output": seq.output,
+        meta = {"req_id": seq.req_id, "version": seq.version, "prompt": seq.prompt, "response": seq.response,
                 "logprobs": seq.logprobs, "n_cached": seq.n_cached, "params": seq.params.__dict__}
         self.kv.release(seq.table)
         del self.seqs[req_id]
@@ -166,11 +166,11 @@ class Engine:
             s = self.model.spec
             kv = torch.zeros(s.num_layers, 2, 0, s.num_kv_heads, s.head_dim)
             meta = {**meta, "n_cached": 0}
-            self.counts["reprefill_tokens"] += len(meta["prompt"]) + len(meta["output"])
+            self.counts["reprefill_tokens"] += len(meta["prompt"]) + len(meta["response"])
         if kv.shape[2] != meta["n_cached"]:
             raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "
                                f"{meta['n_cached']}")
-        seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["output"]),
+        seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["response"]),
                        list(meta["logprobs"]), status=Status.OFFLOADED, host_kv=kv, n_cached=meta["n_cached"],
                        auto_restore=True)
         self.seqs[seq.req_id] = seq
@@ -310,14 +310,14 @@ class Engine:
             return []
         seqs = [plan[i][0] for i in done]
         toks, lps = sample_batch(logits[done].cpu(), [s.params for s in seqs],
-                                 [uniform(self.seed, s.req_id, len(s.output)) for s in seqs])
+                                 [uniform(self.seed, s.req_id, len(s.response)) for s in seqs])
         finished = []
         for seq, tok, lp in zip(seqs, toks, lps, strict=True):
-            seq.output.append(tok)
+            seq.response.append(tok)
             seq.logprobs.append(lp)
             reason = self._finish_reason(seq, tok)
             if reason:
-                finished.append(Finished(seq.req_id, seq.version, seq.prompt, seq.output, seq.logprobs, reason))
+                finished.append(Finished(seq.req_id, seq.version, seq.prompt, seq.response, seq.logprobs, reason))
                 self.kv.release(seq.table)
                 del self.seqs[seq.req_id]
         return finished
@@ -326,7 +326,7 @@ class Engine:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model.spec.eos_token_id):
             return "stop"
-        if len(seq.output) >= p.max_tokens:
+        if len(seq.response) >= p.max_tokens:
             return "length"
         return None
 

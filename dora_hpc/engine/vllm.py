@@ -40,17 +40,17 @@ class _Live:
     version: int
     prompt: list[int]                # the original prompt
     params: SamplingParams
-    carried: list[int] = field(default_factory=list)      # output tokens from before a re-prefill
+    carried: list[int] = field(default_factory=list)      # response tokens from before a re-prefill
     carried_lp: list[float] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)       # this vLLM request's new tokens
+    new: list[int] = field(default_factory=list)          # this vLLM request's new tokens
     logprobs: list[float] = field(default_factory=list)
     parked: bool = False                                  # offloaded: not in vLLM until restore()
     host_kv: tuple[torch.Tensor, int] | None = None       # offloaded KV blocks and the tokens they hold
     kv_tokens: int = 0                                    # tokens whose KV the connector loads (not prefilled)
 
     @property
-    def tokens_out(self) -> list[int]:
-        return self.carried + self.output
+    def response(self) -> list[int]:
+        return self.carried + self.new
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
@@ -154,8 +154,8 @@ class VllmEngine:
         PENDING[self.engine_id].pop(str(req_id), None)  # an import not scheduled yet
         if not live.parked:
             self.llm.abort_request([str(req_id)])
-        live.carried, live.carried_lp = live.carried + live.output, live.carried_lp + live.logprobs
-        live.output, live.logprobs = [], []
+        live.carried, live.carried_lp = live.carried + live.new, live.carried_lp + live.logprobs
+        live.new, live.logprobs = [], []
 
     def _get(self, req_id: int) -> _Live:
         try:
@@ -169,7 +169,7 @@ class VllmEngine:
     def progress(self, req_id: int) -> tuple[int, int]:
         """(prompt tokens, generated tokens) of a live request."""
         live = self._get(req_id)
-        return len(live.prompt), len(live.tokens_out)
+        return len(live.prompt), len(live.response)
 
     def abort(self, req_id: int) -> None:
         self._withdraw(req_id, self._get(req_id))
@@ -186,7 +186,7 @@ class VllmEngine:
         rid = next((r for r in self.scheduler.requests if external_id(r) == str(req_id)), None)
         if rid is None:
             return None
-        n_total = len(live.prompt) + len(live.tokens_out)
+        n_total = len(live.prompt) + len(live.response)
         computed = min(self.scheduler.requests[rid].num_computed_tokens, n_total - 1)
         blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0][: computed // self.block_size]
         if not blocks:
@@ -221,14 +221,14 @@ class VllmEngine:
         self._withdraw(req_id, live)
         del self.reqs[req_id]
         blocks, tokens = kv if kv else (None, 0)
-        meta = {"req_id": req_id, "version": live.version, "prompt": live.prompt, "output": live.carried,
+        meta = {"req_id": req_id, "version": live.version, "prompt": live.prompt, "response": live.carried,
                 "logprobs": live.carried_lp, "n_cached": tokens, "params": live.params.__dict__}
         return meta, blocks
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
         params = SamplingParams(**meta["params"])
         self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
-        live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["output"]), list(meta["logprobs"]))
+        live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["response"]), list(meta["logprobs"]))
         carried = (torch.as_tensor(kv), int(meta["n_cached"])) if kv is not None and kv.numel() else None
         # validates before the request becomes live here
         self.counts["reprefill_tokens"] += self._give_kv(meta["req_id"], live, carried)
@@ -286,17 +286,17 @@ class VllmEngine:
             if live is None:
                 continue  # aborted meanwhile
             c = out.outputs[0]
-            if not live.output and c.token_ids:
+            if not live.new and c.token_ids:
                 prefilled += len(live.prompt) + len(live.carried) - live.kv_tokens
-            new = list(c.token_ids[len(live.output):])  # outputs are cumulative: take what is new
+            fresh = list(c.token_ids[len(live.new):])  # outputs are cumulative: take what is new
             lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])[len(live.logprobs):]]
-            self.counts["decode_tokens"] += len(new)
-            live.output += new
+            self.counts["decode_tokens"] += len(fresh)
+            live.new += fresh
             live.logprobs += lps
             if out.finished:
                 del self.reqs[req_id]
                 reason = "length" if c.finish_reason == "length" else "stop"
-                finished.append(Finished(req_id, live.version, live.prompt, live.tokens_out,
+                finished.append(Finished(req_id, live.version, live.prompt, live.response,
                                          live.carried_lp + live.logprobs, reason))
         self.counts["prefill_tokens"] += prefilled
         self.counts["steps"] += 1

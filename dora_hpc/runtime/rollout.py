@@ -113,16 +113,17 @@ class RolloutRank(OpLog):
         trainer's sample and rank 0's Done all come from it."""
         info = self.info.pop(f.req_id)
         self.gone.add(f.req_id)
-        reward, error = self.task.safe_reward(info["group_id"], f.output)
+        reward, error = self.task.safe_reward(info["group_id"], f.response)
         shaping = self.cfg.reward
-        reward += overlong_penalty(len(f.output), info["max_tokens"], shaping.overlong_buffer, shaping.overlong_penalty)
-        t = Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.output, f.logprobs, reward, self.attempt)
+        reward += overlong_penalty(len(f.response), info["max_tokens"], shaping.overlong_buffer,
+                                   shaping.overlong_penalty)
+        t = Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.response, f.logprobs, reward, self.attempt)
         self.traj_log.append("trajectories", {
             "traj_id": t.traj_id, "group_id": t.group_id, "sample_idx": info["sample_idx"], "version": t.version,
             "dispatch_version": info["dispatch_version"], "prompt_len": len(t.prompt), "response_len": len(t.response),
             "reward": t.reward, "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"],
             "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
-            "instance_path": info["path"], "reward_error": error, "tokens": t.response, "logprobs": t.logprobs,
+            "instance_path": info["path"], "reward_error": error, "response": t.response, "logprobs": t.logprobs,
             "segment_versions": info["segments"]})
         self.comm.send(t, self.comm.roles.trainer_of_group(t.group_id))
         self.comm.send(Done(t.traj_id, self.instance, len(t.response), reward, kv_frac, info["epoch"], info["kv_s"]), 0)

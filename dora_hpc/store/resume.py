@@ -16,7 +16,7 @@ import numpy as np
 
 from ..core.ledger import GroupState, Ledger
 from ..core.trajectory import Trajectory
-from .shards import scan
+from .shards import scan, stored_name
 
 
 def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, list[Trajectory]]:
@@ -42,11 +42,11 @@ def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, 
         idx = [r for r, _ in rows]
         with h5py.File(path, "r") as f:
             t = f["trajectories"]
-            cols = {c: t[c][idx] for c in ("traj_id", "group_id", "version", "attempt", "tokens", "logprobs",
-                                           "reward")}
+            cols = {c: t[stored_name(t, "trajectories", c)][idx] for c in
+                    ("traj_id", "group_id", "version", "attempt", "response", "logprobs", "reward")}
         for i in range(len(idx)):
             s = Trajectory(int(cols["traj_id"][i]), int(cols["group_id"][i]), int(cols["version"][i]), [],
-                           cols["tokens"][i].tolist(), cols["logprobs"][i].tolist(), float(cols["reward"][i]),
+                           cols["response"][i].tolist(), cols["logprobs"][i].tolist(), float(cols["reward"][i]),
                            int(cols["attempt"][i]))  # its prompt is the task's: the orchestrator adds it
             out.setdefault(s.group_id, []).append(s)
     whole = {}

@@ -8,7 +8,7 @@ Invariants:
   the ``attempt`` (0 for the first launch, +1 per resume) that wrote it, so readers can tell a resumed
   run's history from the future a preemption threw away;
 * tables are column-oriented: ``/<table>/<column>``, one dataset per column, all the same length;
-  variable-length columns (tokens, logprobs, segment_versions) are vlen int32/float32;
+  variable-length columns (response, logprobs, segment_versions) are vlen int32/float32;
 * readers skip ``.tmp`` files (and say how many), and name every shard they cannot read or whose
   schema_version differs, reading all the others.
 """
@@ -28,19 +28,27 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 5  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3, 4, 5)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
+SCHEMA_VERSION = 6  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4, 5, 6)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
 #   importance weights, response lengths); 5: trajectories name their tag `dispatch_version` (was
-#   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured).
+#   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured);
+#   6: a trajectory's tokens are its `response` (was `tokens`, the glossary's name).
 #   An older shard reads a newer column as its default, or under its old name (RENAMED)
-RENAMED = {("trajectories", "dispatch_version"): "dispatch_step"}  # (table, column) -> its name before 5
+RENAMED = {("trajectories", "dispatch_version"): "dispatch_step",  # (table, column) -> its older name
+           ("trajectories", "response"): "tokens"}
+
+
+def stored_name(group: h5py.Group, table: str, column: str) -> str:
+    """The name ``column`` of ``table`` has in this shard's group (an older schema's name, or its own)."""
+    return column if column in group else RENAMED.get((table, column), column)
+
 
 # column kinds: i8 / f8 / str / vlen_i4 / vlen_f4
 TRAJECTORIES = {
     "traj_id": "i8", "group_id": "i8", "sample_idx": "i8", "version": "i8",
     "dispatch_version": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
     "t_dispatch": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
-    "instance_path": "str", "reward_error": "str", "tokens": "vlen_i4", "logprobs": "vlen_f4",
+    "instance_path": "str", "reward_error": "str", "response": "vlen_i4", "logprobs": "vlen_f4",
     "segment_versions": "vlen_i4", "attempt": "i8",
 }
 ENGINE_STEPS = {"t_start": "f8", "t_end": "f8", "batch_size": "i8", "capacity": "i8", "new_tokens": "i8",
@@ -234,7 +242,7 @@ def iter_shard_columns(path: Path, table: str, cols: list[str]) -> Iterator[tupl
             g = f[table]
             rows = g[next(iter(g))].shape[0] if len(g) else 0
             for c in cols:
-                stored = c if c in g else RENAMED.get((table, c), c)  # an older shard's name for it
+                stored = stored_name(g, table, c)
                 if stored not in g:  # a column newer than the shard's schema version
                     kind = FILE_KINDS[_kind_of(path)][table][c]
                     yield c, _column(kind, [_default(kind)] * rows)

@@ -36,7 +36,7 @@ def load_batches(run_dir: Path, steps: int | None = None) -> tuple[dict, list[li
     keep_steps = hist.step_mask(tsteps["attempt"], tsteps["step"])
     logged = {int(s): {"loss": float(loss), "tokens": int(n)} for s, loss, n in
               zip(tsteps["step"][keep_steps], tsteps["loss"][keep_steps], tsteps["tokens"][keep_steps], strict=True)}
-    traj = read_table(run_dir, "traj", "trajectories", ["traj_id", "attempt", "group_id", "tokens", "logprobs",
+    traj = read_table(run_dir, "traj", "trajectories", ["traj_id", "attempt", "group_id", "response", "logprobs",
                                                         "reward"])
     by_key = {(int(t), int(a)): i for i, (t, a) in enumerate(zip(traj["traj_id"], traj["attempt"], strict=True))}
     n_steps = int(consumed["consume_step"][keep].max()) + 1 if keep.any() else 0
@@ -48,7 +48,7 @@ def load_batches(run_dir: Path, steps: int | None = None) -> tuple[dict, list[li
             i = by_key.get((int(t), int(a)))
             if i is None:
                 raise ValueError(f"{run_dir}: consumed trajectory {t} (attempt {a}) is in no trajectory shard")
-            batches[step].append((int(traj["group_id"][i]), [int(x) for x in traj["tokens"][i]],
+            batches[step].append((int(traj["group_id"][i]), [int(x) for x in traj["response"][i]],
                                   [float(x) for x in traj["logprobs"][i]], float(traj["reward"][i])))
     return meta, batches, logged
 
