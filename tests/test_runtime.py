@@ -242,7 +242,7 @@ def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
     run_dir = tmp_path / "killed"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=500", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pid_file = run_dir / "pids" / "rank-3"
+    pid_file = run_dir / "pids" / "rank-1"  # the trainer: a dead rollout rank is fenced instead (test_resume)
     deadline = time.time() + 120
     while not (pid_file.exists() and (run_dir / "train-00001.h5").exists()) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()

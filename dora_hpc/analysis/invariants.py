@@ -47,9 +47,10 @@ def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
 
 
 def fence_detail(detail: str) -> dict:
-    """A ``fence`` op's detail (``silent=12s started_again=8 unlogged=3,17``) as a dict."""
+    """A ``fence`` op's detail (``cause=hung silent=12s started_again=8 unlogged=3,17``) as a dict."""
     f = dict(kv.split("=", 1) for kv in str(detail).split())
-    return {"silent_s": float(f.get("silent", "0").rstrip("s")), "started_again": int(f.get("started_again", 0)),
+    return {"cause": f.get("cause", "hung"), "silent_s": float(f.get("silent", "0").rstrip("s")),
+            "started_again": int(f.get("started_again", 0)),
             "unlogged": [int(x) for x in f.get("unlogged", "").split(",") if x]}
 
 

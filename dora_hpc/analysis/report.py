@@ -20,8 +20,9 @@ def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
             ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
             ("dropped groups", "dropped_groups"), ("filtered groups (equal rewards)", "filtered_groups"),
             ("reward errors", "reward_errors"),
-            ("fenced rollout ranks (hung; work started again elsewhere)",
-             lambda r: ", ".join(f"r{f['rank']} ({f['started_again']} trajectories)" for f in r["fenced"]) or "-"),
+            ("fenced rollout ranks (hung or dead; work started again elsewhere)",
+             lambda r: ", ".join(f"r{f['rank']} ({f['cause']}, {f['started_again']} trajectories)"
+                                 for f in r["fenced"]) or "-"),
             ("max versions live at once", "max_live_versions"),
             ("slot utilization", lambda r: f"{r['slot_utilization']:.3f}"),
             ("bubble fraction (1 - slot utilization)", lambda r: f"{r['bubble_fraction']:.3f}"),

@@ -5,8 +5,12 @@ Invariants:
   run id, the shared clock origin, whether to resume), written before any rank starts; a resume keeps
   the run id and clock origin, and refuses a config that changes what the checkpoint depends on;
 * mpiexec and the ranks run in a session of their own: SIGTERM/SIGINT to the launcher (or to its
-  process group: a terminal's Ctrl-C) become one SIGUSR1 to rank 0 (commit a checkpoint, then end);
-  a second one kills the job's session; if the launcher itself is killed, mpiexec and every rank die with it.
+  process group: a terminal's Ctrl-C) become one SIGTERM to rank 0 (commit a checkpoint, then end);
+  a second one kills the job's session; if the launcher itself is killed, mpiexec and every rank die with it;
+* a dead rollout rank does not end the job while rank 0 and another rollout rank live: DeathWatch leaves
+  ``pids/rank-N.dead`` and rank 0 fences it (its work starts again elsewhere). Any other death ends the
+  whole job at once, naming the rank that died first. mpiexec's own notice of a death (SIGUSR1 to every
+  survivor, under -disable-auto-cleanup) is ignored by the ranks (DORA_HPC_HYDRA=1).
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; c
 RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside the run (a full disk, a hung
 #                 rank); fix it,
 #                 then continue with --resume from the last committed checkpoint
+
+
+# each rank's parent under mpiexec: it ignores the signals the rank handles itself (the rank installs
+# its own handlers) and exits with the rank's status (128+N when signal N killed it), never by a signal
+RANK_SHELL = "trap '' INT TERM USR1; \"$0\" \"$@\"; exit $?"
 
 
 class LaunchError(RuntimeError):
@@ -142,11 +151,13 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     n = 1 + cfg.cluster.trainer_ranks + cfg.cluster.rollout_instances
     pid_dir = run_dir / "pids"
     shutil.rmtree(pid_dir, ignore_errors=True)  # markers of an earlier launch would mislead DeathWatch
-    # -disable-auto-cleanup: mpiexec leaves the job to us when a rank dies, so DeathWatch sees exactly
-    # which rank died first and then ends the whole job itself (within milliseconds)
-    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n),
+    # -disable-auto-cleanup: mpiexec leaves the job to us when a rank exits, so DeathWatch sees exactly
+    # which rank died first and decides (it fences a dead rollout rank, or ends the whole job itself
+    # within milliseconds). mpiexec still ends every rank when one is killed by a signal, so each rank
+    # runs under a shell that turns its death into an exit status (and leaves the signals to it)
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), "/bin/sh", "-c", RANK_SHELL,
            sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DORA_HPC_HYDRA": "1",
            "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
     env.pop("SLURM_JOB_ID", None)  # a local run inside an allocation is still a local run (signals)
     # a session of its own: a terminal's Ctrl-C or a signal to our process group reaches this launcher
@@ -160,7 +171,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(pid, signal.SIGKILL)
 
-    watcher = DeathWatch(pid_dir, n, on_death=end_job)
+    watcher = DeathWatch(pid_dir, Roles(n, cfg.cluster.trainer_ranks), on_death=end_job)
     watcher.start()
     asked = []
 
@@ -170,7 +181,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
         if len(asked) == 1 and rank0.exists():
             sys.stderr.write(f"dora-hpc: signal {signum}: committing a checkpoint, then stopping "
                              "(send it again to stop at once)\n")
-            os.kill(int(rank0.read_text()), signal.SIGUSR1)
+            os.kill(int(rank0.read_text()), signal.SIGTERM)
         else:
             end_job()
 
@@ -192,6 +203,8 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
 def outcome(code: int, cfg: RunConfig, run_dir: Path, watcher: DeathWatch, asked: list[int], n: int) -> int:
     """The launcher's exit code for how the job ended, and the one line that says why."""
     pid_dir = run_dir / "pids"
+    if code != 0 and watcher.fenced and (pid_dir / "rank-0.done").exists():
+        code = 0  # rank 0 ended the job over the ranks it fenced (MPI_Abort(0)); mpiexec reports their deaths
     if len(asked) > 1:
         sys.stderr.write("dora-hpc: stopped at once by a second signal; the last committed checkpoint stands; "
                          f"continue with: dora-hpc run --resume --run-dir {run_dir}\n")
@@ -216,15 +229,18 @@ def outcome(code: int, cfg: RunConfig, run_dir: Path, watcher: DeathWatch, asked
 
 
 class DeathWatch(threading.Thread):
-    """Polls the ranks' processes; the first one to die (or turn zombie) while the job runs is the
-    rank to blame -- mpiexec's own message names only a PID of its choosing. Ranks that raised leave a
-    ``.failed`` marker and ranks torn down by mpiexec a ``.cleanup`` one, so a rank that vanished
-    without either (killed) is preferred when several die within one poll."""
+    """Polls the ranks' processes. A rollout rank that dies while rank 0 and another rollout rank live
+    gets a ``rank-N.dead`` marker, which rank 0 acts on (it fences the rank); the first other rank to die
+    (or turn zombie) while the job runs is the rank to blame -- mpiexec's own message names only a PID
+    of its choosing -- and ``on_death`` ends the job. Ranks that raised leave a ``.failed`` marker and
+    ranks torn down by mpiexec a ``.cleanup`` one, so a rank that vanished without either (killed) is
+    preferred when several die within one poll; a rank that raised always ends the job."""
 
-    def __init__(self, pid_dir: Path, n: int, on_death=None) -> None:
+    def __init__(self, pid_dir: Path, roles: Roles, on_death=None) -> None:
         super().__init__(daemon=True)
-        self.pid_dir, self.n, self.on_death = pid_dir, n, on_death
+        self.pid_dir, self.roles, self.n, self.on_death = pid_dir, roles, roles.size, on_death
         self.first_dead: int | None = None
+        self.fenced: list[int] = []  # rollout ranks that died and were left to rank 0
         self._halt = threading.Event()
 
     @staticmethod
@@ -234,6 +250,9 @@ class DeathWatch(threading.Thread):
         except (OSError, IndexError):
             return False
 
+    def _marked(self, r: int, kind: str) -> bool:
+        return (self.pid_dir / f"rank-{r}.{kind}").exists()
+
     def run(self) -> None:
         pids: dict[int, int] = {}
         while not self._halt.is_set() and self.first_dead is None:
@@ -242,19 +261,26 @@ class DeathWatch(threading.Thread):
                 if name.isdigit() and int(name) not in pids and f.read_text().strip():
                     pids[int(name)] = int(f.read_text())
             if len(pids) == self.n:
-                dead = [r for r, pid in pids.items()
-                        if not self._alive(pid) and not (self.pid_dir / f"rank-{r}.done").exists()]
-                if dead:  # a rank killed by a signal leaves no marker; prefer it over secondary failures
-                    def marked(r: int, kind: str) -> bool:
-                        return (self.pid_dir / f"rank-{r}.{kind}").exists()
-
-                    silent = [r for r in dead if not marked(r, "cleanup") and not marked(r, "failed")]
-                    self.first_dead = min(silent or [r for r in dead if not marked(r, "cleanup")] or dead)
-                    if self.on_death is not None:
-                        self.on_death()
+                dead = [r for r, pid in pids.items() if r not in self.fenced
+                        and not self._alive(pid) and not self._marked(r, "done")]
+                if dead:
+                    self.on_dead(dead, pids)
             time.sleep(0.002)
+
+    def on_dead(self, dead: list[int], pids: dict[int, int]) -> None:
+        lost = [r for r in dead if self.roles.role(r) == "rollout" and not self._marked(r, "failed")]
+        left = [r for r in self.roles.rollout_ranks if r not in self.fenced and r not in dead]
+        if len(lost) == len(dead) and left and self._alive(pids[0]) and not self._marked(0, "done"):
+            for r in lost:  # rank 0 fences it and the run goes on without it
+                self.fenced.append(r)
+                (self.pid_dir / f"rank-{r}.dead").write_text("dead")
+            return
+        # a rank killed by a signal leaves no marker; prefer it over secondary failures
+        silent = [r for r in dead if not self._marked(r, "cleanup") and not self._marked(r, "failed")]
+        self.first_dead = min(silent or [r for r in dead if not self._marked(r, "cleanup")] or dead)
+        if self.on_death is not None:
+            self.on_death()
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=1)
-

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -180,6 +181,14 @@ class Shutdown:
 
 
 # ---------------------------------------------------------------- transport
+class SourceFenced(RuntimeError):
+    """A buffer's sender was fenced (dead or hung) before the buffer arrived: it never will."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} was fenced before its buffer arrived")
+        self.rank = rank
+
+
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
                  stop: threading.Event | None = None, heartbeat_s: float = 2.0) -> None:
@@ -275,10 +284,11 @@ class Comm:
         """Drop a control message nobody will act on, receiving the buffers it announces: their sender
         waits for its sends to complete before it may finish (a weight or KV send to a rank that has
         already stopped would otherwise never complete)."""
-        if isinstance(msg, WeightsHeader):
-            self.recv_weights(msg, src)
-        elif isinstance(msg, MigrateIn) and msg.kv_shape is not None:
-            self.recv_array(msg.kv_shape, np.float32, src, TAG_KV)
+        with contextlib.suppress(SourceFenced):  # a fenced sender's buffers never come
+            if isinstance(msg, WeightsHeader):
+                self.recv_weights(msg, src)
+            elif isinstance(msg, MigrateIn) and msg.kv_shape is not None:
+                self.recv_array(msg.kv_shape, np.float32, src, TAG_KV)
 
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
@@ -298,7 +308,17 @@ class Comm:
                 time.sleep(0.0005)
 
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
-        return self.plane.recv(shape, dtype, src, tag)
+        """A buffer ``src`` announced. The wait polls: it keeps sending heartbeats, and raises SourceFenced
+        when rank 0 gives up on ``src`` meanwhile (it died or hung mid-send)."""
+        handle = self.plane.irecv(shape, dtype, src, tag)
+        while not handle.test():
+            self._keep_alive()
+            if src in self.fenced:
+                handle.cancel()
+                self._abandoned.append((handle, None, src))
+                raise SourceFenced(src)
+            time.sleep(0.0002)
+        return handle.result()
 
     # -- weights: flat float32 buckets announced by a WeightsHeader ------------------------------------
     def send_weights(self, state: dict[str, torch.Tensor], version: int, checksum: str, dst: int) -> None:

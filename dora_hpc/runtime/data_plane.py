@@ -7,7 +7,8 @@ Invariants:
   non-overtaking rule; the torch plane keeps one process group per tag, since NCCL has no tags), so a
   receiver may read weights and KV in any interleaving, each kind in the order of its headers;
 * sends never block the sender: a send returns a handle, and the sender keeps the buffer alive until
-  the handle completes (``Comm.wait_bulk``);
+  the handle completes (``Comm.wait_bulk``); a receive returns a handle too, which the receiver polls
+  (``Comm.recv_array``), so it can give up on a sender that died or hung;
 * the torch plane is its own process group, built over a TCPStore beside the MPI world (rank 0 picks the
   port and broadcasts it over MPI); it is independent of the trainers' default group, so FSDP2 and
   megatron-core keep torch.distributed's world to themselves. On GPUs it is NCCL (buffers pass through
@@ -33,21 +34,26 @@ class MPIPlane:
     def isend(self, buf: np.ndarray, dst: int, tag: int):
         return _MPIHandle(self.world.Isend(buf, dest=dst, tag=tag))
 
-    def recv(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
+    def irecv(self, shape: tuple[int, ...], dtype, src: int, tag: int):
         buf = np.empty(shape, dtype=dtype)
-        self.world.Recv(buf, source=src, tag=tag)
-        return buf
+        return _MPIHandle(self.world.Irecv(buf, source=src, tag=tag), buf)
 
 
 class _MPIHandle:
-    def __init__(self, req) -> None:
-        self.req = req
+    def __init__(self, req, buf: np.ndarray | None = None) -> None:
+        self.req, self.buf = req, buf
 
     def test(self) -> bool:
         return bool(self.req.Test())
 
     def wait(self) -> None:
         self.req.Wait()
+
+    def result(self) -> np.ndarray:
+        return self.buf
+
+    def cancel(self) -> None:  # a receive from a rank that will never send
+        self.req.Cancel()
 
 
 class TorchPlane:
@@ -73,16 +79,16 @@ class TorchPlane:
             t = t.cuda()
         return _TorchHandle(self.pgs[tag].send([t], dst, 0), t)
 
-    def recv(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
+    def irecv(self, shape: tuple[int, ...], dtype, src: int, tag: int):
         t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype,
                         device="cuda" if self.cuda else "cpu")
-        self.pgs[tag].recv([t], src, 0).wait()
-        return t.cpu().numpy()
+        return _TorchHandle(self.pgs[tag].recv([t], src, 0), t)
 
 
 class _TorchHandle:
-    """A send in flight. Gloo's send reports completion only to ``wait()``, so a helper thread waits
-    and ``test`` asks it; the tensor stays alive until the send completed."""
+    """A send or receive in flight. Gloo reports completion only to ``wait()``, so a helper thread
+    waits and ``test`` asks it; the tensor stays alive until the transfer completed. A receive from a
+    rank that died is abandoned (its thread stays blocked until the job ends)."""
 
     def __init__(self, work, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -94,6 +100,12 @@ class _TorchHandle:
 
     def wait(self) -> None:
         self.waiter.join()
+
+    def result(self) -> np.ndarray:
+        return self.tensor.cpu().numpy()
+
+    def cancel(self) -> None:
+        pass  # gloo cannot cancel; the job's end takes the thread down
 
 
 def make_plane(kind: str, world=None, tags: tuple[int, ...] = ()):

@@ -8,6 +8,8 @@ The role comes from the world rank (runtime/roles.py). Invariants:
 * SIGINT, SIGTERM and SIGUSR1 -- a Ctrl-C, a process manager, Slurm's preemption, requeue or time-limit
   warning -- reach any rank as a stop request: the rank sets a flag, rank 0 (told by the others) commits
   a checkpoint of the current step and ends the run, which exits 3; a second signal stops at once.
+  Under the local launcher (DORA_HPC_HYDRA=1) SIGUSR1 is mpiexec's notice that a peer died, not a stop
+  request: the launcher decides what a death means (launch/local.py).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ SAME_REQUEST_S = 0.25  # signals this close together are one request (a launcher
 def install_signals(run: Path, rank: int) -> None:
     """SIGINT, SIGTERM and SIGUSR1 only set STOP, on every rank: rank 0 then commits a checkpoint of the
     current step and ends the run (other ranks tell it: Comm.poll). A second signal, later than
-    SAME_REQUEST_S after the first, ends this rank at once (the launcher then ends the job)."""
+    SAME_REQUEST_S after the first, ends this rank at once (the launcher then ends the job). Under the
+    local launcher SIGUSR1 is ignored: mpiexec sends it to every survivor when a rank dies."""
     first: list[float] = []
 
     def on_signal(signum, frame):
@@ -87,8 +90,9 @@ def install_signals(run: Path, rank: int) -> None:
             (run / "pids" / f"rank-{rank}.cleanup").write_text(str(signum))  # stopped, not failed
             os._exit(128 + signum)
 
+    hydra = os.environ.get("DORA_HPC_HYDRA") == "1"  # its SIGUSR1 says a peer died (-disable-auto-cleanup)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(s, on_signal)
+        signal.signal(s, signal.SIG_IGN if hydra and s == signal.SIGUSR1 else on_signal)
 
 
 def bind_gpus(world, roles, rollout_gpus: int) -> str | None:

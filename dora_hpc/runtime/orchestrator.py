@@ -245,6 +245,9 @@ class Orchestrator(OpLog):
         left; a trainer (or the last rollout rank) ends the job naming it, committing nothing: the last
         checkpoint stands (resumable: a requeued job continues from it)."""
         now = time.monotonic()
+        for r in self.live_rollout:  # the launcher saw it die (launch/local.py: DeathWatch)
+            if (self.run_dir / "pids" / f"rank-{r}.dead").exists() and len(self.live_rollout) > 1:
+                self.fence(r, now - self.last_heard.get(r, now), cause="died")
         for r, t in list(self.last_heard.items()):
             if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s:
                 continue
@@ -260,21 +263,23 @@ class Orchestrator(OpLog):
     def live_rollout(self) -> list[int]:
         return [r for r in self.roles.rollout_ranks if r not in self.fenced]
 
-    def fence(self, r: int, silent_s: float) -> None:
-        """Give up on rollout rank ``r``: nothing is sent to it again and nothing it sends is read; what ran
-        on it (and what was migrating away from it) starts again elsewhere, through the policy; loads that
-        waited for its weights take them from a trainer instead. The run goes on with one instance fewer."""
+    def fence(self, r: int, silent_s: float, cause: str = "hung") -> None:
+        """Give up on rollout rank ``r`` (``cause``: hung, or died): nothing is sent to it again and nothing
+        it sends is read; what ran on it (and what was migrating away from it) starts again elsewhere,
+        through the policy; loads that waited for its weights take them from a trainer instead, and ranks
+        waiting for a buffer from it stop waiting. The run goes on with one instance fewer."""
         i = self.roles.instance_of_rank(r)
         self.fenced.add(r)
         in_transit = tuple(sorted(t for t, src in self.moved_from.items() if src == i))
         again = len(self.policy.view.instances[i].active) + len(in_transit)
         # rows it held in memory are lost with it; the trainer has the trajectories, analyze is told which
         unlogged = self.unflushed.pop(r, [])
-        self.op("fence", peer=r, detail=f"silent={silent_s:.0f}s started_again={again} "
+        self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s started_again={again} "
                 f"unlogged={','.join(map(str, unlogged))}")
         self.log.flush()
-        print(f"dora-hpc: rank {r} (rollout instance {i}) sent nothing for {silent_s:.0f} s: fenced; {again} "
-              f"trajectories start again on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
+        why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
+        print(f"dora-hpc: rank {r} (rollout instance {i}) {why}: fenced; {again} trajectories start again "
+              f"on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
         self.loads.pop(i, None)
         # sends to it still under way, here and on every other rank, are not waited for
         self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])

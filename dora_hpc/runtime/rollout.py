@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from .comm import (
     Resume,
     SendWeights,
     Shutdown,
+    SourceFenced,
     WeightsHeader,
 )
 
@@ -56,6 +58,7 @@ class RolloutRank(OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float,
                  attempt: int = 0) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
+        self.run_dir = run_dir
         self.instance = comm.roles.instance_of_rank(comm.rank)
         self.engine = make_engine(cfg, model_dir)
         cj = cfg.model_dump_json()
@@ -162,7 +165,8 @@ class RolloutRank(OpLog):
                 self.log.flush()
                 self.comm.send(Flushed(self.instance, msg.version), 0)
             case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
-                self.early.append((msg, src, self.comm.recv_weights(msg, src)))
+                with contextlib.suppress(SourceFenced):  # else rank 0 names another source
+                    self.early.append((msg, src, self.comm.recv_weights(msg, src)))
             case Pause() | Resume():
                 self.paused = isinstance(msg, Pause)
             case Shutdown():
@@ -182,7 +186,8 @@ class RolloutRank(OpLog):
             if got is None:
                 time.sleep(0.0005)
             elif isinstance(got[0], WeightsHeader):  # from the source, or early from another one
-                self.early.append((got[0], got[1], self.comm.recv_weights(*got)))
+                with contextlib.suppress(SourceFenced):  # the source died mid-send: LoadVersion follows
+                    self.early.append((got[0], got[1], self.comm.recv_weights(*got)))
             elif isinstance(got[0], LoadVersion) and got[0].version == msg.version:
                 msg = got[0]  # the source was fenced (hung): the same version comes from the trainer
             else:
@@ -218,7 +223,7 @@ class RolloutRank(OpLog):
         meta["info"]["kv_s"] += self.now() - t  # exported (or received, to relay) since t; the sends overlap
         if msg.carry_kv and kv is not None:
             self.comm.send(MigrateIn(meta, tuple(kv.shape)), msg.dst)
-            if FAULT == "die_mid_migration":  # tests only: the KV announced, never sent
+            if FAULT == "die_mid_migration" and self.first_fault():  # tests only: the KV announced, never sent
                 print(f"dora-hpc: rank {self.comm.rank}: injected fault: dying mid-migration of {msg.traj_id}",
                       flush=True)
                 time.sleep(0.2)  # the header reaches the destination, which then waits for the KV
@@ -229,13 +234,27 @@ class RolloutRank(OpLog):
         self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
                 nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"])
 
+    def first_fault(self) -> bool:
+        """Tests only: whether this rank is the first of the run to reach the fault-injection point."""
+        try:
+            os.close(os.open(self.run_dir / "pids" / "fault", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
     def migrate_in(self, msg: MigrateIn, src: int) -> None:
         t = self.now()
         meta, info = dict(msg.meta), msg.meta["info"]
         kv = None  # migration by re-prefill: the engine rebuilds the KV from the tokens
-        if msg.kv_shape is not None:
-            kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
         rid = meta["req_id"]
+        if msg.kv_shape is not None:
+            try:
+                kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
+            except SourceFenced:  # its source died (or hung) mid-send: rank 0 starts the request again
+                self.forward.pop(rid, None)
+                self.abort_on_arrival.discard(rid)
+                self.op("migration_lost", traj_id=rid, peer=src, t_start=t, version=meta["version"])
+                return
         if rid in self.abort_on_arrival:
             self.abort_on_arrival.discard(rid)
             self.gone.add(rid)
