@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from dora_hpc.config import load_config
-from dora_hpc.core.policies import MODES, POLICIES, build_policy, traits_of
+from dora_hpc.core.policies import MODES, POLICIES, make_policy, traits_of
 
 PKG = Path(__file__).resolve().parent.parent / "dora_hpc"
 NAMES = "|".join(MODES)
@@ -50,10 +50,10 @@ def test_traits_say_what_each_mode_means():
 def test_build_policy_is_where_a_run_config_becomes_a_policy_config():
     cfg = load_config("configs/tiny-cpu.yaml", ["batch.tbs=4", "batch.rbs=6", "dora.k=3"])
     for mode in MODES:
-        p = build_policy(cfg, 3, mode)
+        p = make_policy(cfg, 3, mode)
         assert p.name == mode and p.cfg.n_instances == 3 and p.cfg.tbs == 4 and p.cfg.k == 3
         assert p.cfg.rbs == (6 if traits_of(mode, 3).uses_rbs else 4)
-    assert build_policy(cfg, 2).name == cfg.mode
+    assert make_policy(cfg, 2).name == cfg.mode
 
 
 def import_graph() -> dict[str, set[str]]:

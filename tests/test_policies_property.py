@@ -17,7 +17,7 @@ from dora_hpc.core.events import (
     StartTrain,
     VersionPublished,
 )
-from dora_hpc.core.policies import MODES, PolicyConfig, make_policy
+from dora_hpc.core.policies import MODES, PolicyConfig, policy_for
 
 
 @st.composite
@@ -38,7 +38,7 @@ def configs(draw, mode: str):
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_invariants_hold_under_random_completion_orders(mode, data, seed):
     cfg = data.draw(configs(mode))
-    driver = RandomDriver(make_policy(mode, cfg), random.Random(seed))
+    driver = RandomDriver(policy_for(mode, cfg), random.Random(seed))
     driver.run(steps=8)  # raises InvariantBroken on any violation or deadlock
     driver.check_nothing_lost()
     assert driver.steps_done == 8
@@ -56,7 +56,7 @@ def test_invariants_hold_when_instances_are_lost(mode, data, seed, lose):
     lose = min(lose, cfg.n_instances - 1)
     if mode == "partial":  # it starts a group only when all its samples fit at once: keep room for one
         lose = max(0, min(lose, cfg.n_instances - -(-cfg.group_size // cfg.slots)))
-    driver = RandomDriver(make_policy(mode, cfg), random.Random(seed), lose=lose)
+    driver = RandomDriver(policy_for(mode, cfg), random.Random(seed), lose=lose)
     driver.start()
     if lose:
         driver.lose(driver.rng.randrange(cfg.n_instances))  # one at once, while its first load is in flight
@@ -72,7 +72,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_and_still_trains_tbs_per_s
     (never trained on), leaves the window, and a replacement keeps every step at TBS informative groups."""
     drawn = data.draw(configs("dora")).__dict__
     cfg = PolicyConfig(**{**drawn, "filter_groups": True, "group_size": max(2, drawn["group_size"])})
-    driver = RandomDriver(make_policy("dora", cfg), random.Random(seed))
+    driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
     driver.run(steps=8)
     driver.check_nothing_lost()
     assert driver.steps_done == 8
@@ -86,7 +86,7 @@ def test_dynamic_sampling_really_filters():
     cfg = PolicyConfig(tbs=2, rbs=3, group_size=2, n_instances=2, slots=2, k=2, filter_groups=True)
     filtered = 0
     for seed in range(20):
-        d = RandomDriver(make_policy("dora", cfg), random.Random(seed))
+        d = RandomDriver(policy_for("dora", cfg), random.Random(seed))
         d.run(steps=8)
         d.check_nothing_lost()
         filtered += len(d.filtered)
@@ -96,7 +96,7 @@ def test_dynamic_sampling_really_filters():
 def test_filter_groups_is_for_dora_only():
     cfg = PolicyConfig(tbs=1, rbs=2, group_size=2, n_instances=1, slots=2, filter_groups=True)
     with pytest.raises(ValueError, match="filter_groups"):
-        make_policy("sync", cfg)
+        policy_for("sync", cfg)
 
 
 def test_dora_keeps_several_versions_live_and_migrates():
@@ -105,7 +105,7 @@ def test_dora_keeps_several_versions_live_and_migrates():
     stale = set()
     for seed in range(60):
         cfg = PolicyConfig(tbs=2, rbs=4, group_size=2, n_instances=3, slots=3, k=2)
-        d = RandomDriver(make_policy("dora", cfg), random.Random(seed))
+        d = RandomDriver(policy_for("dora", cfg), random.Random(seed))
         d.run(steps=10)
         multi += d.max_live_versions > 1
         migrated += d.migrations > 0
@@ -116,10 +116,10 @@ def test_dora_keeps_several_versions_live_and_migrates():
 
 def test_partial_records_reprefill_and_oversample_drops():
     cfg = PolicyConfig(tbs=2, rbs=4, group_size=2, n_instances=2, slots=4)
-    d = RandomDriver(make_policy("partial", cfg), random.Random(1))
+    d = RandomDriver(policy_for("partial", cfg), random.Random(1))
     d.run(steps=10)
     assert d.reprefills > 0
-    d = RandomDriver(make_policy("oversample", cfg), random.Random(1))
+    d = RandomDriver(policy_for("oversample", cfg), random.Random(1))
     d.run(steps=10)
     assert d.dropped and all(d.p.ledger.groups[g].state.name == "DROPPED" for g in d.dropped)
     d.check_nothing_lost()
@@ -128,11 +128,11 @@ def test_partial_records_reprefill_and_oversample_drops():
 def test_the_checker_catches_a_broken_policy():
     """The invariant checker is not vacuous: a policy that over-consumes stale data is caught."""
     cfg = PolicyConfig(tbs=2, rbs=6, group_size=1, n_instances=2, slots=2, k=0)
-    policy = make_policy("dora", cfg)
+    policy = policy_for("dora", cfg)
     policy.window.k = 5  # lie to the window: it now admits groups that K=0 forbids
     with pytest.raises(InvariantBroken, match="staleness"):
         for seed in range(20):
-            policy = make_policy("dora", cfg)
+            policy = policy_for("dora", cfg)
             policy.window.k = 5
             RandomDriver(policy, random.Random(seed)).run(steps=6)
 
@@ -140,7 +140,7 @@ def test_the_checker_catches_a_broken_policy():
 def checkpointed_run(mode: str, cfg: PolicyConfig, rng: random.Random, before: int, after: int):
     """A run that checkpoints after ``before`` random events and goes on for ``after`` more (a future the
     crash loses): (the driver, the policy's snapshot as a checkpoint keeps it, its version)."""
-    first = RandomDriver(make_policy(mode, cfg), rng)
+    first = RandomDriver(policy_for(mode, cfg), rng)
     first.feed(Start())
     for _ in range(before):
         first.step_once()
@@ -170,7 +170,7 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     stored = {g: cfg.group_size for g in complete if g not in lost}
     plan = plan_resume(ledger, version, stored)
     assert set(plan.redispatch) >= lost
-    policy = make_policy(mode, cfg)
+    policy = policy_for(mode, cfg)
     policy.restore(ledger, plan, snapshot.get("window"))  # a windowed policy checks the stored window
     second = RandomDriver.resumed(policy, rng, snapshot["ledger"], plan.requeue)
     second.run(steps=version + 6)
@@ -197,7 +197,7 @@ def test_resume_with_dynamic_sampling_keeps_filtered_groups_filtered(data, seed,
     stored = {g: cfg.group_size for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}
     plan = plan_resume(ledger, version, stored)
     assert not filtered.intersection(plan.requeue + plan.redispatch)
-    policy = make_policy("dora", cfg)
+    policy = policy_for("dora", cfg)
     policy.restore(ledger, plan, snapshot.get("window"))  # a windowed policy checks the stored window
     second = RandomDriver.resumed(policy, rng, snapshot["ledger"], plan.requeue)
     second.rewards.update(first.rewards)  # requeued groups' rewards, as the shards hold them
@@ -224,7 +224,7 @@ def test_dora_gives_an_idle_instance_to_a_starved_version_when_its_load_complete
     """Found by the property test above (CI, 1 in ~1500 runs): the one live instance finished loading a
     version with no work left while the latest version's groups waited; it must be re-assigned at once
     (a driver that sends no Tick would otherwise wait forever)."""
-    p = make_policy("dora", PolicyConfig(tbs=1, rbs=1, group_size=1, n_instances=2, slots=1, k=0))
+    p = policy_for("dora", PolicyConfig(tbs=1, rbs=1, group_size=1, n_instances=2, slots=1, k=0))
     assert [type(c) for c in p.on(Start())] == [AssignVersion, AssignVersion]
     assert [type(c) for c in p.on(InstanceReady(0, 0))] == [Dispatch]
     assert [type(c) for c in p.on(RequestFinished(0, 0, 1.0))] == [StartTrain]
@@ -246,7 +246,7 @@ def test_resume_refuses_a_stored_window_that_its_ledger_contradicts():
     ledger = Ledger.from_dict(snapshot["ledger"])
     stored = {g: 1 for g, r in ledger.groups.items() if r.state is GroupState.COMPLETE}
     plan = plan_resume(ledger, version, stored)
-    make_policy("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, snapshot["window"])  # agrees
+    policy_for("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, snapshot["window"])  # agrees
     bad = {**snapshot["window"], "unconsumed": {**snapshot["window"]["unconsumed"], "0": 99}}
     with pytest.raises(ResumeError, match="window"):
-        make_policy("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, bad)
+        policy_for("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, bad)

@@ -4,4 +4,4 @@ Drivers (runtime, simulator, tests) feed ``policy.on(event)`` and execute the co
 """
 
 from .events import *  # noqa: F403
-from .policies import MODES, Policy, PolicyConfig, make_policy  # noqa: F401
+from .policies import MODES, Policy, PolicyConfig, make_policy, policy_for  # noqa: F401

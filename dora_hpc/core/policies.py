@@ -25,7 +25,7 @@ from .resume import ResumeError, ResumePlan
 from .window import VersionWindow
 
 __all__ = ["MODES", "POLICIES", "Dora", "OneStepOffPolicy", "Oversample", "PartialRollout", "Policy", "PolicyConfig",
-           "Sync", "Traits", "build_policy", "make_policy", "traits_of"]
+           "Sync", "Traits", "make_policy", "policy_for", "traits_of"]
 
 
 class BarrierPolicy(Policy):
@@ -320,20 +320,21 @@ def traits_of(mode: str, k: int) -> Traits:
     return POLICIES[mode].traits(k)
 
 
-def build_policy(run_cfg, n_instances: int, mode: str | None = None) -> Policy:
+def make_policy(run_config, instances: int, mode: str | None = None) -> Policy:
     """The policy of a RunConfig (``mode``: another mode with the same settings, as the simulator's
-    comparisons run) over ``n_instances`` rollout instances; the only place a RunConfig becomes a
+    comparisons run) over ``instances`` rollout instances; the only place a RunConfig becomes a
     PolicyConfig."""
-    mode = mode or run_cfg.mode
-    b, d = run_cfg.batch, run_cfg.dora
+    mode = mode or run_config.mode
+    b, d = run_config.batch, run_config.dora
     cfg = PolicyConfig(tbs=b.tbs, rbs=b.rbs if traits_of(mode, d.k).uses_rbs else b.tbs, group_size=b.group_size,
-                       n_instances=n_instances, slots=run_cfg.cluster.max_num_seqs, k=d.k,
+                       n_instances=instances, slots=run_config.cluster.max_num_seqs, k=d.k,
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
                        legacy_topup=d.legacy_topup, filter_groups=b.filter_groups)
-    return make_policy(mode, cfg)
+    return policy_for(mode, cfg)
 
 
-def make_policy(mode: str, cfg: PolicyConfig) -> Policy:
+def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
+    """The policy of ``mode`` on a PolicyConfig (tests and drivers that build one directly)."""
     if mode not in POLICIES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     if cfg.filter_groups and mode != "dora":

@@ -44,7 +44,7 @@ from ..core.events import (
     VersionPublished,
 )
 from ..core.ledger import GroupState, Ledger
-from ..core.policies import build_policy
+from ..core.policies import make_policy
 from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
 from ..store.resume import stored_groups
@@ -86,7 +86,7 @@ class Orchestrator(OpLog):
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
         self.roles = comm.roles
-        self.policy = build_policy(cfg, len(self.roles.rollout_ranks))
+        self.policy = make_policy(cfg, len(self.roles.rollout_ranks))
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0

@@ -33,7 +33,7 @@ from ..core.events import (
     Tick,
     VersionPublished,
 )
-from ..core.policies import build_policy
+from ..core.policies import make_policy
 from .costs import CostModel
 from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req
 from .workload import Workload
@@ -58,7 +58,7 @@ class Simulator:
         self.colocated = cfg.cluster.placement_of(mode) == "colocated"
         n_inst, self.train_accels = cfg.cluster.split(cfg.cluster.placement_of(mode))
         self.cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
-        self.policy = build_policy(cfg, n_inst, mode)
+        self.policy = make_policy(cfg, n_inst, mode)
         self.work = Workload(cfg.workload, cfg.seed)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
         self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
