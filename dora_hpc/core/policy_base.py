@@ -40,7 +40,7 @@ class Traits:
     staleness_bound: int | None   # the largest staleness a consumed group may have (None: not bounded)
     single_version: bool          # every trajectory is sampled under one version (partial: segments)
     placement: str                # default placement: colocated (rollout pauses to train) or disaggregated
-    kv_offload: bool              # preempted KV may be parked in host memory (dora.kv_offload)
+    kv_offload: bool              # preempted KV may be parked in host memory (when engine.on_kv_full=offload)
     keep_versions: int            # weight versions a trainer keeps to serve every version still live
 
 
