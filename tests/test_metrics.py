@@ -69,7 +69,11 @@ def test_tensorboard_scalars_equal_the_train_steps_table_through_preemption_and_
                                                                              abs_tol=1e-6), (c, s, value, want)
     for tag in ("rollout/tokens_per_s", "rollout/step_interval_s", "rollout/versions_live", "staleness/max"):
         assert [s for s, _ in got[tag]] == list(range(steps)), tag
-    assert max(v for _, v in got["staleness/max"]) <= 2 and min(v for _, v in got["rollout/tokens_per_s"]) > 0
+    assert max(v for _, v in got["staleness/max"]) <= 2
+    # tokens/s is what finished between two published steps: 0 when a step trains on groups that were
+    # already complete (buffered, or read back from the shards on resume) with nothing finishing meanwhile
+    rates = [v for _, v in got["rollout/tokens_per_s"]]
+    assert min(rates) >= 0 and max(rates) > 0, rates
 
 
 def test_wandb_offline_writes_a_run_dir_and_a_resume_continues_the_same_run(tmp_path):
