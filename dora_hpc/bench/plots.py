@@ -76,7 +76,7 @@ def plot_convergence(summary: dict, path: Path) -> Path:
         by_step.plot(range(len(c["mean"])), c["mean"], color=color, lw=2,
                      label=f"{name} (mean of {len(c['curves'])} seeds)")
     by_step.set_xlabel("train step")
-    by_time.set_xlabel("wall time since launch (s, paced runtime)")
+    by_time.set_xlabel("wall time since launch (s)")
     for ax in (by_step, by_time):
         ax.set_ylabel("mean reward of the step's batch")
         ax.legend(fontsize=8)
