@@ -280,7 +280,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> RunConfig:
-        if self.batch.filter_groups and self.mode != "dora":
+        if self.batch.filter_groups and not traits_of(self.mode, self.dora.k).dynamic_sampling:
             raise ValueError(f"batch.filter_groups streams replacements through DORA's window: mode=dora, "
                              f"not {self.mode}")
         if self.train.mini_batches > self.batch.tbs:

@@ -212,7 +212,7 @@ class Dora(Policy):
     def traits(cls, k: int) -> Traits:
         # versions v-K..v live on the instances, v+1 being made: K + 2
         return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
-                      kv_offload=True, keep_versions=k + 2)
+                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -337,7 +337,7 @@ def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
     """The policy of ``mode`` on a PolicyConfig (tests and drivers that build one directly)."""
     if mode not in POLICIES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if cfg.filter_groups and mode != "dora":
+    if cfg.filter_groups and not POLICIES[mode].traits(cfg.k).dynamic_sampling:
         raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
                          "has none")
     return POLICIES[mode](cfg)

@@ -42,6 +42,8 @@ class Traits:
     placement: str                # default placement: colocated (rollout pauses to train) or disaggregated
     kv_offload: bool              # preempted KV may be parked in host memory (when engine.on_kv_full=offload)
     keep_versions: int            # weight versions a trainer keeps to serve every version still live
+    dynamic_sampling: bool = False  # equal-reward groups may be filtered out (batch.filter_groups): their
+    #                               replacements stream through a staleness window
 
 
 @dataclass(frozen=True)
