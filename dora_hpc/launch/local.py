@@ -238,7 +238,7 @@ class DeathWatch(threading.Thread):
 
     def __init__(self, pid_dir: Path, roles: Roles, on_death=None) -> None:
         super().__init__(daemon=True)
-        self.pid_dir, self.roles, self.n, self.on_death = pid_dir, roles, roles.size, on_death
+        self.pid_dir, self.roles, self.on_death = pid_dir, roles, on_death
         self.first_dead: int | None = None
         self.fenced: list[int] = []  # rollout ranks that died and were left to rank 0
         self._halt = threading.Event()
@@ -260,7 +260,7 @@ class DeathWatch(threading.Thread):
                 name = f.name.removeprefix("rank-")
                 if name.isdigit() and int(name) not in pids and f.read_text().strip():
                     pids[int(name)] = int(f.read_text())
-            if len(pids) == self.n:
+            if len(pids) == self.roles.size:
                 dead = [r for r, pid in pids.items() if r not in self.fenced
                         and not self._alive(pid) and not self._marked(r, "done")]
                 if dead:
