@@ -33,11 +33,19 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("runtime.hang_timeout_s=1", "runtime"),       # shorter than 3 heartbeats
     ("engine.dtype=fp8", "engine.dtype"),
     ("train.mini_batches=99", "train.mini_batches"),  # more than batch.tbs
+    ("batch.rbs=lots", "batch.rbs"),                # an int or auto
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("configs/sim/small.yaml", [override])
     assert key in str(e.value)
+
+
+def test_rbs_auto_is_for_the_streaming_modes():
+    assert load_config("configs/sim/small.yaml", ["batch.rbs=auto"]).batch.rbs == "auto"
+    assert load_config("configs/sim/small.yaml", ["batch.rbs=auto", "mode=partial"]).batch.rbs == "auto"
+    with pytest.raises(ConfigError, match="batch.rbs: auto needs a streaming mode"):
+        load_config("configs/sim/small.yaml", ["batch.rbs=auto", "mode=oversample"])
 
 
 def test_bad_files(tmp_path):

@@ -25,6 +25,8 @@ def configs(draw, mode: str):
     tbs = draw(st.integers(1, 4))
     streaming = mode in ("partial", "dora", "oversample")
     rbs = tbs + (draw(st.integers(0, 4)) if streaming else 0)
+    if mode in ("partial", "dora") and draw(st.booleans()):
+        rbs = None  # batch.rbs: auto
     return PolicyConfig(
         tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
         slots=draw(st.integers(1, 6)), k=draw(st.integers(0, 3)),
@@ -250,3 +252,21 @@ def test_resume_refuses_a_stored_window_that_its_ledger_contradicts():
     bad = {**snapshot["window"], "unconsumed": {**snapshot["window"]["unconsumed"], "0": 99}}
     with pytest.raises(ResumeError, match="window"):
         policy_for("dora", cfg).restore(Ledger.from_dict(snapshot["ledger"]), plan, bad)
+
+
+def test_auto_rbs_fills_the_free_slots_within_the_window():
+    """rbs: auto admits what the free slots hold (a fixed RBS stops at RBS groups) and never more than the
+    window allows: with K=0 only TBS groups of the latest version can ever be consumed."""
+    base = dict(tbs=2, group_size=2, n_instances=2, slots=4, k=2)
+    fixed, auto = (policy_for("dora", PolicyConfig(rbs=rbs, **base)) for rbs in (2, None))
+    for p in (fixed, auto):
+        p.on(Start())
+        for i in range(2):
+            p.on(InstanceReady(i, 0))
+    assert fixed.pending_groups == 2 and auto.pending_groups == 4  # 2 x 4 slots / groups of 2
+    assert auto.capacity() == 0 and len(auto.view.trajs) == 8
+    tight = policy_for("dora", PolicyConfig(rbs=None, **{**base, "k": 0}))
+    tight.on(Start())
+    for i in range(2):
+        tight.on(InstanceReady(i, 0))
+    assert tight.pending_groups == 2  # the window (TBS x (K + 1)), not the slots, bounds it

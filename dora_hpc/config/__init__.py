@@ -30,14 +30,15 @@ Placement = Literal["colocated", "disaggregated"]
 
 class BatchConfig(Section):
     tbs: int = Field(8, ge=1, description="prompt groups consumed per train step")
-    rbs: int = Field(12, ge=1, description="prompt groups in flight (RBS >= TBS)")
+    rbs: int | Literal["auto"] = Field(12, description="prompt groups in flight (RBS >= TBS); auto: admit while "
+                                       "rollout slots are free and the staleness window allows (dora, partial)")
     group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
     filter_groups: bool = Field(False, description="dynamic sampling (DAPO, mode=dora): a group whose rewards are "
                                 "all equal is not trained on and a replacement prompt is dispatched")
 
     @model_validator(mode="after")
     def _rbs_covers_tbs(self) -> BatchConfig:
-        if self.rbs < self.tbs:
+        if self.rbs != "auto" and self.rbs < self.tbs:
             raise ValueError(f"rbs ({self.rbs}) must be >= tbs ({self.tbs})")
         if self.filter_groups and self.group_size < 2:
             raise ValueError("filter_groups needs group_size >= 2 (a group of one always has equal rewards)")
@@ -280,7 +281,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> RunConfig:
-        if self.batch.filter_groups and not traits_of(self.mode, self.dora.k).dynamic_sampling:
+        traits = traits_of(self.mode, self.dora.k)
+        if self.batch.rbs == "auto" and traits.uses_rbs and not traits.auto_rbs:  # (sync, one_step: RBS is TBS)
+            raise ValueError(f"batch.rbs: auto needs a streaming mode (dora or partial); {self.mode} rolls out "
+                             "RBS groups a batch")
+        if self.batch.filter_groups and not traits.dynamic_sampling:
             raise ValueError(f"batch.filter_groups streams replacements through DORA's window: mode=dora, "
                              f"not {self.mode}")
         if self.train.mini_batches > self.batch.tbs:

@@ -155,7 +155,7 @@ class PartialRollout(Policy):
         # a trajectory's tokens span versions; instances load the latest while the trainer trains on: the
         # latest, the one before and one spare
         return Traits(uses_rbs=True, staleness_bound=None, single_version=False, placement="colocated",
-                      kv_offload=False, keep_versions=3)
+                      kv_offload=False, keep_versions=3, auto_rbs=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -186,7 +186,8 @@ class PartialRollout(Policy):
             gid = self.redo.popleft()
             self.ledger.retag(gid, self.latest)
             self.view.enqueue_group(gid, self.latest)
-        while not self.redo and (self.pending_groups < self.cfg.rbs and self.n_complete() < self.cfg.tbs
+        rbs = self.cfg.rbs if self.cfg.rbs is not None else float("inf")  # auto: the free slots alone decide
+        while not self.redo and (self.pending_groups < rbs and self.n_complete() < self.cfg.tbs
                and self.view.free_slots(self.latest) - self.view.queued_count(self.latest) >= g):
             self.admit(self.latest)
         return self.view.place(self.latest)
@@ -212,7 +213,7 @@ class Dora(Policy):
     def traits(cls, k: int) -> Traits:
         # versions v-K..v live on the instances, v+1 being made: K + 2
         return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
-                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True)
+                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -273,7 +274,8 @@ class Dora(Policy):
 
     def _admit(self) -> list[Command]:
         latest, g = self.latest, self.cfg.group_size
-        for _ in range(min(self.cfg.rbs - self.pending_groups, self.window.room(latest))):
+        fresh = self.cfg.rbs - self.pending_groups if self.cfg.rbs is not None else self.capacity()
+        for _ in range(min(fresh, self.window.room(latest))):
             self.admit(latest)
         if self.cfg.legacy_topup:
             for v in sorted(self.window.live_versions, reverse=True):
@@ -325,8 +327,11 @@ def make_policy(run_config, instances: int, mode: str | None = None) -> Policy:
     comparisons run) over ``instances`` rollout instances; the only place a RunConfig becomes a
     PolicyConfig."""
     mode = mode or run_config.mode
-    b, d = run_config.batch, run_config.dora
-    cfg = PolicyConfig(tbs=b.tbs, rbs=b.rbs if traits_of(mode, d.k).uses_rbs else b.tbs, group_size=b.group_size,
+    b, d, traits = run_config.batch, run_config.dora, traits_of(mode, run_config.dora.k)
+    rbs = b.rbs
+    if rbs == "auto":  # a mode with a fixed batch (the simulator compares every mode) takes what fills the slots
+        rbs = None if traits.auto_rbs else max(b.tbs, instances * run_config.cluster.max_num_seqs // b.group_size)
+    cfg = PolicyConfig(tbs=b.tbs, rbs=rbs if traits.uses_rbs else b.tbs, group_size=b.group_size,
                        n_instances=instances, slots=run_config.cluster.max_num_seqs, k=d.k,
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
                        legacy_topup=d.legacy_topup, filter_groups=b.filter_groups)

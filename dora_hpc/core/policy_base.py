@@ -44,6 +44,8 @@ class Traits:
     keep_versions: int            # weight versions a trainer keeps to serve every version still live
     dynamic_sampling: bool = False  # equal-reward groups may be filtered out (batch.filter_groups): their
     #                               replacements stream through a staleness window
+    auto_rbs: bool = False        # RBS may be "auto": groups are admitted while rollout slots are free (and,
+    #                               under a window, while it allows), so no fixed number bounds what is in flight
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class PolicyConfig:
     """What a policy needs to know about the batch and the cluster (built from RunConfig)."""
 
     tbs: int                      # groups per train step
-    rbs: int                      # groups in flight (RBS >= TBS)
+    rbs: int | None               # groups in flight (RBS >= TBS); None: auto (Traits.auto_rbs)
     group_size: int               # samples per prompt (GRPO group)
     n_instances: int              # rollout instances (DP groups)
     slots: int                    # concurrent sequences per instance
@@ -63,7 +65,7 @@ class PolicyConfig:
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.tbs <= self.rbs:
+        if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):
             raise ValueError(f"need 1 <= tbs <= rbs, got tbs={self.tbs}, rbs={self.rbs}")
         if self.group_size < 1 or self.k < 0:
             raise ValueError("group_size must be >= 1 and k >= 0")
@@ -188,6 +190,13 @@ class Policy:
         self.pending_groups += 1
         self.view.enqueue_group(gid, version)
         return gid
+
+    def capacity(self) -> int:
+        """Groups to admit so that every rollout slot of the live instances has a trajectory, counting every
+        trajectory already in flight (queued, running or migrating): what ``rbs: auto`` admits. The last
+        group may overfill by less than a group, so a group larger than the free slots still starts."""
+        free = len(self.view.live) * self.cfg.slots - len(self.view.trajs)
+        return max(0, -(-free // self.cfg.group_size))
 
     def n_complete(self) -> int:
         return sum(len(q) for q in self.complete.values())
