@@ -20,7 +20,10 @@ from dora_hpc.core.events import (
     InstanceReady,
     KvPressure,
     Migrate,
+    Offload,
     RequestFinished,
+    Restore,
+    Sleep,
     Start,
     StartTrain,
     Tick,
@@ -41,7 +44,11 @@ class RandomDriver:
         self.rewards: dict[int, float] = {}  # traj -> the reward it finished with
         """``lose``: instances to fence at random moments (InstanceLost), at least one always kept."""
         self.p, self.rng = policy, rng
-        n = policy.cfg.n_instances
+        n = policy.cfg.n_instances + policy.cfg.borrowed  # borrowed instances come after the dedicated ones
+        self.borrowed = set(range(policy.cfg.n_instances, n))
+        self.asleep: set[int] = set()
+        self.served: set[int] = set()                  # instances that were dispatched a request
+        self.parked: dict[int, int] = {}               # offloaded traj -> the borrowed instance it waits for
         self.to_lose = min(lose, n - 1)
         self.lost: set[int] = set()
         self.regenerated: set[int] = set()  # trajectories that were running on a lost instance
@@ -60,6 +67,7 @@ class RandomDriver:
         self.max_live_versions = 0
         self.migrations = 0
         self.reprefills = 0
+        self.elastic = {"sleeps": 0, "offloads": 0, "restores": 0, "drain_migrations": 0}
 
     # -- executing commands ------------------------------------------------------------------------
     def feed(self, event) -> None:
@@ -69,6 +77,9 @@ class RandomDriver:
     def execute(self, cmd) -> None:
         match cmd:
             case AssignVersion(i, v, src, keep):
+                if i in self.asleep and self.train_step is not None:
+                    raise InvariantBroken(f"{cmd}: a borrowed instance woken while the trainer trains")
+                self.asleep.discard(i)
                 live = [t for t, j in self.where.items() if j == i]
                 if live and not keep:
                     raise InvariantBroken(f"{cmd}: instance still holds {live}")
@@ -94,12 +105,14 @@ class RandomDriver:
                 if t in self.where or t in self.finished:
                     raise InvariantBroken(f"trajectory {t} dispatched twice")
                 self.where[t] = i
+                self.served.add(i)
                 self.segments[t].append(v)
             case Migrate(t, src, dst, _):
                 if self.where.get(t) != src or self.version[dst] != self.segments[t][-1]:
                     raise InvariantBroken(f"{cmd}: bad source or destination version")
                 self.where[t] = dst
                 self.migrations += 1
+                self.elastic["drain_migrations"] += src in self.borrowed
             case Abort(t, i):
                 if self.where.pop(t, None) != i:
                     raise InvariantBroken(f"{cmd}: trajectory not on that instance")
@@ -111,7 +124,28 @@ class RandomDriver:
                 if len(got) != 1 or g in self.consumed:
                     raise InvariantBroken(f"{cmd}: rewards {got}, consumed {self.consumed[g]}")
                 self.filtered.add(g)
+            case Sleep(i):
+                if i not in self.borrowed or any(j == i for j in self.where.values()):
+                    raise InvariantBroken(f"{cmd}: not borrowed, or it still runs requests")
+                self.asleep.add(i)
+                self.elastic["sleeps"] += 1
+                self.version[i] = None
+                self.loading.pop(i, None)  # a load in flight is cancelled
+            case Offload(t, i):
+                if self.where.get(t) != i or i not in self.borrowed:
+                    raise InvariantBroken(f"{cmd}: trajectory not running on that borrowed instance")
+                self.parked[t] = self.where.pop(t)
+                self.elastic["offloads"] += 1
+            case Restore(t, i):
+                if t not in self.parked or self.version[i] != self.segments[t][-1]:
+                    raise InvariantBroken(f"{cmd}: not parked, or the instance holds another version")
+                del self.parked[t]
+                self.where[t] = i
+                self.elastic["restores"] += 1
             case StartTrain(step, groups):
+                awake = [i for i in self.borrowed if i not in self.asleep and i not in self.lost]
+                if awake:
+                    raise InvariantBroken(f"step {step} starts while borrowed instances {awake} serve")
                 self._train(step, groups)
             case _:
                 raise InvariantBroken(f"unexpected command {cmd}")
@@ -203,10 +237,12 @@ class RandomDriver:
         self.lost.add(i)
         self.version[i] = None
         self.loading.pop(i, None)
-        for t in [t for t, j in self.where.items() if j == i]:
-            del self.where[t]
-            self.segments[t] = []  # its tokens are discarded: it is generated again, whole
-            self.regenerated.add(t)
+        for held in (self.where, self.parked):
+            for t in [t for t, j in held.items() if j == i]:
+                del held[t]
+                self.segments[t] = []  # its tokens are discarded: it is generated again, whole
+                self.regenerated.add(t)
+        self.asleep.discard(i)
         self.feed(InstanceLost(i))
         for cmd_target in (self.where.values(), self.loading):
             if i in cmd_target:
@@ -248,7 +284,8 @@ class RandomDriver:
             else:
                 g_size = self.p.cfg.group_size
                 trajs = range(g * g_size, (g + 1) * g_size)
-                live_or_done = all(t in self.where or t in self.finished or t in self.p.view.trajs for t in trajs)
+                live_or_done = all(t in self.where or t in self.parked or t in self.finished or t in self.p.view.trajs
+                                   for t in trajs)
                 ok = state in ("PENDING", "COMPLETE") and live_or_done
             if not ok:
                 raise InvariantBroken(f"group {g} lost: ledger says {state}")

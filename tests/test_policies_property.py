@@ -27,7 +27,8 @@ def configs(draw, mode: str):
     rbs = tbs + (draw(st.integers(0, 4)) if streaming else 0)
     if mode in ("partial", "dora") and draw(st.booleans()):
         rbs = None  # batch.rbs: auto
-    return PolicyConfig(
+    borrowed = draw(st.integers(0, 3)) if mode == "dora" else 0  # cluster.elastic
+    return PolicyConfig(borrowed=borrowed,
         tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
         slots=draw(st.integers(1, 6)), k=draw(st.integers(0, 3)),
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),
@@ -270,3 +271,38 @@ def test_auto_rbs_fills_the_free_slots_within_the_window():
     for i in range(2):
         tight.on(InstanceReady(i, 0))
     assert tight.pending_groups == 2  # the window (TBS x (K + 1)), not the slots, bounds it
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_borrowed_instances_serve_while_the_trainer_waits_and_sleep_while_it_trains(data, seed):
+    """cluster.elastic: borrowed instances (after the dedicated ones) take requests while the trainer is
+    idle; before each StartTrain they migrate or offload every request and sleep (the driver refuses a step
+    that starts while one serves); after it they wake and restore what they parked. Invariants as always."""
+    drawn = data.draw(configs("dora")).__dict__
+    cfg = PolicyConfig(**{**drawn, "borrowed": data.draw(st.integers(1, 3))})
+    driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
+    driver.run(steps=8)
+    driver.check_nothing_lost()
+    assert driver.steps_done == 8 and driver.elastic["sleeps"] >= 8 * cfg.borrowed  # each, before every step
+    assert driver.elastic["restores"] <= driver.elastic["offloads"]
+
+
+def test_borrowed_instances_take_work_migrate_it_out_and_park_the_rest():
+    """More work in flight than the dedicated instances hold: the borrowed ones serve, and their drains
+    both migrate (to dedicated room) and offload (none left), restoring the parked requests after the step."""
+    total = dict.fromkeys(("sleeps", "offloads", "restores", "drain_migrations", "served"), 0)
+    for seed in range(20):
+        cfg = PolicyConfig(tbs=2, rbs=None if seed % 2 else 4, group_size=2, n_instances=2, slots=3, k=2, borrowed=2)
+        driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
+        driver.run(steps=8)
+        driver.check_nothing_lost()
+        total["served"] += len(driver.served & driver.borrowed)
+        for key, n in driver.elastic.items():
+            total[key] += n
+    assert all(n > 0 for n in total.values()), total
+
+
+def test_elastic_is_for_dora_only():
+    with pytest.raises(ValueError, match="borrowed instances"):
+        policy_for("partial", PolicyConfig(tbs=1, rbs=2, group_size=1, n_instances=1, slots=1, borrowed=1))

@@ -64,6 +64,9 @@ class ClusterConfig(Section):
     max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per rollout instance")
     placement: dict[Mode, Placement] = Field(default_factory=lambda: dict(DEFAULT_PLACEMENT))
     trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks (data-parallel replicas)")
+    elastic: bool = Field(False, description="the trainer's accelerators also host rollout instances (one per "
+                          "accelerators_per_instance) while the trainer waits; they are drained before each "
+                          "train step (mode=dora, disaggregated; simulator only so far)")
 
     @model_validator(mode="after")
     def _split_fits(self) -> ClusterConfig:
@@ -77,6 +80,12 @@ class ClusterConfig(Section):
 
     def placement_of(self, mode: str) -> str:
         return self.placement.get(mode, DEFAULT_PLACEMENT[mode])  # type: ignore[arg-type]
+
+    def borrowed(self, placement: str, elastic_mode: bool) -> int:
+        """Instances hosted on the trainer's accelerators (cluster.elastic, disaggregated, a mode that drains them)."""
+        if not (self.elastic and elastic_mode and placement == "disaggregated"):
+            return 0
+        return self.split(placement)[1] // self.accelerators_per_instance
 
     def split(self, placement: str) -> tuple[int, int]:
         """(rollout instances, train accelerators) under ``placement``."""
@@ -285,6 +294,9 @@ class RunConfig(Section):
         if self.batch.rbs == "auto" and traits.uses_rbs and not traits.auto_rbs:  # (sync, one_step: RBS is TBS)
             raise ValueError(f"batch.rbs: auto needs a streaming mode (dora or partial); {self.mode} rolls out "
                              "RBS groups a batch")
+        if self.cluster.elastic and not (traits.elastic and self.cluster.placement_of(self.mode) == "disaggregated"):
+            raise ValueError(f"cluster.elastic borrows the trainer's accelerators while it waits: mode=dora with "
+                             f"disaggregated placement, not {self.mode} ({self.cluster.placement_of(self.mode)})")
         if self.batch.filter_groups and not traits.dynamic_sampling:
             raise ValueError(f"batch.filter_groups streams replacements through DORA's window: mode=dora, "
                              f"not {self.mode}")

@@ -61,6 +61,13 @@ class HardwareSpec(Section):
     weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
     host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")
     colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
+    engine_sleep_s: float = Field(2.0, ge=0, description="cluster.elastic: a borrowed instance frees its weights "
+                                  "and KV pool before a train step (vLLM's sleep mode)")
+    engine_wake_s: float = Field(5.0, ge=0, description="cluster.elastic: a borrowed instance re-allocates its KV "
+                                 "pool after a step, before its weight load")
+    trainer_state_bytes_per_param: float = Field(16, ge=0, description="cluster.elastic: training state kept on "
+                                                 "the trainer's accelerators, sharded over them (bf16 weights and "
+                                                 "grads, fp32 master and Adam moments); borrowed KV gets the rest")
 
 
 class SimConfig(Section):

@@ -5,7 +5,11 @@ Invariants kept here (checked on every change, so a policy bug fails loudly in t
   version equals the trajectory's version (single version per trajectory);
 * an instance never holds more live trajectories than it has slots;
 * every live trajectory is in exactly one place: its version's queue or one instance's active set;
-* a lost (fenced) instance hosts nothing and is never given work again.
+* a lost (fenced) instance hosts nothing and is never given work again;
+* a borrowed instance (on the trainer's accelerators) is asleep while the trainer trains: it hosts no
+  version and runs nothing. A trajectory it offloaded to host memory waits at the front of its version's
+  queue (``TrajView.parked``) and is placed like any other, by a Restore instead of a Dispatch: its KV
+  comes back onto whichever instance of its version has room first, nothing re-prefilled.
 
 A trajectory admitted but not yet placed waits in ``queues[version]``; ``place`` turns waiting
 trajectories into Dispatch commands on the least-loaded ready instance of that version.
@@ -17,7 +21,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .events import Abort, AssignVersion, Dispatch, Migrate
+from .events import Abort, AssignVersion, Dispatch, Migrate, Offload, Restore, Sleep
 
 
 @dataclass
@@ -27,6 +31,8 @@ class InstanceView:
     loading: int | None = None
     active: set[int] = field(default_factory=set)
     lost: bool = False  # fenced by the driver: hosts nothing, ever again
+    borrowed: bool = False  # on the trainer's accelerators: asleep while it trains
+    asleep: bool = False
 
     @property
     def ready(self) -> bool:
@@ -48,26 +54,34 @@ class TrajView:
     sample_idx: int
     version: int
     instance: int | None = None
+    parked: int | None = None  # its KV waits in the host memory of this (borrowed) instance's node
 
 
 class ClusterView:
-    def __init__(self, n_instances: int, slots: int, group_size: int) -> None:
-        if n_instances < 1 or slots < 1:
+    def __init__(self, n_instances: int, slots: int, group_size: int, borrowed: int = 0) -> None:
+        if n_instances < 1 or slots < 1 or borrowed < 0:
             raise ValueError("a cluster needs at least one instance with at least one slot")
         self.group_size = group_size
         self.instances = [InstanceView(slots) for _ in range(n_instances)]
+        self.instances += [InstanceView(slots, borrowed=True) for _ in range(borrowed)]
+        n_instances += borrowed
         self.trajs: dict[int, TrajView] = {}
         self.queues: dict[int, deque[int]] = {}
         self._has_free: dict[int, set[int]] = {}  # version -> ready instances with a free slot
         self._free: dict[int, int] = {}            # version -> free slots on its ready instances
         self._contrib: list[tuple[int | None, int]] = [(None, 0)] * n_instances  # (version, free)
-        self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (load, instance)
+        self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (_load_key, instance)
 
     # -- queries -----------------------------------------------------------------------------------
     @property
     def live(self) -> list[int]:
-        """Instances not lost."""
-        return [i for i, inst in enumerate(self.instances) if not inst.lost]
+        """Instances that can take work now or once loaded: not lost, not asleep."""
+        return [i for i, inst in enumerate(self.instances) if not inst.lost and not inst.asleep]
+
+    @property
+    def borrowed(self) -> list[int]:
+        """Borrowed instances not lost, asleep or awake."""
+        return [i for i, inst in enumerate(self.instances) if inst.borrowed and not inst.lost]
 
     def hosts(self, version: int, ready_only: bool = False) -> list[int]:
         return [i for i, inst in enumerate(self.instances)
@@ -92,17 +106,22 @@ class ClusterView:
             q.append(tid)
 
     def place(self, version: int) -> list[Dispatch]:
-        """Dispatch queued trajectories of ``version`` onto its ready instances, least loaded first."""
+        """Dispatch queued trajectories of ``version`` onto its ready instances, least loaded first and
+        dedicated before borrowed (a borrowed instance's requests must leave it before each train step)."""
         q, free, heap = self.queues.get(version), self._has_free.get(version), self._by_load.get(version)
         out: list[Dispatch] = []
         while q and free:
-            load, i = heapq.heappop(heap)
-            if i not in free or len(self.instances[i].active) != load:
+            key, i = heapq.heappop(heap)
+            if i not in free or self._load_key(i) != key:
                 continue  # stale entry
             tid = q.popleft()
             t = self.trajs[tid]
             self._put(tid, i)
-            out.append(Dispatch(tid, t.group_id, t.sample_idx, version, i))
+            if t.parked is not None:
+                t.parked = None
+                out.append(Restore(tid, i))
+            else:
+                out.append(Dispatch(tid, t.group_id, t.sample_idx, version, i))
         return out
 
     # -- changes -----------------------------------------------------------------------------------
@@ -118,9 +137,11 @@ class ClusterView:
         return t
 
     def assign(self, cmd: AssignVersion) -> None:
+        """Load ``cmd.version`` on an instance; an asleep one wakes."""
         inst = self.instances[cmd.instance]
         if inst.active and not cmd.keep_requests:
             raise AssertionError(f"instance {cmd.instance} reassigned with {len(inst.active)} live requests")
+        inst.asleep = False
         inst.loading = cmd.version
         if cmd.keep_requests:
             for tid in inst.active:
@@ -150,6 +171,9 @@ class ClusterView:
         inst = self.instances[instance]
         out: list[Abort] = []
         again = sorted(inst.active)
+        for t in self.trajs.values():
+            if t.parked == instance:  # its KV was in that node's host memory: it starts again from its prompt
+                t.parked = None
         for tid in in_transit:
             t = self.trajs.get(tid)
             if t is not None and t.instance is not None and t.instance != instance:
@@ -162,9 +186,30 @@ class ClusterView:
             t.instance = None
             self.queues.setdefault(t.version, deque()).appendleft(tid)
         inst.active.clear()
-        inst.lost, inst.version, inst.loading = True, None, None
+        inst.lost, inst.asleep, inst.version, inst.loading = True, False, None, None
         self._refresh(instance)
         return out
+
+    def offload(self, traj_id: int) -> Offload:
+        """Park a running trajectory of a borrowed instance in host memory, at the front of its queue."""
+        t = self.trajs[traj_id]
+        i = t.instance
+        if i is None or not self.instances[i].borrowed or traj_id not in self.instances[i].active:
+            raise AssertionError(f"trajectory {traj_id} offloaded from instance {i}")
+        self.instances[i].active.discard(traj_id)
+        self._refresh(i)
+        t.instance, t.parked = None, i
+        self.queues.setdefault(t.version, deque()).appendleft(traj_id)
+        return Offload(traj_id, i)
+
+    def sleep(self, instance: int) -> Sleep:
+        inst = self.instances[instance]
+        if not inst.borrowed or inst.active or inst.lost:
+            raise AssertionError(f"instance {instance} put to sleep (borrowed: {inst.borrowed}, "
+                                 f"{len(inst.active)} live requests)")
+        inst.asleep, inst.version, inst.loading = True, None, None
+        self._refresh(instance)
+        return Sleep(instance)
 
     def retag_queued(self, version: int) -> list[int]:
         """Move every queued (not yet started) trajectory to ``version``; returns their ids."""
@@ -201,7 +246,11 @@ class ClusterView:
             self._has_free.setdefault(v, set()).add(i)
             heap = self._by_load.setdefault(v, [])
             if len(heap) > 4 * len(self.instances) + 64:  # drop stale entries now and then
-                heap[:] = [(len(self.instances[j].active), j) for j in self._has_free[v]]
+                heap[:] = [(self._load_key(j), j) for j in self._has_free[v]]
                 heapq.heapify(heap)
             else:
-                heapq.heappush(heap, (len(inst.active), i))
+                heapq.heappush(heap, (self._load_key(i), i))
+
+    def _load_key(self, i: int) -> int:
+        inst = self.instances[i]
+        return len(inst.active) + (inst.slots if inst.borrowed else 0)

@@ -6,7 +6,9 @@ under MPI, in the simulator and in property tests unchanged.
 
 Identifiers are plain ints: ``group_id`` is the index of a prompt in the data stream (the data cursor),
 ``traj_id = group_id * group_size + sample_idx`` names one sample of that GRPO group, and instances
-are numbered ``0..n_instances-1``. Versions count train steps: v0 = initial weights, vn = after n steps.
+are numbered ``0..n_instances-1``, then the borrowed ones (``cluster.elastic``: hosted on the trainer's
+accelerators) ``n_instances..n_instances+borrowed-1``. Versions count train steps: v0 = initial weights,
+vn = after n steps.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class Migrate:
 
 @dataclass(frozen=True)
 class Offload:
-    """Move a live trajectory's KV cache to host memory on ``instance`` (it stops decoding)."""
+    """Move a live trajectory's KV cache to host memory on ``instance``'s node (it stops decoding): a
+    borrowed instance parks what no dedicated instance has room for before it sleeps."""
 
     traj_id: int
     instance: int
@@ -128,9 +131,22 @@ class Offload:
 
 @dataclass(frozen=True)
 class Restore:
-    """Bring an offloaded trajectory's KV cache back to device memory on ``instance``."""
+    """Bring an offloaded trajectory's KV cache from the host where it was parked to ``instance`` (which
+    hosts its version; over the network when it is another node's) and let it decode on; nothing is
+    re-prefilled."""
 
     traj_id: int
+    instance: int
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Borrowed ``instance`` (on the trainer's accelerators, ``cluster.elastic``) gives them back for a
+    train step: it holds no live request (the policy migrated or offloaded them first), frees its weights
+    and KV pool (vLLM's sleep mode), cancels a weight load in flight (no InstanceReady follows it) and
+    stays asleep until an AssignVersion wakes it. A StartTrain after Sleep commands in the same list
+    starts only once each of them is done: the trainer waits for the drain."""
+
     instance: int
 
 
@@ -166,4 +182,4 @@ class StartTrain:
     group_ids: tuple[int, ...]
 
 
-Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Abort | Drop | Filter | StartTrain
+Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Sleep | Abort | Drop | Filter | StartTrain

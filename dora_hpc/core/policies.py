@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from . import planner
-from .events import Abort, Command, Drop, KvPressure, Tick
+from .events import TRAINER, Abort, AssignVersion, Command, Drop, KvPressure, Migrate, Tick
 from .ledger import GroupState, Ledger
 from .policy_base import MODES, Policy, PolicyConfig, Traits
 from .resume import ResumeError, ResumePlan
@@ -205,7 +205,14 @@ class Dora(Policy):
     pressure, every ``rebalance_every`` Ticks and when an instance is idle (run dry, or ready with a
     version that has no work left); requests move with their KV. Admission is tiered: the latest
     version first (up to RBS), legacy versions only into idle slots and only with a step of slack in
-    the window."""
+    the window.
+
+    Elastic (``borrowed`` instances on the trainer's accelerators): they serve while the trainer waits
+    for the window; before a train step each gives its accelerators back -- its requests migrate with
+    their KV to dedicated instances of their version with room, the rest are offloaded to host memory
+    and restored, first of their queue, on the next instance of their version with room -- and sleeps;
+    after the step it wakes with the latest version. Nothing is re-prefilled and every trajectory keeps
+    its one version."""
 
     name = "dora"
 
@@ -213,7 +220,7 @@ class Dora(Policy):
     def traits(cls, k: int) -> Traits:
         # versions v-K..v live on the instances, v+1 being made: K + 2
         return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
-                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True)
+                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True, elastic=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -261,7 +268,40 @@ class Dora(Policy):
 
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
-        return self._admit() + self._rebalance() + self._train()
+        return self._wake() + self._admit() + self._rebalance() + self._train()
+
+    def _wake(self) -> list[Command]:
+        """The trainer is free: each asleep borrowed instance loads the latest version from the trainer
+        that hosts it (the planner may give it another)."""
+        out: list[Command] = []
+        for i in self.view.borrowed:
+            if self.view.instances[i].asleep:
+                cmd = AssignVersion(i, self.latest, TRAINER)
+                self.view.assign(cmd)
+                out.append(cmd)
+        return out
+
+    def _lend_back(self) -> list[Command]:
+        """Before a train step: each awake borrowed instance's requests migrate (with KV) to the fullest
+        dedicated instance of their version with room, or are offloaded to host (first in their queue:
+        the next free slot of their version restores them); then it sleeps."""
+        out: list[Command] = []
+        for i in self.view.borrowed:
+            inst = self.view.instances[i]
+            if inst.asleep:
+                continue
+            for tid in sorted(inst.active):  # (one version per instance)
+                v = self.view.trajs[tid].version
+                room = [(self.view.instances[j].free, j) for j in self.view.hosts(v, ready_only=True)
+                        if not self.view.instances[j].borrowed and self.view.instances[j].free > 0]
+                if room:
+                    m = Migrate(tid, i, min(room)[1], self.cfg.carry_kv)
+                    self.view.migrate(m)
+                    out.append(m)
+                else:
+                    out.append(self.view.offload(tid))
+            out.append(self.view.sleep(i))
+        return out
 
     def on_pressure(self, event: KvPressure | Tick) -> list[Command]:
         if isinstance(event, Tick):
@@ -306,7 +346,7 @@ class Dora(Policy):
             return []
         batch = self.take_oldest(self.cfg.tbs)
         self.window.consume([self.ledger.groups[g].version for g in batch])
-        return [self.start_train(batch)]
+        return self._lend_back() + [self.start_train(batch)]
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -322,10 +362,10 @@ def traits_of(mode: str, k: int) -> Traits:
     return POLICIES[mode].traits(k)
 
 
-def make_policy(run_config, instances: int, mode: str | None = None) -> Policy:
+def make_policy(run_config, instances: int, mode: str | None = None, borrowed: int = 0) -> Policy:
     """The policy of a RunConfig (``mode``: another mode with the same settings, as the simulator's
-    comparisons run) over ``instances`` rollout instances; the only place a RunConfig becomes a
-    PolicyConfig."""
+    comparisons run) over ``instances`` rollout instances and ``borrowed`` ones on the trainer's
+    accelerators; the only place a RunConfig becomes a PolicyConfig."""
     mode = mode or run_config.mode
     b, d, traits = run_config.batch, run_config.dora, traits_of(mode, run_config.dora.k)
     rbs = b.rbs
@@ -334,7 +374,7 @@ def make_policy(run_config, instances: int, mode: str | None = None) -> Policy:
     cfg = PolicyConfig(tbs=b.tbs, rbs=rbs if traits.uses_rbs else b.tbs, group_size=b.group_size,
                        n_instances=instances, slots=run_config.cluster.max_num_seqs, k=d.k,
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
-                       legacy_topup=d.legacy_topup, filter_groups=b.filter_groups)
+                       legacy_topup=d.legacy_topup, filter_groups=b.filter_groups, borrowed=borrowed)
     return policy_for(mode, cfg)
 
 
@@ -342,6 +382,9 @@ def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
     """The policy of ``mode`` on a PolicyConfig (tests and drivers that build one directly)."""
     if mode not in POLICIES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if cfg.borrowed and not POLICIES[mode].traits(cfg.k).elastic:
+        raise ValueError(f"borrowed instances (cluster.elastic) need a policy that drains them before training; "
+                         f"mode {mode!r} has none")
     if cfg.filter_groups and not POLICIES[mode].traits(cfg.k).dynamic_sampling:
         raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
                          "has none")

@@ -46,6 +46,7 @@ class Traits:
     #                               replacements stream through a staleness window
     auto_rbs: bool = False        # RBS may be "auto": groups are admitted while rollout slots are free (and,
     #                               under a window, while it allows), so no fixed number bounds what is in flight
+    elastic: bool = False         # may borrow the trainer's accelerators for rollout while it waits (cluster.elastic)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class PolicyConfig:
     carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
     legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
+    borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
+    #                               after the dedicated ones; they sleep while it trains
 
     def __post_init__(self) -> None:
         if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):
@@ -85,7 +88,7 @@ class Policy:
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size)
+        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size, cfg.borrowed)
         self.ledger = Ledger(cfg.group_size)
         self.latest = 0
         self.trainer_busy = False
@@ -100,6 +103,8 @@ class Policy:
             case Start():
                 return self._assign_all(self.latest)
             case InstanceReady(instance, version):
+                if self.view.instances[instance].asleep:
+                    return []  # a load that a Sleep cancelled (drivers need not send it)
                 self.view.ready(instance, version)
                 return self.on_ready(instance)
             case RequestFinished(traj_id, _, reward):
@@ -130,7 +135,7 @@ class Policy:
                 if self.view.instances[instance].lost:
                     return []
                 out: list[Command] = list(self.view.lose(instance, in_transit))
-                if not self.view.live:
+                if all(inst.lost for inst in self.view.instances):
                     raise ValueError("every rollout instance is lost")
                 return out + self.on_lost()
         raise TypeError(f"unknown event {event!r}")

@@ -84,6 +84,9 @@ def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
     """Write (or, on resume, update) ``launch.json``; returns it. ``resume``: no | required | if_any."""
     from ..engine.model import ModelSpec, load_hf_config
 
+    if cfg.cluster.elastic:
+        raise LaunchError("cluster.elastic is simulated only so far (dora-hpc simulate): no trainer rank hosts a "
+                          "rollout engine yet")
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "launch.json"
     (run_dir / "preempted.json").unlink(missing_ok=True)

@@ -6,6 +6,10 @@ Invariants:
   from the policy's bookkeeping;
 * an instance advances in macro steps -- from one batch change to the next -- with the exact closed
   form of CostModel.decode_time, so a run costs O(events), not O(decode steps);
+* borrowed instances (cluster.elastic) run on the trainer's accelerators, with the KV room its
+  resident state leaves; a StartTrain waits until each is drained (its KV migrated or offloaded, at link
+  speed, one transfer after another) and asleep (``engine_sleep_s``); waking costs ``engine_wake_s``
+  plus the weight load;
 * simulated time only; nothing here reads a clock.
 """
 
@@ -28,12 +32,13 @@ from ..core.events import (
     Offload,
     RequestFinished,
     Restore,
+    Sleep,
     Start,
     StartTrain,
     Tick,
     VersionPublished,
 )
-from ..core.policies import make_policy
+from ..core.policies import make_policy, traits_of
 from .costs import CostModel
 from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req
 from .workload import Workload
@@ -55,13 +60,21 @@ class TrajRecord:
 class Simulator:
     def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True) -> None:
         self.cfg, self.mode = cfg, mode
-        self.colocated = cfg.cluster.placement_of(mode) == "colocated"
-        n_inst, self.train_accels = cfg.cluster.split(cfg.cluster.placement_of(mode))
-        self.cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
-        self.policy = make_policy(cfg, n_inst, mode)
+        placement = cfg.cluster.placement_of(mode)
+        self.colocated = placement == "colocated"
+        n_inst, self.train_accels = cfg.cluster.split(placement)
+        tp = cfg.cluster.accelerators_per_instance
+        self.cost = CostModel.build(cfg.sim, tp)
+        self.n_borrowed = cfg.cluster.borrowed(placement, traits_of(mode, cfg.dora.k).elastic)
+        resident = cfg.sim.hardware.trainer_state_bytes_per_param * cfg.sim.model.params_b * 1e9 / self.train_accels
+        self.borrowed_cost = CostModel.build(cfg.sim, tp, reserved_bytes=tp * resident)
+        self.policy = make_policy(cfg, n_inst, mode, self.n_borrowed)
         self.work = Workload(cfg.workload, cfg.seed)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
         self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
+        self.inst += [Instance(n_inst + j, self.borrowed_cost, kv_offload=offload) for j in range(self.n_borrowed)]
+        self.parked: dict[int, tuple[int, Req]] = {}  # offloaded by a borrowed instance: (it, the request)
+        self.drain_end: dict[int, float] = {}     # borrowed instance -> when its drain and sleep are done
         self.now = 0.0
         self._q: list[tuple[float, int, tuple]] = []
         self._seq = itertools.count()
@@ -112,8 +125,10 @@ class Simulator:
         self._feed(Tick())
         self._at(self.now + self.cfg.sim.tick_s, "tick")
 
-    def _ev_ready(self, i: int, v: int) -> None:
+    def _ev_ready(self, i: int, v: int, load_epoch: int) -> None:
         inst = self.inst[i]
+        if load_epoch != inst.load_epoch:
+            return  # a Sleep cancelled this load
         inst.loading, inst.version = False, v
         self._start(inst)
         self._feed(InstanceReady(i, v))
@@ -164,11 +179,12 @@ class Simulator:
 
     def _start(self, inst: Instance) -> None:
         self._stop(inst)
-        runnable = not (inst.loading or inst.paused)
+        runnable = not (inst.loading or inst.paused or inst.asleep)
         if runnable:
             inst.fill()
             inst.preempt()
-        state = "loading" if inst.loading else "paused" if inst.paused else "busy" if inst.reqs else "idle"
+        state = ("loading" if inst.loading else "paused" if inst.paused or inst.asleep
+                 else "busy" if inst.reqs else "idle")
         self._set_state(inst, state)
         if state != "busy":
             return
@@ -196,7 +212,7 @@ class Simulator:
         self._last_mark = self.now
 
     def _check_kv(self, inst: Instance) -> None:
-        frac = inst.kv_tokens() / max(self.cost.kv_capacity_tokens, 1.0)
+        frac = inst.kv_tokens() / max(inst.cost.kv_capacity_tokens, 1.0)
         self.kv_peak = max(self.kv_peak, frac)
         hot = frac >= self.cfg.dora.kv_threshold
         if hot and inst.idx not in self._kv_hot:
@@ -218,11 +234,12 @@ class Simulator:
                     self.counts["reprefill_tokens"] += tokens
                 for r in list(inst.reqs.values()) + list(inst.waiting):
                     self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
-                inst.loading, inst.version = True, None
-                self.ops["weight_sync"] += self.cost.weight_load_s
+                load_s = self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0.0)
+                inst.loading, inst.version, inst.asleep = True, None, False
+                self.ops["weight_sync"] += load_s
                 self.counts["weight_syncs"] += 1
                 self._start(inst)
-                self._at(self.now + self.cost.weight_load_s, "ready", i, v)
+                self._at(self.now + load_s, "ready", i, v, inst.load_epoch)
             case Dispatch(t, g, _s, v, i):
                 inst = self.inst[i]
                 if inst.loading or inst.version != v:
@@ -242,10 +259,51 @@ class Simulator:
                 self.dropped.add(g)
             case StartTrain(step, groups):
                 self._train(step, groups)
-            case Offload() | Restore():
-                raise SimError(f"{cmd}: the simulator models no host offload yet")
+            case Offload(t, i):
+                self._offload(t, i)
+            case Restore(t, i):
+                self._restore(t, i)
+            case Sleep(i):
+                self._sleep(i)
             case _:
                 raise SimError(f"unknown command {cmd!r}")
+
+    # -- borrowed instances (cluster.elastic) ------------------------------------------------------
+    def _offload(self, t: int, i: int) -> None:
+        req = self._stopped(i).remove(t)
+        self._start(self.inst[i])
+        dt = self.inst[i].cost.host_copy_time(req.prompt + req.gen_at_join)
+        self.ops["offload"] += dt
+        self.counts["drain_offloads"] += 1
+        req.owes = OWES_HOST
+        self.parked[t] = (i, req)
+        self._drain(i, dt)
+
+    def _restore(self, t: int, i: int) -> None:
+        src, req = self.parked.pop(t)
+        inst = self.inst[i]
+        if inst.loading or inst.version != self.trajs[t].segments[-1]:
+            raise SimError(f"Restore({t}, {i}): instance {i} does not host the trajectory's version")
+        # from that node's host memory over the network (if another node's), then the host->device copy
+        # it pays when it runs (OWES_HOST)
+        dt = 0.0 if src == i else inst.cost.kv_transfer_time(req.prompt + req.gen_at_join)
+        self.ops["migration"] += dt
+        self.counts["restores"] += 1
+        self.in_transit[t] = [i, req]
+        self._at(self.now + dt, "arrive", t)
+
+    def _sleep(self, i: int) -> None:
+        inst = self._stopped(i)
+        if inst.has_work():
+            raise SimError(f"Sleep({i}) on an instance with live requests")
+        inst.asleep, inst.loading, inst.version = True, False, None
+        inst.load_epoch += 1
+        self._start(inst)
+        self._drain(i, self.cfg.sim.hardware.engine_sleep_s)
+
+    def _drain(self, i: int, seconds: float) -> None:
+        """Borrowed instance ``i`` needs ``seconds`` more, after what it already does, before training."""
+        self.drain_end[i] = max(self.drain_end.get(i, self.now), self.now) + seconds
 
     def _stopped(self, i: int) -> Instance:
         self._stop(self.inst[i])
@@ -273,6 +331,10 @@ class Simulator:
                 self.counts["reprefill_tokens"] += tokens
                 req.owes = OWES_REPREFILL
         self.in_transit[t] = [dst, req]
+        if src >= len(self.inst) - self.n_borrowed:  # a drain: its KV must leave before training starts
+            self.counts["drain_migrations"] += 1
+            self._drain(src, dt)
+            dt = self.drain_end[src] - self.now
         self._at(self.now + dt, "arrive", t)
 
     def _train(self, step: int, groups: tuple[int, ...]) -> None:
@@ -300,9 +362,11 @@ class Simulator:
             for inst in self.inst:
                 self._stopped(inst.idx).paused = True
                 self._start(inst)
+        begin = max([self.now, *self.drain_end.values()])  # borrowed instances drained and asleep
+        self.drain_end.clear()
         self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
-                           "train_s": dur, "staleness": stale})
-        self._at(self.now + dur, "trained", step)
+                           "train_s": dur, "drain_s": begin - self.now, "staleness": stale})
+        self._at(begin + dur, "trained", step)
 
     def _busy_now(self, inst: Instance) -> float:
         return inst.busy + (self.now - inst.t_run if inst.t_run is not None else 0.0)

@@ -9,7 +9,9 @@ Rules (every constant comes from SimConfig; see configs/sim/*.yaml for sources):
 * training costs 8 * params * tokens FLOPs (forward + backward = 6, plus 2 for recomputing
   old-policy logprobs) on the trainer's accelerators at train_mfu: time scales as 1/accelerators,
   i.e. perfect data-parallel scaling at a constant MFU (documented in results/sim/README.md);
-* KV transfers (instance to instance, device to host) and weight loads cost bytes / link bandwidth.
+* KV transfers (instance to instance, device to host) and weight loads cost bytes / link bandwidth;
+* a borrowed instance (cluster.elastic) runs at the same speed on the trainer's accelerators, with the
+  KV room their resident training state leaves.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ class CostModel:
     kv_capacity_tokens: float
 
     @classmethod
-    def build(cls, sim: SimConfig, tp: int) -> CostModel:
+    def build(cls, sim: SimConfig, tp: int, reserved_bytes: float = 0.0) -> CostModel:
+        """``reserved_bytes``: memory of the instance's accelerators that its KV cannot use (a borrowed
+        instance shares them with the trainer's resident state)."""
         m, h = sim.model, sim.hardware
         bw = tp * h.hbm_gbps * 1e9 * h.decode_bw_efficiency
-        free_hbm = max(tp * h.hbm_gb * 1e9 * 0.9 - m.weight_bytes, 0.0)
+        free_hbm = max(tp * h.hbm_gb * 1e9 * 0.9 - m.weight_bytes - reserved_bytes, 0.0)
         return cls(
             a=h.step_overhead_ms / 1e3 + m.weight_bytes / bw,
             b=m.kv_bytes_per_token / bw,

@@ -46,6 +46,8 @@ class Instance:
     version: int | None = None
     loading: bool = False
     paused: bool = False
+    asleep: bool = False            # a borrowed instance while the trainer trains (cluster.elastic)
+    load_epoch: int = 0             # a weight load in flight that a Sleep cancelled is ignored
     reqs: dict[int, Req] = field(default_factory=dict)      # running, in join order
     waiting: deque[Req] = field(default_factory=deque)
     heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj), lazily cleaned

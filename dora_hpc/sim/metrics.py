@@ -5,7 +5,8 @@ Definitions (also in results/sim/README.md):
 * throughput_tokens_per_s: prompt + response tokens of the steps started in the window / its length;
 * rollout_only_fraction: share of the window in which some instance generates while the trainer
   is idle (the paper's "rollout-only phase");
-* slot_utilization: integral of live sequences / (instances x max_num_seqs x window);
+* slot_utilization: integral of live sequences / (instances x max_num_seqs x window), borrowed
+  instances included (asleep while the trainer trains);
 * bubble_fraction: the C.3 bubble, (max_i L_i - L_i) / max_i L_i averaged over decode slots, in
   time form: the idle share of all decode slots while the rollout side may run (colocated: outside
   training). Under one-wave static batching it is exactly C.3 with L_i the sequence lengths;
@@ -43,7 +44,7 @@ def lost_groups(sim: Simulator) -> int:
             continue
         for t in range(g * g_size, (g + 1) * g_size):
             rec = sim.trajs.get(t)
-            alive = t in sim.policy.view.trajs or t in sim.in_transit
+            alive = t in sim.policy.view.trajs or t in sim.in_transit or t in sim.parked
             if not (alive or (rec is not None and rec.finished)):
                 lost += 1
                 break
@@ -89,7 +90,11 @@ def summarize(sim: Simulator) -> dict:
         "weight_syncs": int(counts["weight_syncs"]),
         "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(ops.items())},
         "kv_peak_fraction": sim.kv_peak,
-        "rollout_instances": len(sim.inst),
+        "rollout_instances": len(sim.inst) - sim.n_borrowed,
+        "borrowed_instances": sim.n_borrowed,
+        "drain_wait_s": sum(s["drain_s"] for s in sim.steps[w:]) / (len(sim.steps) - w),
+        "drain_migrations": int(counts["drain_migrations"]),
+        "drain_offloads": int(counts["drain_offloads"]),
         "train_accelerators": sim.train_accels,
         "placement": "colocated" if sim.colocated else "disaggregated",
         "steps": len(sim.steps),
@@ -97,8 +102,12 @@ def summarize(sim: Simulator) -> dict:
     }
 
 
-def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = None) -> float:
-    """Consumed tokens/s with every rollout instance always decoding a full batch (no bubbles)."""
+def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = None, borrowed: int = 0) -> float:
+    """Consumed tokens/s with every rollout instance always decoding a full batch (no bubbles).
+
+    ``borrowed`` instances (cluster.elastic) decode only while the trainer is idle: at throughput X the
+    trainer is busy X / train_rate of the time, so X = dedicated + borrowed * (1 - X / train_rate),
+    solved for X (drains and wake-ups cost nothing here)."""
     n_inst, train_accels = cfg.cluster.split(placement)
     cost = CostModel.build(cfg.sim, cfg.cluster.accelerators_per_instance)
     m = moments or Workload(cfg.workload, cfg.seed).moments()
@@ -111,4 +120,5 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
     train_rate = tokens_per_traj / cost.train_time(tokens_per_traj, train_accels)
     if placement == "colocated":
         return 1.0 / (1.0 / rollout_rate + 1.0 / train_rate)
-    return min(rollout_rate, train_rate)
+    lent = borrowed * tokens_per_traj / per_traj
+    return min((rollout_rate + lent) / (1.0 + lent / train_rate), train_rate)

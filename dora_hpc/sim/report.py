@@ -46,7 +46,10 @@ def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: boo
             progress.update(task, description=f"simulating {mode}")
             sim = Simulator(cfg, mode, timeline=timeline).run()
             row = summarize(sim)
-            row["limit_share"] = row["throughput_tokens_per_s"] / limits[row["placement"]]
+            limit = (zero_bubble_limit(cfg, row["placement"], moments, row["borrowed_instances"])
+                     if row["borrowed_instances"] else limits[row["placement"]])
+            row["limit_tokens_per_s"] = limit
+            row["limit_share"] = row["throughput_tokens_per_s"] / limit
             summary["modes"][mode] = row
             sims[mode] = sim
             progress.advance(task)
