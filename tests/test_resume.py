@@ -280,3 +280,24 @@ def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
     assert fence["rank"] == dead and fence["cause"] == "died"
     ops = read_table(run_dir, "events", "ops", ["kind", "peer"])
     assert dead in ops["peer"][ops["kind"] == "migration_lost"]  # the destination stopped waiting for the KV
+
+
+def test_a_resume_onto_a_new_allocation_changes_the_rank_counts_and_loses_nothing(tmp_path):
+    """Preempted with 1 trainer + 3 rollout ranks, resumed with 2 trainers (data-parallel) + 2 rollout
+    ranks and another engine setting: the world is renumbered, the groups in flight start again whole on
+    the new instances, and the logs of both launches still add up to one run."""
+    run_dir = tmp_path / "moved"
+    proc = start(run_dir, "dora", steps=60)
+    wait_for(lambda: len(checkpoints(run_dir)) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 3, finish(proc, 10)[-3000:]
+    stopped = max(checkpoints(run_dir))
+    p = resume(run_dir, "--set", "cluster.rollout_instances=2", "--set", "cluster.trainer_ranks=2",
+               "--set", "engine.max_batched_tokens=128", "--set", f"train.max_steps={stopped + 6}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ranks=1+2+2" in p.stdout
+    a = assert_whole(run_dir, steps=stopped + 6, k=2)
+    assert a["preemption"]["attempts"] == 2 and a["preemption"]["resumed_at_steps"] == [stopped]
+    c = read_table(run_dir, "train", "consumed", with_rank=True)
+    late = c["consume_step"] >= stopped
+    assert set(c["rank"][late].tolist()) == {1, 2}  # both replicas of the new allocation trained

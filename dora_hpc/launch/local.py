@@ -52,9 +52,12 @@ def mpiexec() -> str:
     return found
 
 
-# config keys a resumed run may change; any other difference from the checkpointed run is refused
+# config keys a resumed run may change; any other difference from the checkpointed run is refused. The
+# allocation may change too (a resume onto other nodes): checkpoints hold whole weights and optimizer
+# state whatever the rank counts, and the groups in flight are regenerated whole on the new instances
 RESUMABLE_CHANGES = ("train.max_steps", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.activation_checkpointing", "runtime.", "slurm.", "metrics.")
+                     "train.activation_checkpointing", "runtime.", "slurm.", "metrics.",
+                     "cluster.rollout_instances", "cluster.trainer_ranks", "cluster.elastic", "engine.")
 PREEMPTED = 3  # exit code: stopped by a signal after committing a checkpoint; continue with --resume
 RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside the run (a full disk, a hung
 #                 rank); fix it,
