@@ -146,8 +146,10 @@ class Simulator:
             self._feed(RequestFinished(t, i))
         self._check_kv(inst)
 
-    def _ev_arrive(self, t: int) -> None:
-        dst, req = self.in_transit.pop(t)
+    def _ev_arrive(self, t: int, seq: int) -> None:
+        if self.in_transit.get(t, [None, None, None])[2] != seq:
+            return  # offloaded on the way (a drain): it waits in host memory instead
+        dst, req, _ = self.in_transit.pop(t)
         inst = self.inst[dst]
         if inst.version != self.trajs[t].segments[-1] or inst.loading:
             raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
@@ -270,8 +272,11 @@ class Simulator:
 
     # -- borrowed instances (cluster.elastic) ------------------------------------------------------
     def _offload(self, t: int, i: int) -> None:
-        req = self._stopped(i).remove(t)
-        self._start(self.inst[i])
+        if t in self.in_transit:  # still on its way to i (a migration or a restore): it lands in i's host memory
+            _, req, _ = self.in_transit.pop(t)
+        else:
+            req = self._stopped(i).remove(t)
+            self._start(self.inst[i])
         dt = self.inst[i].cost.host_copy_time(req.prompt + req.gen_at_join)
         self.ops["offload"] += dt
         self.counts["drain_offloads"] += 1
@@ -289,8 +294,7 @@ class Simulator:
         dt = 0.0 if src == i else inst.cost.kv_transfer_time(req.prompt + req.gen_at_join)
         self.ops["migration"] += dt
         self.counts["restores"] += 1
-        self.in_transit[t] = [i, req]
-        self._at(self.now + dt, "arrive", t)
+        self._send(t, i, req, dt)
 
     def _sleep(self, i: int) -> None:
         inst = self._stopped(i)
@@ -330,12 +334,17 @@ class Simulator:
                 rec.reprefill += tokens
                 self.counts["reprefill_tokens"] += tokens
                 req.owes = OWES_REPREFILL
-        self.in_transit[t] = [dst, req]
         if src >= len(self.inst) - self.n_borrowed:  # a drain: its KV must leave before training starts
             self.counts["drain_migrations"] += 1
             self._drain(src, dt)
             dt = self.drain_end[src] - self.now
-        self._at(self.now + dt, "arrive", t)
+        self._send(t, dst, req, dt)
+
+    def _send(self, t: int, dst: int, req: Req, dt: float) -> None:
+        """``req`` reaches instance ``dst`` in ``dt`` seconds (each send has its own arrival event)."""
+        seq = next(self._seq)
+        self.in_transit[t] = [dst, req, seq]
+        self._at(self.now + dt, "arrive", t, seq)
 
     def _train(self, step: int, groups: tuple[int, ...]) -> None:
         if self.trainer_busy or step != len(self.steps):
