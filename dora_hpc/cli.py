@@ -252,10 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_parser as add_bench
     from .evaluate import add_parser as add_eval
     from .export import add_parser as add_export
+    from .sim.plan_cli import add_parser as add_plan
 
     add_eval(sub)
     add_export(sub)
     add_bench(sub)
+    add_plan(sub)
     return parser
 
 

@@ -58,16 +58,18 @@ class TrajRecord:
 
 
 class Simulator:
-    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None) -> None:
+        """``cost``: a fitted cost model (sim/fit.py) for every instance and the trainer, instead of the
+        roofline one built from ``cfg.sim``."""
         self.cfg, self.mode = cfg, mode
         placement = cfg.cluster.placement_of(mode)
         self.colocated = placement == "colocated"
         n_inst, self.train_accels = cfg.cluster.split(placement)
         tp = cfg.cluster.accelerators_per_instance
-        self.cost = CostModel.build(cfg.sim, tp)
+        self.cost = cost or CostModel.build(cfg.sim, tp)
         self.n_borrowed = cfg.cluster.borrowed(placement, traits_of(mode, cfg.dora.k).elastic)
         resident = cfg.sim.hardware.trainer_state_bytes_per_param * cfg.sim.model.params_b * 1e9 / self.train_accels
-        self.borrowed_cost = CostModel.build(cfg.sim, tp, reserved_bytes=tp * resident)
+        self.borrowed_cost = cost or CostModel.build(cfg.sim, tp, reserved_bytes=tp * resident)
         self.policy = make_policy(cfg, n_inst, mode, self.n_borrowed)
         self.work = Workload(cfg.workload, cfg.seed)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
@@ -252,6 +254,8 @@ class Simulator:
                 self._stopped(i).admit(Req(t, self.work.prompt_len(g), self.work.response_len(t)))
                 self._start(inst)
                 self._check_kv(inst)
+            case Migrate(t, _, _, _) | Offload(t, _) | Restore(t, _) if self.trajs[t].finished:
+                pass  # it finished in the same macro step; its RequestFinished is next in line
             case Migrate(t, src, dst, carry_kv):
                 self._migrate(t, src, dst, carry_kv)
             case Abort(t, i):

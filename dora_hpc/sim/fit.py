@@ -1,0 +1,157 @@
+"""Fit the simulator to a run's own logs, check the fit, and sweep what the next submission could change.
+
+Invariants:
+* everything fitted comes from the run's HDF5 logs (its newest launch: a resume's restart is no step
+  interval) and its saved config, nothing else: response and
+  prompt lengths (log-normal, by maximum likelihood on the logs), the engine's step time (its median,
+  and its growth with the batch's KV, by least squares), weight-load and KV-transfer times from the ops,
+  and the trainer's seconds per trained token;
+* the fit is checked before anything is recommended: the logged run re-simulated with the fitted model
+  must give its measured train-step interval (the mean after the first step, as the simulator
+  measures it) within FIT_TOLERANCE; the relative error is reported either way;
+* a recommendation is a list of ``--set`` lines of the run's own config keys, each with its predicted
+  trained tokens/s under the same fitted model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..config import RunConfig, validate, with_overrides
+from ..store.shards import read_table
+from .cluster import Simulator
+from .costs import CostModel
+from .metrics import summarize
+
+FIT_TOLERANCE = 0.15
+
+
+@dataclass(frozen=True)
+class Fit:
+    cfg: RunConfig            # the run's config with the fitted workload, for the simulator
+    cost: CostModel           # the fitted per-instance costs
+    measured_step_s: float    # mean train-step interval after the first step (the simulator's definition)
+    measured_tokens_per_s: float
+    fitted: dict              # the fitted figures, for the report
+
+
+def _lognormal(x: np.ndarray) -> dict:
+    x = np.maximum(np.asarray(x, dtype=float), 1.0)
+    logs = np.log(x)
+    return {"median": float(np.exp(logs.mean())), "sigma": float(max(logs.std(), 1e-3)),
+            "min": int(x.min()), "max": int(x.max())}
+
+
+def _durations(ops: dict, kind: str) -> np.ndarray:
+    sel = ops["kind"] == kind
+    return (ops["t_end"][sel] - ops["t_start"][sel]).astype(float)
+
+
+def fit_run(run_dir: Path) -> Fit:
+    from ..launch.local import saved_config
+
+    run = validate(saved_config(run_dir), saved=True)
+    tables = {"trajs": ("traj", "trajectories", ["traj_id", "group_id", "prompt_len", "response_len"]),
+              "steps": ("events", "steps", ["t_start", "t_end", "batch_size", "kv_blocks_used"]),
+              "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes"]),
+              "train": ("train", "steps", ["step", "t_start", "t_end"]),
+              "consumed": ("train", "consumed", ["traj_id", "consume_step"])}
+    got = {name: read_table(run_dir, kind, table, [*cols, "attempt"]) for name, (kind, table, cols) in tables.items()}
+    newest = int(got["train"]["attempt"].max()) if len(got["train"]["attempt"]) else 0  # one launch's own timing
+    trajs, steps, ops, train, consumed = ({c: v[t["attempt"] == newest] for c, v in t.items()} for t in got.values())
+    if len(train["step"]) < 3 or not len(trajs["traj_id"]) or not len(steps["t_start"]):
+        raise ValueError(f"{run_dir}: too few logged train steps, trajectories or engine steps to fit (need 3 steps)")
+    prompt = _lognormal(trajs["prompt_len"])
+    response = _lognormal(trajs["response_len"])
+
+    # engine step: duration = a + b * KV tokens in the batch (the simulator's decode form)
+    dur = (steps["t_end"] - steps["t_start"]).astype(float)
+    kv = steps["kv_blocks_used"].astype(float) * run.engine.block_size
+    keep = dur > 0
+    a, b = float(np.median(dur[keep])), 0.0
+    if keep.sum() > 10 and np.ptp(kv[keep]) > 0:
+        b_fit, a_fit = np.polyfit(kv[keep], dur[keep], 1)
+        if b_fit > 0 and a_fit > 0:
+            a, b = float(a_fit), float(b_fit)
+
+    # trainer: seconds per trained (prompt + response) token, on the run's trainer ranks
+    lengths = dict(zip(trajs["traj_id"].tolist(), (trajs["prompt_len"] + trajs["response_len"]).tolist(), strict=True))
+    tokens_by_step: dict[int, int] = {}
+    for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
+        tokens_by_step[s] = tokens_by_step.get(s, 0) + lengths.get(t, 0)
+    order = np.argsort(train["step"])
+    t0, t1, step_ids = train["t_start"][order], train["t_end"][order], train["step"][order]
+    per_token = [(e - s) / tokens_by_step[k] for k, s, e in zip(step_ids.tolist(), t0, t1, strict=True)
+                 if tokens_by_step.get(k)]
+    s_per_token = float(np.median(per_token)) if per_token else 0.0
+    load = _durations(ops, "weight_load")
+    migr = ops["kind"] == "migration_in"
+    kv_s = (ops["t_end"][migr] - ops["t_start"][migr]).astype(float)
+    kv_link = float(ops["bytes"][migr].sum() / kv_s.sum()) if migr.any() and kv_s.sum() > 0 else 1e12
+    kv_bytes_per_token = 1.0
+    cost = CostModel(a=a, b=b, prefill_per_token=run.engine.prefill_s_per_token if run.engine.pacing else 0.0,
+                     prefill_per_token2=0.0, train_flops_per_token=s_per_token * run.cluster.trainer_ranks,
+                     train_flops_per_accel=1.0, kv_bytes_per_token=kv_bytes_per_token, kv_link=kv_link,
+                     host_link=1e12, weight_load_s=float(np.median(load)) if len(load) else 0.0,
+                     colocated_switch_s=0.0,
+                     kv_capacity_tokens=float(run.engine.kv_blocks * run.engine.block_size))
+    n = len(train["step"])
+    sim_cfg = with_overrides(run, {
+        "workload.prompt_len": prompt, "workload.response_len": response,
+        "cluster.accelerators": run.cluster.trainer_ranks + run.cluster.rollout_instances,
+        "cluster.accelerators_per_instance": 1, "sim.steps": n, "sim.warmup_steps": 1,
+        "sim.tick_s": run.runtime.tick_s, f"cluster.placement.{run.mode}": "disaggregated"})  # ranks never share
+    span = float(t1[-1] - t1[0]) or 1.0  # the simulator's measured window: from the end of the first step
+    trained = sum(tokens_by_step.get(k, 0) for k in step_ids.tolist()[1:])
+    fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
+              "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
+              "response_len_trend_per_step": _trend(trajs, consumed)}
+    return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted)
+
+
+def _trend(trajs: dict, consumed: dict) -> float:
+    """Least-squares slope of the response length over the train step that consumed it (tokens per step)."""
+    length = dict(zip(trajs["traj_id"].tolist(), trajs["response_len"].tolist(), strict=True))
+    x = [s for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True) if t in length]
+    y = [length[t] for t in consumed["traj_id"].tolist() if t in length]
+    return float(np.polyfit(x, y, 1)[0]) if len(set(x)) > 1 else 0.0
+
+
+def simulate(fit: Fit, cfg: RunConfig) -> dict:
+    return summarize(Simulator(cfg, cfg.mode, timeline=False, cost=fit.cost).run())
+
+
+def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
+    """The fit check, then a sweep of splits, K and elastic on/off; the best first."""
+    fit = fit_run(run_dir)
+    again = simulate(fit, fit.cfg)
+    error = again["mean_step_time_s"] / fit.measured_step_s - 1.0
+    total = accelerators or fit.cfg.cluster.accelerators
+    base = with_overrides(fit.cfg, {"cluster.accelerators": total, "sim.steps": max(fit.cfg.sim.steps, 8)})
+    candidates = []
+    k0 = fit.cfg.dora.k
+    for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
+        if n >= total:
+            continue
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if fit.cfg.mode == "dora" else [k0]:
+            for elastic in (False, True) if fit.cfg.mode == "dora" else (False,):
+                candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
+                                   "dora.k": k, "cluster.elastic": elastic})
+    rows = []
+    for sets in candidates:
+        c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})
+        s = simulate(replace(fit, cfg=c), c)
+        rows.append({"set": sets, "predicted_tokens_per_s": s["throughput_tokens_per_s"],
+                     "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"]})
+        if progress:
+            progress()
+    rows.sort(key=lambda r: -r["predicted_tokens_per_s"])
+    return {"run_dir": str(run_dir), "fit_check": {"measured_step_s": fit.measured_step_s,
+                                                   "simulated_step_s": again["mean_step_time_s"],
+                                                   "relative_error": error, "within": abs(error) <= FIT_TOLERANCE,
+                                                   "tolerance": FIT_TOLERANCE},
+            "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
+            "candidates": rows, "n_candidates": len(candidates)}

@@ -1,0 +1,61 @@
+"""``dora-hpc plan RUN_DIR [--accelerators N] --out DIR``: fit the simulator to a run's logs (sim/fit.py),
+say how well the fit reproduces the run, and print the ``--set`` lines of the best next submission."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress
+from rich.table import Table
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from ..launch.local import LaunchError
+    from ..store.shards import ShardError
+    from .fit import plan
+
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task(f"plan {args.run_dir}", total=None)
+            result = plan(Path(args.run_dir), args.accelerators, lambda: progress.advance(task))
+    except (LaunchError, ShardError, ValueError, OSError) as e:
+        err.print(f"[bold red]plan[/]: {escape(str(e))}", highlight=False)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    check = result["fit_check"]
+    console.print(f"fit check: the logged run re-simulated gives a train-step interval of "
+                  f"{check['simulated_step_s']:.2f} s against {check['measured_step_s']:.2f} s measured "
+                  f"({check['relative_error']:+.1%}; {'within' if check['within'] else 'OUTSIDE'} "
+                  f"{check['tolerance']:.0%})")
+    table = Table(title=f"predicted, {result['accelerators']} accelerators (measured "
+                        f"{result['measured_tokens_per_s']:,.0f} trained tokens/s)")
+    for col in ("rank", "--set", "tokens/s", "step s", "max staleness"):
+        table.add_column(col, justify="right" if col != "--set" else "left")
+    for i, row in enumerate(result["candidates"][:8], 1):
+        sets = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in row["set"].items())
+        table.add_row(str(i), sets, f"{row['predicted_tokens_per_s']:,.0f}", f"{row['predicted_step_s']:.2f}",
+                      str(row["max_staleness"]))
+    console.print(table)
+    best = result["candidates"][0]["set"]
+    console.print("recommended: " + " ".join(
+        f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items()))
+    if any(v is True for k, v in best.items() if k == "cluster.elastic"):
+        console.print("(cluster.elastic is simulated only so far; the runtime refuses it)")
+    console.print(f"wrote {out / 'plan.json'}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="fit the simulator to a run's logs and recommend the next split, K and elastic")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--accelerators", type=int, default=None,
+                   help="plan for this many accelerators (default: the run's own ranks: trainers + rollout)")
+    p.add_argument("--out", required=True, help="folder for plan.json")
+    p.set_defaults(func=cmd_plan)
