@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..config import ConfigError, load_config
+from .modes_bench import CASES as MODE_CASES
 
 
 def bench_engine_cmd(args: argparse.Namespace, console: Console) -> None:
@@ -152,8 +153,7 @@ def add_parser(sub) -> None:
                    "(default sync,dora-k1,dora-k3)")
     b.add_argument("--eval", type=int, default=0, metavar="N", help="convergence: score each run's final "
                    "checkpoint and each seed's initial model on N held-out prompts (dora-hpc eval; 0: none)")
-    b.add_argument("--modes", help="modes: comma-separated subset of sync,one_step,partial,oversample,"
-                                   "dora-k1,dora-k2,dora-k3")
+    b.add_argument("--modes", help="modes: comma-separated subset of " + ",".join(MODE_CASES))
     b.add_argument("--no-unpaced", action="store_true", help="modes: skip the unpaced pass")
     b.add_argument("--ablation", default="kv-migration",
                    help="ablation: kv-migration (DORA migrating with KV vs by re-prefill) or weight-serving "
