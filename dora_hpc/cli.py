@@ -62,6 +62,12 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     if "dora_over_sync" in summary:
         console.print(f"DORA / sync throughput: {summary['dora_over_sync']:.2f}x; zero-bubble limit "
                       f"{summary['limit_tokens_per_s']:,.0f} tokens/s")
+    for mode, row in summary["modes"].items():
+        if row["borrowed_instances"]:
+            console.print(f"{mode}: {row['borrowed_instances']} borrowed instances on the trainer's accelerators; "
+                          f"the trainer waited {row['drain_wait_s']:.1f} s a step for their drain "
+                          f"({row['drain_migrations']:,} requests migrated, {row['drain_offloads']:,} offloaded); "
+                          f"{row['limit_share']:.0%} of the limit counting them ({row['limit_tokens_per_s']:,.0f})")
     paths = write_outputs(summary, sims, out, plots=not args.no_plots)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0

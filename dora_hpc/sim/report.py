@@ -53,7 +53,8 @@ def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: boo
             summary["modes"][mode] = row
             sims[mode] = sim
             progress.advance(task)
-    summary["limit_tokens_per_s"] = limits[cfg.cluster.placement_of("dora")]
+    dora = summary["modes"].get("dora")  # its limit counts borrowed instances (cluster.elastic)
+    summary["limit_tokens_per_s"] = dora["limit_tokens_per_s"] if dora else limits[cfg.cluster.placement_of("dora")]
     summary["limit_tokens_per_s_by_placement"] = limits
     modes_ = summary["modes"]
     if "dora" in modes_:
