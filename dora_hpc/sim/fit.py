@@ -125,7 +125,7 @@ def simulate(fit: Fit, cfg: RunConfig) -> dict:
 
 
 def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
-    """The fit check, then a sweep of splits, K and elastic on/off; the best first."""
+    """The fit check, then a sweep of splits, K, elastic on/off and (DORA) rbs as set or auto; the best first."""
     fit = fit_run(run_dir)
     again = simulate(fit, fit.cfg)
     error = again["mean_step_time_s"] / fit.measured_step_s - 1.0
@@ -136,10 +136,12 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
     for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
         if n >= total:
             continue
-        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if fit.cfg.mode == "dora" else [k0]:
-            for elastic in (False, True) if fit.cfg.mode == "dora" else (False,):
-                candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
-                                   "dora.k": k, "cluster.elastic": elastic})
+        dora = fit.cfg.mode == "dora"
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if dora else [k0]:
+            for elastic in (False, True) if dora else (False,):
+                for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if dora else [fit.cfg.batch.rbs]:
+                    candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
+                                       "dora.k": k, "cluster.elastic": elastic, "batch.rbs": rbs})
     rows = []
     for sets in candidates:
         c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})

@@ -37,7 +37,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"predicted, {result['accelerators']} accelerators (measured "
                         f"{result['measured_tokens_per_s']:,.0f} trained tokens/s)")
     for col in ("rank", "--set", "tokens/s", "step s", "max staleness"):
-        table.add_column(col, justify="right" if col != "--set" else "left")
+        table.add_column(col, justify="right" if col != "--set" else "left", overflow="fold")
     for i, row in enumerate(result["candidates"][:8], 1):
         sets = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in row["set"].items())
         table.add_row(str(i), sets, f"{row['predicted_tokens_per_s']:,.0f}", f"{row['predicted_step_s']:.2f}",
