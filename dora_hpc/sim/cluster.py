@@ -59,8 +59,7 @@ class TrajRecord:
 
 class Simulator:
     def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None) -> None:
-        """``cost``: a fitted cost model (sim/fit.py) for every instance and the trainer, instead of the
-        roofline one built from ``cfg.sim``."""
+        """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``."""
         self.cfg, self.mode = cfg, mode
         placement = cfg.cluster.placement_of(mode)
         self.colocated = placement == "colocated"
@@ -265,10 +264,8 @@ class Simulator:
                 self.dropped.add(g)
             case StartTrain(step, groups):
                 self._train(step, groups)
-            case Offload(t, i):
-                self._offload(t, i)
-            case Restore(t, i):
-                self._restore(t, i)
+            case Offload(t, i) | Restore(t, i):
+                (self._offload if isinstance(cmd, Offload) else self._restore)(t, i)
             case Sleep(i):
                 self._sleep(i)
             case _:

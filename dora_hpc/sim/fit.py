@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import RunConfig, validate, with_overrides
+from ..core.policies import traits_of
 from ..store.shards import read_table
 from .cluster import Simulator
 from .costs import CostModel
@@ -125,21 +126,23 @@ def simulate(fit: Fit, cfg: RunConfig) -> dict:
 
 
 def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
-    """The fit check, then a sweep of splits, K, elastic on/off and (DORA) rbs as set or auto; the best first."""
+    """The fit check, then a sweep of splits and, where the mode has them, K, elastic on/off and rbs as set
+    or auto; the best first."""
     fit = fit_run(run_dir)
     again = simulate(fit, fit.cfg)
     error = again["mean_step_time_s"] / fit.measured_step_s - 1.0
     total = accelerators or fit.cfg.cluster.accelerators
     base = with_overrides(fit.cfg, {"cluster.accelerators": total, "sim.steps": max(fit.cfg.sim.steps, 8)})
     candidates = []
-    k0 = fit.cfg.dora.k
+    k0, mode = fit.cfg.dora.k, fit.cfg.mode
+    traits = traits_of(mode, k0)
+    uses_k = traits_of(mode, 0).staleness_bound != traits_of(mode, 1).staleness_bound  # K bounds its staleness
     for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
         if n >= total:
             continue
-        dora = fit.cfg.mode == "dora"
-        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if dora else [k0]:
-            for elastic in (False, True) if dora else (False,):
-                for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if dora else [fit.cfg.batch.rbs]:
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if uses_k else [k0]:
+            for elastic in (False, True) if traits.elastic else (False,):
+                for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if traits.auto_rbs else [fit.cfg.batch.rbs]:
                     candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
                                        "dora.k": k, "cluster.elastic": elastic, "batch.rbs": rbs})
     rows = []
