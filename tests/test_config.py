@@ -90,7 +90,8 @@ def test_deprecated_keys_keep_working_and_name_their_new_key(tmp_path, capsys):
     assert cfg.cluster.rollout_instances == 2 and cfg.engine.on_kv_full == "offload"
 
 
-def test_run_refuses_elastic_until_the_runtime_hosts_borrowed_instances(tmp_path, capsys):
-    code = main(["run", "configs/tiny-cpu.yaml", "--run-dir", str(tmp_path / "r"), "--set", "cluster.elastic=true"])
-    assert code == 2 and "cluster.elastic is simulated only" in capsys.readouterr().err
+def test_run_refuses_elastic_with_an_engine_a_trainer_rank_cannot_host_yet(tmp_path, capsys):
+    code = main(["run", "configs/tiny-cpu.yaml", "--run-dir", str(tmp_path / "r"), "--set", "cluster.elastic=true",
+                 "--set", "engine.backend=vllm"])
+    assert code == 2 and "built-in engine only" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # nothing written

@@ -183,6 +183,33 @@ def test_a_tight_kv_pool_offloads_to_host_and_logs_the_free_cache_overhead(tmp_p
     assert 0 < a["overheads"]["free_cache"] < 0.01 and a["reprefill_tokens"] == 0
 
 
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_elastic_trainer_ranks_host_borrowed_instances_and_drain_them_before_each_step(tmp_path, trainers):
+    """cluster.elastic: each trainer rank also hosts a rollout instance (instances 3.. after the 3 dedicated
+    ones). It generates while the trainer waits, is drained before each step (requests migrate with their
+    KV or are parked in its memory, then restored elsewhere or back on it) and wakes with the new weights
+    from its own trainer; every invariant holds and the borrowed instances' trajectories are trained on."""
+    from dora_hpc.store.shards import read_table
+
+    p, run_dir = run(tmp_path, "dora", "--set", "cluster.elastic=true", "--set", f"cluster.trainer_ranks={trainers}",
+                     steps=8, name=f"elastic-{trainers}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run_dir)
+    inv = a["invariants"]
+    assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4
+    assert not any(inv[k] for k in ("mixed_version_trajectories", "staleness_over_k", "lost_groups",
+                                    "duplicate_groups", "split_groups"))
+    assert a["weights"]["mismatched_loads"] == 0 and a["reprefill_tokens"] == 0
+    trajs = read_table(run_dir, "traj", "trajectories", ["instance_path"], with_rank=True)
+    borrowed = {str(3 + j) for j in range(trainers)}
+    assert set(trajs["rank"].tolist()) >= set(range(1, 1 + trainers))  # trainer ranks finished trajectories
+    assert any(set(path.split(">")) & borrowed for path in trajs["instance_path"])
+    ops = read_table(run_dir, "events", "ops", ["kind"], with_rank=True)
+    on_trainers = [k for r, k in zip(ops["rank"].tolist(), ops["kind"].tolist(), strict=True) if r <= trainers]
+    assert on_trainers.count("sleep") >= 8 * trainers - trainers  # before (nearly) every step, each
+    assert "weight_load" in on_trainers
+
+
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", "--set",
                      "reward.overlong_buffer=4", steps=3, env={"PYTHONPATH": str(REPO / "tests")})

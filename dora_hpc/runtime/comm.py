@@ -2,7 +2,7 @@
 
 Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
-  (rollout instance i is rank T+1+i);
+  (rollout instance i is rank T+1+i; with cluster.elastic the trainers host instances too: roles.py);
 * control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
 * bulk data (weights, KV) goes as flat buffers over the data plane (data_plane.py: MPI ``Isend``/``Recv``
   on its own tag, or a torch.distributed gloo/NCCL group beside the MPI world), never pickled tensors;
@@ -39,6 +39,16 @@ class Generate:           # orchestrator -> rollout
     prompt: list[int]
     max_tokens: int
     epoch: int = 1        # which dispatch of this trajectory (one lost with its instance is dispatched again)
+
+
+@dataclass(frozen=True)
+class Park:               # orchestrator -> a borrowed instance: export this request's KV and keep it in host memory
+    traj_id: int          # (a MigrateOut later sends it on, or imports it back here)
+
+
+@dataclass(frozen=True)
+class SleepEngine:        # orchestrator -> a borrowed instance: it runs nothing until its next LoadVersion
+    pass
 
 
 @dataclass(frozen=True)
@@ -191,13 +201,13 @@ class SourceFenced(RuntimeError):
 
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
-                 stop: threading.Event | None = None, heartbeat_s: float = 2.0) -> None:
+                 stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False) -> None:
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.rank = self.world.Get_rank()
-        self.roles = Roles(self.world.Get_size(), trainers)
+        self.roles = Roles(self.world.Get_size(), trainers, trainers if elastic else 0)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)

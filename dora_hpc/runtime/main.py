@@ -147,7 +147,7 @@ def main(run_dir: str) -> int:
         start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
         announce(MPI.COMM_WORLD, cfg, meta, start)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
-                    heartbeat_s=cfg.runtime.heartbeat_s)
+                    heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic)
         outcome = play(comm, cfg, run, meta, start)
         comm.close()
         finish(MPI.COMM_WORLD, comm, run, outcome)
@@ -200,7 +200,8 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
     if role == "trainer":
         from .trainer import TrainerRank
 
-        TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume).run()
+        task = make_task(cfg, meta["vocab_size"], model_dir) if cfg.cluster.elastic else None  # its borrowed instance
+        TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume, task).run()
     else:
         from .rollout import RolloutRank
 

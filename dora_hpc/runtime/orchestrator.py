@@ -37,7 +37,10 @@ from ..core.events import (
     InstanceReady,
     KvPressure,
     Migrate,
+    Offload,
     RequestFinished,
+    Restore,
+    Sleep,
     Start,
     StartTrain,
     Tick,
@@ -64,12 +67,14 @@ from .comm import (
     Heartbeat,
     LoadVersion,
     MigrateOut,
+    Park,
     Pause,
     Published,
     Ready,
     Resume,
     SendWeights,
     Shutdown,
+    SleepEngine,
     StopRequest,
 )
 from .comm import Train as TrainMsg
@@ -86,7 +91,7 @@ class Orchestrator(OpLog):
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
         self.roles = comm.roles
-        self.policy = make_policy(cfg, len(self.roles.rollout_ranks))
+        self.policy = make_policy(cfg, self.roles.dedicated, borrowed=self.roles.borrowed)
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
@@ -109,6 +114,7 @@ class Orchestrator(OpLog):
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
         self.unflushed: dict[int, list[int]] = {}  # rollout rank -> trajectories done since its last Flushed
+        self.parked_at: dict[int, int] = {}  # traj -> the borrowed instance holding its KV in host memory
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -263,6 +269,11 @@ class Orchestrator(OpLog):
     def live_rollout(self) -> list[int]:
         return [r for r in self.roles.rollout_ranks if r not in self.fenced]
 
+    @property
+    def live_instance_ranks(self) -> list[int]:
+        """Ranks hosting an instance (a trainer with its borrowed one too), not fenced: they write shards."""
+        return [r for r in self.roles.instance_ranks if r not in self.fenced]
+
     def fence(self, r: int, silent_s: float, cause: str = "hung") -> None:
         """Give up on rollout rank ``r`` (``cause``: hung, or died): nothing is sent to it again and nothing
         it sends is read; what ran on it (and what was migrating away from it) starts again elsewhere,
@@ -309,7 +320,7 @@ class Orchestrator(OpLog):
         state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
                                   "run_id": self.log.run_id}}
         self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
-        for r in self.live_rollout:
+        for r in self.live_instance_ranks:
             self.comm.send(Flush(v), r)
         for t in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
             self.comm.send(Checkpoint(v, state if t == self.roles.lead_trainer else None), t)
@@ -328,7 +339,7 @@ class Orchestrator(OpLog):
 
     def maybe_commit(self) -> None:
         """Phase two once every live rollout rank has flushed (a rank fenced meanwhile is not waited for)."""
-        live = {self.roles.instance_of_rank(r) for r in self.live_rollout}
+        live = {self.roles.instance_of_rank(r) for r in self.live_instance_ranks}
         if not self.ckpt.get("committing") and live <= self.ckpt["flushed"]:
             self.ckpt["committing"] = True
             self.comm.send(Commit(self.ckpt["version"]), self.roles.lead_trainer)
@@ -363,6 +374,16 @@ class Orchestrator(OpLog):
                 case Abort(t, i):
                     self.epoch.pop(t, None)
                     self.comm.send(AbortTraj(t), r(i))
+                case Offload(t, i):  # a borrowed instance's drain: its KV waits in that rank's memory
+                    self.parked_at[t] = i
+                    self.comm.send(Park(t), r(i))
+                case Restore(t, i):  # from where it was parked, onto instance i (maybe the same one)
+                    src = self.parked_at.pop(t)
+                    self.moved_from[t] = src
+                    self.comm.send(MigrateOut(t, r(i), True), r(src))
+                    self.op("migrate", traj_id=t, peer=r(i), detail=f"{src}->{i} kv=True restore")
+                case Sleep(i):
+                    self.comm.send(SleepEngine(), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")
                     self.comm.send(Forget(g), self.roles.trainer_of_group(g))

@@ -1,6 +1,8 @@
 """Which role each world rank plays: 0 = orchestrator, 1..T = trainers, T+1.. = rollout instances.
 
-Pure (no MPI import), so the launcher can name a rank without initialising MPI itself.
+Rollout instance i < R (the dedicated ones) is rank T+1+i. With ``cluster.elastic`` each trainer rank
+also hosts a borrowed instance: instance R+j is trainer rank 1+j. Pure (no MPI import), so the launcher
+can name a rank without initialising MPI itself.
 """
 
 from __future__ import annotations
@@ -12,19 +14,30 @@ from dataclasses import dataclass
 class Roles:
     size: int
     trainers: int
+    borrowed: int = 0  # trainer ranks that also host a rollout instance (cluster.elastic): all or none
 
     @property
     def rollout_ranks(self) -> list[int]:
         return list(range(1 + self.trainers, self.size))
 
+    @property
+    def dedicated(self) -> int:
+        """Rollout instances on ranks of their own."""
+        return self.size - 1 - self.trainers
+
+    @property
+    def instance_ranks(self) -> list[int]:
+        """Every rank that hosts a rollout instance, in instance order."""
+        return [self.rank_of_instance(i) for i in range(self.dedicated + self.borrowed)]
+
     def role(self, rank: int) -> str:
         return "orchestrator" if rank == 0 else "trainer" if rank <= self.trainers else "rollout"
 
     def rank_of_instance(self, i: int) -> int:
-        return 1 + self.trainers + i
+        return 1 + self.trainers + i if i < self.dedicated else 1 + i - self.dedicated
 
     def instance_of_rank(self, rank: int) -> int:
-        return rank - 1 - self.trainers
+        return rank - 1 - self.trainers if self.role(rank) == "rollout" else self.dedicated + rank - 1
 
     @property
     def lead_trainer(self) -> int:

@@ -42,11 +42,13 @@ from .comm import (
     LoadVersion,
     MigrateIn,
     MigrateOut,
+    Park,
     Pause,
     Ready,
     Resume,
     SendWeights,
     Shutdown,
+    SleepEngine,
     SourceFenced,
     WeightsHeader,
 )
@@ -77,6 +79,7 @@ class RolloutRank(OpLog):
         self.gone: set[int] = set()                    # finished or aborted here: nothing will arrive
         self.forward: dict[int, MigrateOut] = {}       # migrate on at once when it arrives (never imported)
         self.abort_on_arrival: set[int] = set()
+        self.parked: dict[int, tuple[dict, object]] = {}  # a borrowed instance's offloaded requests: (meta, KV)
 
     def run(self) -> None:
         while self.running:
@@ -151,6 +154,17 @@ class RolloutRank(OpLog):
                 self.op("weight_send", peer=msg.dst, version=self.engine.version)
             case MigrateOut():
                 self.migrate_out(msg)
+            case Park():  # a borrowed instance before a train step: the KV goes to host memory, kept here
+                if self.engine.has_request(msg.traj_id):
+                    meta, kv = self.engine.export(msg.traj_id)
+                    meta["info"] = self.info.pop(msg.traj_id)
+                    self.parked[msg.traj_id] = (meta, kv)
+                    self.op("offload", traj_id=msg.traj_id, version=meta["version"],
+                            nbytes=kv.numel() * 4 if kv is not None else 0)
+            case SleepEngine():  # the trainer takes the accelerators; a LoadVersion wakes it
+                if self.engine.has_work():
+                    raise RuntimeError(f"rank {self.comm.rank}: asked to sleep with requests running")
+                self.op("sleep")
             case MigrateIn():
                 self.migrate_in(msg, src)
             case AbortTraj():
@@ -210,6 +224,13 @@ class RolloutRank(OpLog):
         self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
 
     def migrate_out(self, msg: MigrateOut) -> None:
+        if msg.traj_id in self.parked:  # restored from host memory: onto this instance or another
+            meta, kv = self.parked.pop(msg.traj_id)
+            if msg.dst == self.comm.rank:
+                self.import_here(meta, kv, self.comm.rank, self.now())
+            else:
+                self.send_migration(msg, meta, kv, self.now())
+            return
         if not self.engine.has_request(msg.traj_id):
             if msg.traj_id not in self.gone:  # not here yet: pass it on the moment it arrives
                 self.forward[msg.traj_id] = msg
@@ -263,7 +284,11 @@ class RolloutRank(OpLog):
             info["path"] += f">{self.instance}"  # another version by now)
             self.send_migration(self.forward.pop(rid), meta, kv, t)
             return
-        meta.pop("info")
+        self.import_here(meta, kv, src, t)
+
+    def import_here(self, meta: dict, kv, src: int, t: float) -> None:
+        """A migrated (or parked) request continues on this instance's engine."""
+        info = meta.pop("info")
         before = self.engine.stats()["reprefill_tokens"]
         try:
             self.engine.import_(meta, kv)

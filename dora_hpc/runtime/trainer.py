@@ -20,7 +20,12 @@ Invariants:
   of every version still live (the last ``keep_versions`` ones);
 * a Checkpoint(v) is written only when the trainer holds exactly v_v (its steps are ordered before it)
   and renamed only on the orchestrator's Commit(v); on resume it starts from that checkpoint's weights,
-  optimizer and RNG state, and the groups it consumed stay consumed.
+  optimizer and RNG state, and the groups it consumed stay consumed;
+* with ``cluster.elastic`` the rank also hosts a borrowed rollout instance (``self.rollout``, a
+  RolloutRank on the same Comm): rollout messages go to it and its engine steps whenever no message
+  waits. Rank 0 sends a borrowed instance its drain (MigrateOut, Park) and SleepEngine before the Train
+  that follows, and one sender's messages arrive in order, so the engine is empty when a step starts;
+  its weights for a wake-up come from this trainer's own versions, not over MPI.
 """
 
 from __future__ import annotations
@@ -39,16 +44,27 @@ from ..train.dp import DataParallel
 from ..train.grpo import GRPOTrainer, grpo_config, weights_checksum
 from .clock import RankClock
 from .comm import (
+    AbortTraj,
     Checkpoint,
     Checkpointed,
     Comm,
     Commit,
+    Flush,
     Forget,
+    Generate,
+    LoadVersion,
+    MigrateIn,
+    MigrateOut,
+    Park,
     Published,
     SendWeights,
     Shutdown,
+    SleepEngine,
     Train,
+    WeightsHeader,
 )
+
+ROLLOUT_MESSAGES = (Generate, LoadVersion, MigrateOut, MigrateIn, AbortTraj, Flush, WeightsHeader, Park, SleepEngine)
 
 # train-step metrics logged as they are (store/shards.py: TRAIN_STEPS)
 STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "clip_band_frac", "entropy",
@@ -58,7 +74,7 @@ STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "c
 
 class TrainerRank(RankClock):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
-                 resume: ckpt_store.Checkpoint | None = None) -> None:
+                 resume: ckpt_store.Checkpoint | None = None, task=None) -> None:
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
@@ -85,16 +101,44 @@ class TrainerRank(RankClock):
         self.deferred: list[tuple[object, int]] = []
         self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept
         self.running = True
+        self.rollout = None  # cluster.elastic: the borrowed instance this rank hosts
+        if comm.roles.borrowed:
+            from .rollout import RolloutRank
+
+            self.rollout = RolloutRank(comm, cfg, run_dir, model_dir, task, run_id, t0, attempt)
 
     def run(self) -> None:
         while self.running:
-            got = self.deferred.pop(0) if self.deferred else self.comm.poll()
+            got = self.next_message()
             if got is None:
-                time.sleep(0.001)
+                if self.rollout is not None and self.rollout.engine.has_work():
+                    self.rollout.step()
+                else:
+                    time.sleep(0.001)
                 continue
-            self.handle(*got)
+            self.route(*got)
+        if self.rollout is not None:
+            for msg, src in self.rollout.deferred:
+                self.comm.discard(msg, src)
+            self.rollout.traj_log.flush()
+            self.rollout.log.flush()
         self.log.flush()
         self.dp.close()
+
+    def next_message(self):
+        if self.deferred:
+            return self.deferred.pop(0)
+        if self.rollout is not None and self.rollout.deferred:  # set aside while it loaded weights
+            return self.rollout.deferred.pop(0)
+        return self.comm.poll()
+
+    def route(self, msg, src: int) -> None:
+        if self.rollout is not None and isinstance(msg, ROLLOUT_MESSAGES):
+            self.rollout.handle(msg, src)
+            return
+        if self.rollout is not None and isinstance(msg, Shutdown):
+            self.rollout.handle(msg, src)
+        self.handle(msg, src)
 
     def handle(self, msg, src: int) -> None:
         match msg:
@@ -109,7 +153,12 @@ class TrainerRank(RankClock):
                     raise RuntimeError(f"trainer rank {self.comm.rank}: asked for v{msg.version}, holds "
                                        f"{sorted(self.versions)}")
                 state, checksum = self.versions[msg.version]
-                self.comm.send_weights(state, msg.version, checksum, msg.dst)
+                if msg.dst == self.comm.rank and self.rollout is not None:  # its own borrowed instance wakes
+                    names = sorted(state)
+                    header = WeightsHeader(msg.version, names, [tuple(state[n].shape) for n in names], checksum, [])
+                    self.rollout.early.append((header, self.comm.rank, dict(state)))
+                else:
+                    self.comm.send_weights(state, msg.version, checksum, msg.dst)
             case Train():
                 self.train(msg)
             case Checkpoint():
