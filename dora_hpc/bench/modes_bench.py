@@ -26,6 +26,7 @@ CASES: dict[str, list[str]] = {
     "oversample": ["mode=oversample"],
     "dora-k1": ["mode=dora", "dora.k=1"], "dora-k2": ["mode=dora", "dora.k=2"], "dora-k3": ["mode=dora", "dora.k=3"],
     "dora-k2-auto": ["mode=dora", "dora.k=2", "batch.rbs=auto"],  # in flight: what the slots and the window allow
+    "dora-elastic": ["mode=dora", "dora.k=2", "cluster.elastic=true"],  # trainer ranks host borrowed instances
 }
 SERVE, BETWEEN = "runtime.serve_weights_while_training=true", "runtime.serve_weights_while_training=false"
 ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pairs whose ratios are reported

@@ -66,7 +66,7 @@ class ClusterConfig(Section):
     trainer_ranks: int = Field(1, ge=1, description="runtime: trainer MPI ranks (data-parallel replicas)")
     elastic: bool = Field(False, description="the trainer's accelerators also host rollout instances (one per "
                           "accelerators_per_instance) while the trainer waits; they are drained before each "
-                          "train step (mode=dora, disaggregated; simulator only so far)")
+                          "train step (mode=dora, disaggregated; in a run each trainer rank hosts one)")
 
     @model_validator(mode="after")
     def _split_fits(self) -> ClusterConfig:

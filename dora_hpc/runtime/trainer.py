@@ -25,7 +25,8 @@ Invariants:
   RolloutRank on the same Comm): rollout messages go to it and its engine steps whenever no message
   waits. Rank 0 sends a borrowed instance its drain (MigrateOut, Park) and SleepEngine before the Train
   that follows, and one sender's messages arrive in order, so the engine is empty when a step starts;
-  its weights for a wake-up come from this trainer's own versions, not over MPI.
+  a parked request's KV is sent on when asked, even during a step (by the weight-serving thread); its
+  weights for a wake-up come from this trainer's own versions, not over MPI.
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class TrainerRank(RankClock):
                     elif isinstance(got[0], SendWeights) and got[0].version in self.versions:
                         self.handle(*got)
                         self.comm.wait_bulk()  # a large send progresses only inside its sender's MPI calls
+                    elif self.parked_restore(got):  # its borrowed instance's parked KV, restored elsewhere
+                        self.comm.wait_bulk()
                     else:
                         self.deferred.append(got)
             except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
@@ -211,6 +214,15 @@ class TrainerRank(RankClock):
             helper.join()
         if failed:
             raise failed[0]
+
+    def parked_restore(self, got: tuple) -> bool:
+        """A MigrateOut of a request its borrowed instance parked: sent on now, even while a step runs (the
+        KV waits in this rank's memory, the engine is not involved), so it never waits for the step."""
+        msg, src = got
+        if self.rollout is None or not isinstance(msg, MigrateOut) or msg.traj_id not in self.rollout.parked:
+            return False
+        self.rollout.handle(msg, src)
+        return True
 
     def _complete(self, g: int) -> bool:
         return len(self.queue.get(g, {})) == self.cfg.batch.group_size
@@ -228,6 +240,8 @@ class TrainerRank(RankClock):
                 time.sleep(0.001)
             elif isinstance(got[0], Trajectory | SendWeights):
                 self.handle(*got)
+            elif self.parked_restore(got):
+                pass
             else:  # e.g. a Checkpoint of the version this step makes: after the step
                 self.deferred.append(got)
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step

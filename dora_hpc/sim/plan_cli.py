@@ -46,8 +46,6 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     best = result["candidates"][0]["set"]
     console.print("recommended: " + " ".join(
         f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items()))
-    if any(v is True for k, v in best.items() if k == "cluster.elastic"):
-        console.print("(cluster.elastic is simulated only so far; the runtime refuses it)")
     console.print(f"wrote {out / 'plan.json'}")
     return 0
 
