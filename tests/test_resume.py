@@ -301,3 +301,23 @@ def test_a_resume_onto_a_new_allocation_changes_the_rank_counts_and_loses_nothin
     c = read_table(run_dir, "train", "consumed", with_rank=True)
     late = c["consume_step"] >= stopped
     assert set(c["rank"][late].tolist()) == {1, 2}  # both replicas of the new allocation trained
+
+
+def test_an_elastic_run_commits_at_a_signal_and_resumes_without_borrowing(tmp_path):
+    """cluster.elastic: a SIGTERM commits the current step (the borrowed instance's shard is flushed with
+    the others, its parked requests count as pending), and the run resumes onto an allocation without
+    borrowed instances (cluster.elastic may change on resume): nothing lost, nothing twice."""
+    run_dir = tmp_path / "elastic"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "mode=dora", "--set", "train.max_steps=60", *BASE,
+                 "--set", "cluster.elastic=true", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(checkpoints(run_dir)) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 3, finish(proc, 10)[-3000:]
+    stopped = max(checkpoints(run_dir))
+    p = resume(run_dir, "--set", "cluster.elastic=false", "--set", f"train.max_steps={stopped + 4}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = assert_whole(run_dir, steps=stopped + 4, k=2)
+    assert a["preemption"]["resumed_at_steps"] == [stopped]
+    trajs = read_table(run_dir, "traj", "trajectories", ["traj_id"], with_rank=True)
+    assert 1 in set(trajs["rank"].tolist())  # the trainer rank's borrowed instance generated before the stop
