@@ -9,9 +9,11 @@ Invariants:
 * every finished trajectory is rewarded here (a reward function that raises gives reward 0 and a
   recorded error), written to this rank's HDF5 shard, streamed to the trainer that owns its group,
   and reported to the orchestrator -- in that order;
-* a MigrateOut or AbortTraj may name a request that is still on its way here (the orchestrator moved
-  it here and then on; MPI does not order messages from different senders): it waits for the
-  request, which is then relayed untouched or dropped -- never imported under another version.
+* a MigrateOut, AbortTraj or Park may name a request that is still on its way here (the orchestrator
+  moved it here and then on; MPI does not order messages from different senders): it waits for the
+  request, which is then relayed untouched, dropped or parked -- never imported under another version;
+* a borrowed instance (on a trainer rank, cluster.elastic) parks requests in its memory when drained
+  (Park) and sends a parked one on, or imports it back, when a MigrateOut names it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class RolloutRank(OpLog):
         self.forward: dict[int, MigrateOut] = {}       # migrate on at once when it arrives (never imported)
         self.abort_on_arrival: set[int] = set()
         self.parked: dict[int, tuple[dict, object]] = {}  # a borrowed instance's offloaded requests: (meta, KV)
+        self.park_on_arrival: set[int] = set()  # parked while still migrating here: parked when it lands
 
     def run(self) -> None:
         while self.running:
@@ -158,9 +161,9 @@ class RolloutRank(OpLog):
                 if self.engine.has_request(msg.traj_id):
                     meta, kv = self.engine.export(msg.traj_id)
                     meta["info"] = self.info.pop(msg.traj_id)
-                    self.parked[msg.traj_id] = (meta, kv)
-                    self.op("offload", traj_id=msg.traj_id, version=meta["version"],
-                            nbytes=kv.numel() * 4 if kv is not None else 0)
+                    self.park(meta, kv)
+                elif msg.traj_id not in self.gone:  # still on its way here (MPI orders no two senders)
+                    self.park_on_arrival.add(msg.traj_id)
             case SleepEngine():  # the trainer takes the accelerators; a LoadVersion wakes it
                 if self.engine.has_work():
                     raise RuntimeError(f"rank {self.comm.rank}: asked to sleep with requests running")
@@ -223,6 +226,11 @@ class RolloutRank(OpLog):
                 nbytes=sum(v.numel() * 4 for v in state.values()))
         self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
 
+    def park(self, meta: dict, kv) -> None:
+        self.parked[meta["req_id"]] = (meta, kv)
+        self.op("offload", traj_id=meta["req_id"], version=meta["version"],
+                nbytes=kv.numel() * 4 if kv is not None else 0)
+
     def migrate_out(self, msg: MigrateOut) -> None:
         if msg.traj_id in self.parked:  # restored from host memory: onto this instance or another
             meta, kv = self.parked.pop(msg.traj_id)
@@ -282,7 +290,13 @@ class RolloutRank(OpLog):
             return
         if rid in self.forward:  # moved on before it got here: relay it untouched (this rank may host
             info["path"] += f">{self.instance}"  # another version by now)
+            self.park_on_arrival.discard(rid)
             self.send_migration(self.forward.pop(rid), meta, kv, t)
+            return
+        if rid in self.park_on_arrival:  # this borrowed instance was drained while it travelled
+            self.park_on_arrival.discard(rid)
+            info["path"] += f">{self.instance}"
+            self.park(meta, kv)
             return
         self.import_here(meta, kv, src, t)
 
