@@ -52,15 +52,13 @@ from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
 from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
+from .checkpoints import TwoPhaseCheckpoints
 from .clock import OpLog
 from .comm import (
     AbortTraj,
-    Checkpoint,
     Checkpointed,
     Comm,
-    Commit,
     Done,
-    Flush,
     Flushed,
     Forget,
     Generate,
@@ -86,7 +84,7 @@ class RankHung(RuntimeError):
     """A rank sent nothing for ``runtime.hang_timeout_s``; the run cannot continue without it (resumable)."""
 
 
-class Orchestrator(OpLog):
+class Orchestrator(TwoPhaseCheckpoints, OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float, attempt: int = 0,
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
@@ -306,7 +304,7 @@ class Orchestrator(OpLog):
         if self.ckpt is not None:
             self.maybe_commit()
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    # -- steps -------------------------------------------------------------------------------------
     def record_step(self, msg: Published) -> None:
         """The step's reward for the summary and its record for the metric sinks."""
         self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
@@ -314,35 +312,6 @@ class Orchestrator(OpLog):
         rollout = self.figures.take(msg.version - 1, self.now(), view.instances,
                                     sum(len(q) for q in view.queues.values()), msg.version)
         self.sinks.log(msg.version - 1, step_record(msg.metrics, rollout))
-
-    def start_checkpoint(self) -> None:
-        v = self.policy.next_step
-        state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
-                                  "run_id": self.log.run_id}}
-        self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
-        for r in self.live_instance_ranks:
-            self.comm.send(Flush(v), r)
-        for t in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
-            self.comm.send(Checkpoint(v, state if t == self.roles.lead_trainer else None), t)
-        self.log.flush()  # so the ops up to here survive a crash too
-
-    def on_checkpoint_progress(self, msg: Flushed | Checkpointed) -> None:
-        if self.ckpt is None or msg.version != self.ckpt["version"]:
-            raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({self.ckpt})")
-        if isinstance(msg, Flushed):
-            self.ckpt["flushed"].add(msg.instance)
-            self.unflushed.pop(self.roles.rank_of_instance(msg.instance), None)
-            self.maybe_commit()
-            return
-        self.op("checkpoint", version=msg.version, detail=msg.path, t_start=self.ckpt["t"])
-        self.last_ckpt, self.ckpt = msg.version, None
-
-    def maybe_commit(self) -> None:
-        """Phase two once every live rollout rank has flushed (a rank fenced meanwhile is not waited for)."""
-        live = {self.roles.instance_of_rank(r) for r in self.live_instance_ranks}
-        if not self.ckpt.get("committing") and live <= self.ckpt["flushed"]:
-            self.ckpt["committing"] = True
-            self.comm.send(Commit(self.ckpt["version"]), self.roles.lead_trainer)
 
     def feed(self, event) -> None:
         """One event into the policy; its commands out. The time of a decision that moves instances or
