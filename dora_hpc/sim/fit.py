@@ -68,27 +68,14 @@ def fit_run(run_dir: Path) -> Fit:
     prompt = _lognormal(trajs["prompt_len"])
     response = _lognormal(trajs["response_len"])
 
-    # engine step: duration = a + b * KV tokens in the batch (the simulator's decode form)
-    dur = (steps["t_end"] - steps["t_start"]).astype(float)
-    kv = steps["kv_blocks_used"].astype(float) * run.engine.block_size
-    keep = dur > 0
-    a, b = float(np.median(dur[keep])), 0.0
-    if keep.sum() > 10 and np.ptp(kv[keep]) > 0:
-        b_fit, a_fit = np.polyfit(kv[keep], dur[keep], 1)
-        if b_fit > 0 and a_fit > 0:
-            a, b = float(a_fit), float(b_fit)
-
-    # trainer: seconds per trained (prompt + response) token, on the run's trainer ranks
-    lengths = dict(zip(trajs["traj_id"].tolist(), (trajs["prompt_len"] + trajs["response_len"]).tolist(), strict=True))
-    tokens_by_step: dict[int, int] = {}
-    for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
-        tokens_by_step[s] = tokens_by_step.get(s, 0) + lengths.get(t, 0)
+    a, b = _engine_step(steps, run.engine.block_size)
+    tokens_by_step = _trained_tokens(trajs, consumed)
     order = np.argsort(train["step"])
     t0, t1, step_ids = train["t_start"][order], train["t_end"][order], train["step"][order]
     timed = [(e - s, tokens_by_step[k]) for k, s, e in zip(step_ids.tolist(), t0, t1, strict=True)
              if tokens_by_step.get(k)]
-    # total time over total tokens: a step's time varies several-fold on a shared CPU, and the run's
-    # interval is made of the total, so a median would understate it
+    # the trainer's seconds per trained token: total time over total tokens (a step's time varies
+    # several-fold on a shared CPU, and the run's interval is made of the total: a median understates it)
     s_per_token = float(sum(d for d, _ in timed) / sum(n for _, n in timed)) if timed else 0.0
     load, sleeps = _durations(ops, "weight_load"), _durations(ops, "sleep")
     migr = ops["kind"] == "migration_in"
@@ -116,6 +103,29 @@ def fit_run(run_dir: Path) -> Fit:
               "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
               "response_len_trend_per_step": _trend(trajs, consumed)}
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted)
+
+
+def _engine_step(steps: dict, block_size: int) -> tuple[float, float]:
+    """An engine step's duration as a + b * KV tokens in the batch (the simulator's decode form), by least
+    squares; the median alone where the slope is not positive (a paced engine)."""
+    dur = (steps["t_end"] - steps["t_start"]).astype(float)
+    kv = steps["kv_blocks_used"].astype(float) * block_size
+    keep = dur > 0
+    a, b = float(np.median(dur[keep])), 0.0
+    if keep.sum() > 10 and np.ptp(kv[keep]) > 0:
+        b_fit, a_fit = np.polyfit(kv[keep], dur[keep], 1)
+        if b_fit > 0 and a_fit > 0:
+            a, b = float(a_fit), float(b_fit)
+    return a, b
+
+
+def _trained_tokens(trajs: dict, consumed: dict) -> dict[int, int]:
+    """Prompt + response tokens of the trajectories each train step consumed."""
+    lengths = dict(zip(trajs["traj_id"].tolist(), (trajs["prompt_len"] + trajs["response_len"]).tolist(), strict=True))
+    out: dict[int, int] = {}
+    for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
+        out[s] = out.get(s, 0) + lengths.get(t, 0)
+    return out
 
 
 def _trend(trajs: dict, consumed: dict) -> float:
