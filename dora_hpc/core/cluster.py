@@ -118,8 +118,8 @@ class ClusterView:
             t = self.trajs[tid]
             self._put(tid, i)
             if t.parked is not None:
+                out.append(Restore(tid, i, t.parked))
                 t.parked = None
-                out.append(Restore(tid, i))
             else:
                 out.append(Dispatch(tid, t.group_id, t.sample_idx, version, i))
         return out

@@ -133,10 +133,11 @@ class Offload:
 class Restore:
     """Bring an offloaded trajectory's KV cache from the host where it was parked to ``instance`` (which
     hosts its version; over the network when it is another node's) and let it decode on; nothing is
-    re-prefilled."""
+    re-prefilled. ``source``: the borrowed instance whose host memory holds it."""
 
     traj_id: int
     instance: int
+    source: int
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,6 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
         self.unflushed: dict[int, list[int]] = {}  # rollout rank -> trajectories done since its last Flushed
-        self.parked_at: dict[int, int] = {}  # traj -> the borrowed instance holding its KV in host memory
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -344,10 +343,8 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
                     self.epoch.pop(t, None)
                     self.comm.send(AbortTraj(t), r(i))
                 case Offload(t, i):  # a borrowed instance's drain: its KV waits in that rank's memory
-                    self.parked_at[t] = i
                     self.comm.send(Park(t), r(i))
-                case Restore(t, i):  # from where it was parked, onto instance i (maybe the same one)
-                    src = self.parked_at.pop(t)
+                case Restore(t, i, src):  # from where it was parked, onto instance i (maybe the same one)
                     self.moved_from[t] = src
                     self.comm.send(MigrateOut(t, r(i), True), r(src))
                     self.op("migrate", traj_id=t, peer=r(i), detail=f"{src}->{i} kv=True restore")
