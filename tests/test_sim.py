@@ -92,6 +92,29 @@ def test_each_mode_shows_its_mechanism(small_runs):
     assert small_runs["sync"]["rollout_only_fraction"] > dora["rollout_only_fraction"]
 
 
+def test_trainer_waits_are_its_idle_time_split_by_what_binds():
+    """The waits add up to the window's time outside train steps (and drains); a sync trainer never waits
+    for the staleness window, DORA at K=1 does, and a larger K frees most of it."""
+    def run(mode, *over):
+        sim = Simulator(load_config(SMALL, list(over)), mode, timeline=False).run()
+        return sim, summarize(sim)
+
+    for mode, k in (("sync", 2), ("dora", 1), ("dora", 4)):
+        sim, s = run(mode, f"dora.k={k}")
+        w = sim.cfg.sim.warmup_steps
+        span = sim.steps[-1]["t_end"] - sim.steps[w - 1]["t_end"]
+        busy = sum(st["train_s"] + st["drain_s"] for st in sim.steps[w:])
+        waits = s["trainer_wait_fraction"]
+        assert sum(waits.values()) == pytest.approx(1 - busy / span, abs=1e-9), (mode, k)
+        if mode == "sync":
+            assert waits["window"] == 0 and waits["capacity"] + waits["tail"] > 0.2
+        elif k == 1:
+            k1 = waits["window"]
+            assert k1 > 0.2
+        else:
+            assert waits["window"] < k1
+
+
 def test_dora_keeps_several_versions_on_the_instances():
     sim = Simulator(load_config(SMALL), "dora").run()
     t_mid = sim.steps[6]["t_start"]

@@ -10,19 +10,18 @@ Every policy is a pure state machine (same state + event -> same commands). Shar
 
 Policies: BarrierPolicy covers Sync (lag 0), OneStepOffPolicy (lag 1) and Oversample (RBS > TBS,
 drop the unfinished); PartialRollout streams under one version; Dora(K) streams under a window of
-versions with the rebalancing planner.
+versions with the rebalancing planner (core/dora.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from . import planner
-from .events import TRAINER, Abort, AssignVersion, Command, Drop, KvPressure, Migrate, Tick
+from .dora import Dora
+from .events import Abort, Command, Drop
 from .ledger import GroupState, Ledger
 from .policy_base import MODES, Policy, PolicyConfig, Traits
 from .resume import ResumeError, ResumePlan
-from .window import VersionWindow
 
 __all__ = ["MODES", "POLICIES", "Dora", "OneStepOffPolicy", "Oversample", "PartialRollout", "Policy", "PolicyConfig",
            "Sync", "Traits", "make_policy", "policy_for", "traits_of"]
@@ -109,6 +108,9 @@ class BarrierPolicy(Policy):
         self.ready.append(batch)
         self.batch += 1
         return out
+
+    def train_wait(self) -> str | None:
+        return None if self.trainer_busy or self.ready else self._queued_or_tail()
 
     def _maybe_train(self) -> list[Command]:
         if self.trainer_busy or not self.ready:
@@ -198,157 +200,6 @@ class PartialRollout(Policy):
         return [self.start_train(self.take_oldest(self.cfg.tbs))]
 
 
-class Dora(Policy):
-    """Multi-version streaming rollout (the paper's §3): RBS > TBS groups in flight, each tagged with
-    one version at admission; training starts as soon as TBS groups are complete; a VersionWindow
-    keeps staleness <= K; the planner re-partitions instances across versions on every update, on KV
-    pressure, every ``rebalance_every`` Ticks and when an instance is idle (run dry, or ready with a
-    version that has no work left); requests move with their KV. Admission is tiered: the latest
-    version first (up to RBS), legacy versions only into idle slots and only with a step of slack in
-    the window.
-
-    Elastic (``borrowed`` instances on the trainer's accelerators): they serve while the trainer waits
-    for the window; before a train step each gives its accelerators back -- its requests migrate with
-    their KV to dedicated instances of their version with room, the rest are offloaded to host memory
-    and restored, first of their queue, on the next instance of their version with room -- and sleeps;
-    after the step it wakes with the latest version. Nothing is re-prefilled and every trajectory keeps
-    its one version."""
-
-    name = "dora"
-
-    @classmethod
-    def traits(cls, k: int) -> Traits:
-        # versions v-K..v live on the instances, v+1 being made: K + 2
-        return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
-                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True, elastic=True)
-
-    def __init__(self, cfg: PolicyConfig) -> None:
-        super().__init__(cfg)
-        self.window = VersionWindow(cfg.k, cfg.tbs)
-        self.ticks = 0
-
-    def admit(self, version: int) -> int:
-        self.window.admit(version)
-        return super().admit(version)
-
-    def restore(self, ledger: Ledger, plan: ResumePlan, window: dict | None = None) -> None:
-        """The window is rebuilt from the ledger; the checkpoint's stored window, taken at the same
-        moment, must count the same unconsumed groups per version (else the checkpoint is inconsistent)."""
-        stored = _unconsumed(ledger)  # before re-dispatched groups move to plan.version
-        if window is not None:
-            kept = {int(v): c for v, c in window["unconsumed"].items() if c}
-            if kept != stored or window["k"] != self.cfg.k:
-                raise ResumeError(f"dora: the checkpoint's window (K={window['k']}, unconsumed {kept}) is not the "
-                                  f"one its ledger gives (K={self.cfg.k}, unconsumed {stored})")
-        super().restore(ledger, plan, window)
-        live = _unconsumed(ledger)
-        self.window = VersionWindow(self.cfg.k, self.cfg.tbs, latest=plan.version, next_step=plan.version,
-                                    unconsumed=live)
-        if not self.window.fits():
-            raise ResumeError(f"dora: the checkpoint's unconsumed groups {live} do not fit K={self.cfg.k} at "
-                              f"step {plan.version}")
-
-    def on_ready(self, instance: int) -> list[Command]:
-        return self._admit() + self._train() + self._rebalance_if_idle(instance)
-
-    def _rebalance_if_idle(self, instance: int) -> list[Command]:
-        """An instance with nothing to run for its version (its load outlived the version's work, or
-        its last request finished) is offered to a starved version now, not at the next Tick."""
-        inst = self.view.instances[instance]
-        if inst.ready and not inst.active and not self.view.queued_count(inst.version):
-            return self._rebalance()
-        return []
-
-    def on_filtered(self, version: int) -> None:
-        self.window.drop(version)  # it leaves the window; _admit (next) dispatches a replacement
-
-    def on_finished(self, instance: int | None) -> list[Command]:
-        out = self._train() + self._admit()
-        return out + (self._rebalance_if_idle(instance) if instance is not None else [])
-
-    def on_published(self) -> list[Command]:
-        self.window.publish(self.latest)
-        return self._wake() + self._admit() + self._rebalance() + self._train()
-
-    def _wake(self) -> list[Command]:
-        """The trainer is free: each asleep borrowed instance loads the latest version from the trainer
-        that hosts it (the planner may give it another)."""
-        out: list[Command] = []
-        for i in self.view.borrowed:
-            if self.view.instances[i].asleep:
-                cmd = AssignVersion(i, self.latest, TRAINER)
-                self.view.assign(cmd)
-                out.append(cmd)
-        return out
-
-    def _lend_back(self) -> list[Command]:
-        """Before a train step: each awake borrowed instance's requests migrate (with KV) to the fullest
-        dedicated instance of their version with room, or are offloaded to host (first in their queue:
-        the next free slot of their version restores them); then it sleeps."""
-        out: list[Command] = []
-        for i in self.view.borrowed:
-            inst = self.view.instances[i]
-            if inst.asleep:
-                continue
-            for tid in sorted(inst.active):  # (one version per instance)
-                v = self.view.trajs[tid].version
-                room = [(self.view.instances[j].free, j) for j in self.view.hosts(v, ready_only=True)
-                        if not self.view.instances[j].borrowed and self.view.instances[j].free > 0]
-                if room:
-                    m = Migrate(tid, i, min(room)[1], self.cfg.carry_kv)
-                    self.view.migrate(m)
-                    out.append(m)
-                else:
-                    out.append(self.view.offload(tid))
-            out.append(self.view.sleep(i))
-        return out
-
-    def on_pressure(self, event: KvPressure | Tick) -> list[Command]:
-        if isinstance(event, Tick):
-            self.ticks += 1
-            if self.ticks % self.cfg.rebalance_every:
-                return []
-        elif event.used_fraction < self.cfg.kv_threshold:
-            return []
-        return self._rebalance()
-
-    def _admit(self) -> list[Command]:
-        latest, g = self.latest, self.cfg.group_size
-        fresh = self.cfg.rbs - self.pending_groups if self.cfg.rbs is not None else self.capacity()
-        for _ in range(min(fresh, self.window.room(latest))):
-            self.admit(latest)
-        if self.cfg.legacy_topup:
-            for v in sorted(self.window.live_versions, reverse=True):
-                if v == latest:
-                    continue
-                idle = self.view.free_slots(v) - self.view.queued_count(v)
-                while idle >= g and self.window.room(v, slack=1) > 0:
-                    self.admit(v)
-                    idle -= g
-        return self._place_all()
-
-    def on_lost(self) -> list[Command]:
-        return self._rebalance() + self._admit() + self._train()
-
-    def _place_all(self) -> list[Command]:
-        out: list[Command] = []
-        for v in sorted(self.view.queues, reverse=True):
-            out += self.view.place(v)
-        return out
-
-    def _rebalance(self) -> list[Command]:
-        return planner.plan(self.view, self.latest, self.cfg.carry_kv)
-
-    def _train(self) -> list[Command]:
-        if self.trainer_busy:
-            return []
-        if not self.window.can_train({v: len(q) for v, q in self.complete.items()}):
-            return []
-        batch = self.take_oldest(self.cfg.tbs)
-        self.window.consume([self.ledger.groups[g].version for g in batch])
-        return self._lend_back() + [self.start_train(batch)]
-
-
 POLICIES: dict[str, type[Policy]] = {
     "sync": Sync, "one_step": OneStepOffPolicy, "partial": PartialRollout,
     "oversample": Oversample, "dora": Dora,
@@ -389,12 +240,3 @@ def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
         raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
                          "has none")
     return POLICIES[mode](cfg)
-
-
-def _unconsumed(ledger: Ledger) -> dict[int, int]:
-    """Groups per version not yet consumed (pending or complete): what the window counts."""
-    live: dict[int, int] = {}
-    for rec in ledger.groups.values():
-        if rec.state in (GroupState.PENDING, GroupState.COMPLETE):
-            live[rec.version] = live.get(rec.version, 0) + 1
-    return live

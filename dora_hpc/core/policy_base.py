@@ -1,5 +1,6 @@
 """What every rollout policy shares: its config, the cluster view, the ledger, the complete groups
-and the trainer state, and the ``on(event) -> commands`` dispatch (core/policies.py has the five).
+and the trainer state, and the ``on(event) -> commands`` dispatch (core/policies.py has the five
+modes; DORA's own policy is core/dora.py).
 
 Pure, like all of core/: same state + event -> same commands.
 """
@@ -205,6 +206,22 @@ class Policy:
 
     def n_complete(self) -> int:
         return sum(len(q) for q in self.complete.values())
+
+    def train_wait(self) -> str | None:
+        """What an idle trainer waits for (None while it trains or may start):
+
+        * ``"capacity"``: fewer than TBS complete groups, and requests wait in a queue for a rollout slot
+          (more rollout capacity shortens it);
+        * ``"tail"``: fewer than TBS complete groups, nothing queued: the last requests it needs are
+          decoding (a batch's straggler tail; more in flight or a larger K shortens it);
+        * ``"window"``: TBS groups are complete, but the staleness window needs older ones still decoding
+          (their decode latency binds; a larger K shortens it)."""
+        if self.trainer_busy or self.n_complete() >= self.cfg.tbs:
+            return None
+        return self._queued_or_tail()
+
+    def _queued_or_tail(self) -> str:
+        return "capacity" if any(self.view.queues.values()) else "tail"
 
     def start_train(self, group_ids: list[int]) -> StartTrain:
         step = self.next_step

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 
 from ..config import RunConfig
@@ -93,10 +93,12 @@ class Simulator:
         self.trainer_busy = False
         self.running = 0
         self._last_mark, self.rollout_only_s = 0.0, 0.0
+        self.wait_s: Counter[str] = Counter()     # trainer idle seconds by what it waits for (Policy.train_wait)
         self.kv_peak = 0.0
         self._kv_hot: set[int] = set()
         self.busy_marks: list[list[float]] = []   # per StartTrain: each instance's busy seconds so far
         self.slot_seconds_at_t0 = self.rollout_only_at_t0 = 0.0  # snapshots at the measured window start
+        self.wait_at_t0: Counter[str] = Counter()
 
     # -- event loop --------------------------------------------------------------------------------
     def _at(self, t: float, *ev) -> None:
@@ -119,6 +121,7 @@ class Simulator:
         raise SimError(f"{self.mode}: no end after {max_events} events")
 
     def _feed(self, event) -> None:
+        self._mark()  # the policy's state (what an idle trainer waits for) changes only here
         for cmd in self.policy.on(event):
             self._execute(cmd)
 
@@ -165,6 +168,7 @@ class Simulator:
         if step == self.cfg.sim.warmup_steps - 1:
             self.slot_seconds_at_t0 = sum(self.slot_seconds_now(i) for i in self.inst)
             self.rollout_only_at_t0 = self.rollout_only_s
+            self.wait_at_t0 = Counter(self.wait_s)
         if self.colocated:
             for inst in self.inst:
                 inst.paused = False
@@ -210,8 +214,11 @@ class Simulator:
             self._set_state(inst, "end")
 
     def _mark(self) -> None:
-        if not self.trainer_busy and self.running > 0:
-            self.rollout_only_s += self.now - self._last_mark
+        dt = self.now - self._last_mark
+        if not self.trainer_busy and dt > 0:
+            if self.running > 0:
+                self.rollout_only_s += dt
+            self.wait_s[self.policy.train_wait() or "start"] += dt
         self._last_mark = self.now
 
     def _check_kv(self, inst: Instance) -> None:
@@ -383,16 +390,3 @@ class Simulator:
 
     def slot_seconds_now(self, inst: Instance) -> float:
         return inst.slot_seconds + (len(inst.reqs) * (self.now - inst.t_run) if inst.t_run is not None else 0.0)
-
-    def total(self, what: str) -> Counter:
-        """Simulator-level plus per-instance ``ops`` (seconds) or ``counts``."""
-        out = Counter(getattr(self, what))
-        for inst in self.inst:
-            out.update(getattr(inst, what))
-        return out
-
-    def group_versions(self) -> dict[int, set[int]]:
-        out: dict[int, set[int]] = defaultdict(set)
-        for rec in self.trajs.values():
-            out[rec.group].add(rec.segments[0])
-        return out

@@ -5,6 +5,10 @@ Definitions (also in results/sim/README.md):
 * throughput_tokens_per_s: prompt + response tokens of the steps started in the window / its length;
 * rollout_only_fraction: share of the window in which some instance generates while the trainer
   is idle (the paper's "rollout-only phase");
+* trainer_wait_fraction: share of the window in which the trainer is idle, by what it waits for
+  (core: Policy.train_wait): "capacity" (requests queued for a rollout slot), "tail" (nothing queued:
+  the batch's last requests are decoding), "window" (TBS groups complete, but the staleness window
+  needs older ones still decoding);
 * slot_utilization: integral of live sequences / (instances x max_num_seqs x window), borrowed
   instances included (asleep while the trainer trains);
 * bubble_fraction: the C.3 bubble, (max_i L_i - L_i) / max_i L_i averaged over decode slots, in
@@ -18,10 +22,14 @@ Definitions (also in results/sim/README.md):
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+
 from ..config import RunConfig
 from .cluster import Simulator
 from .costs import CostModel
 from .workload import Workload
+
+WAITS = ("capacity", "tail", "window")  # Policy.train_wait's answers
 
 
 def inter_instance_bubbles(sim: Simulator, warmup: int) -> list[float]:
@@ -34,6 +42,22 @@ def inter_instance_bubbles(sim: Simulator, warmup: int) -> list[float]:
         if top > 0:
             out.append(sum((top - x) / top for x in busy) / len(busy))
     return out
+
+
+def total(sim: Simulator, what: str) -> Counter:
+    """Simulator-level plus per-instance ``ops`` (seconds) or ``counts``."""
+    out = Counter(getattr(sim, what))
+    for inst in sim.inst:
+        out.update(getattr(inst, what))
+    return out
+
+
+def split_groups(sim: Simulator) -> int:
+    """Groups whose samples were tagged with more than one version (never, by invariant 4)."""
+    tags: dict[int, set[int]] = defaultdict(set)
+    for rec in sim.trajs.values():
+        tags[rec.group].add(rec.segments[0])
+    return sum(1 for vs in tags.values() if len(vs) > 1)
 
 
 def lost_groups(sim: Simulator) -> int:
@@ -64,14 +88,15 @@ def summarize(sim: Simulator) -> dict:
     slot_bubble = 1.0 - slot_util * span / rollout_span
     bubbles = inter_instance_bubbles(sim, w)
     mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
-    split = sum(1 for vs in sim.group_versions().values() if len(vs) > 1)
+    split = split_groups(sim)
     lost = lost_groups(sim)
     wall = t1
-    counts, ops = sim.total("counts"), sim.total("ops")
+    counts, ops = total(sim, "counts"), total(sim, "ops")
     return {
         "throughput_tokens_per_s": tokens / span,
         "mean_step_time_s": span / (len(sim.steps) - w),
         "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,
+        "trainer_wait_fraction": {k: (sim.wait_s[k] - sim.wait_at_t0[k]) / span for k in WAITS},
         "slot_utilization": slot_util,
         "bubble_fraction": slot_bubble,
         "inter_instance_bubble": sum(bubbles) / len(bubbles) if bubbles else 0.0,

@@ -23,6 +23,7 @@ TABLE_COLUMNS = [
     ("throughput_tokens_per_s", "tokens/s", "{:,.0f}"),
     ("mean_step_time_s", "step s", "{:,.1f}"),
     ("rollout_only_fraction", "rollout-only", "{:.0%}"),
+    ("trainer_wait_fraction.window", "window wait", "{:.0%}"),
     ("slot_utilization", "slot util", "{:.0%}"),
     ("bubble_fraction", "bubble", "{:.0%}"),
     ("max_staleness", "max stale", "{}"),
@@ -72,8 +73,14 @@ def render_table(summary: dict, title: str = "simulated policies") -> Table:
         table.add_column(header, justify="right")
     for mode, row in summary["modes"].items():
         table.add_row(f"{mode} ({row['placement'][:5]})",
-                      *[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS])
+                      *[fmt.format(_field(row, key)) for key, _, fmt in TABLE_COLUMNS])
     return table
+
+
+def _field(row: dict, key: str):
+    for part in key.split("."):
+        row = row[part]
+    return row
 
 
 def write_outputs(summary: dict, sims: dict[str, Simulator], out: Path, plots: bool = True) -> list[Path]:
