@@ -159,9 +159,14 @@ class Dora(Policy):
         return planner.plan(self.view, self.latest, self.cfg.carry_kv)
 
     def train_wait(self) -> str | None:
+        """As Policy's, and ``"window"`` when the gate needs older groups; that wait counts as
+        ``"capacity"`` while a request of a version the next step must consume is queued for a slot."""
         if self.trainer_busy or self.n_complete() < self.cfg.tbs:
             return super().train_wait()
-        return None if self._can_train() else "window"
+        if self._can_train():
+            return None
+        oldest = self.window.must_consume()
+        return "capacity" if any(self.view.queued_count(v) for v in self.view.queues if v <= oldest) else "window"
 
     def _can_train(self) -> bool:
         return self.window.can_train({v: len(q) for v, q in self.complete.items()})

@@ -214,8 +214,8 @@ class Policy:
           (more rollout capacity shortens it);
         * ``"tail"``: fewer than TBS complete groups, nothing queued: the last requests it needs are
           decoding (a batch's straggler tail; more in flight or a larger K shortens it);
-        * ``"window"``: TBS groups are complete, but the staleness window needs older ones still decoding
-          (their decode latency binds; a larger K shortens it)."""
+        * ``"window"`` (Dora): TBS groups are complete, but the staleness window needs older ones still
+          decoding (their decode latency binds; a larger K shortens it)."""
         if self.trainer_busy or self.n_complete() >= self.cfg.tbs:
             return None
         return self._queued_or_tail()
