@@ -57,12 +57,21 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if "dora" in modes and cfg.sim.warmup_steps <= cfg.dora.k:
+        console.print(f"note: sim.warmup_steps ({cfg.sim.warmup_steps}) <= dora.k ({cfg.dora.k}): DORA's measured "
+                      "window holds the pipeline's fill (at step K the trainer first waits for every group admitted "
+                      f"at the start); its steady state: --set sim.warmup_steps={2 * cfg.dora.k} and more sim.steps",
+                      soft_wrap=True, highlight=False)
     summary, sims = simulate_modes(cfg, modes, timeline=not args.no_plots, console=console)
     console.print(render_table(summary, f"{args.config}: {cfg.cluster.accelerators} accelerators"))
     if "dora_over_sync" in summary:
         console.print(f"DORA / sync throughput: {summary['dora_over_sync']:.2f}x; zero-bubble limit "
                       f"{summary['limit_tokens_per_s']:,.0f} tokens/s")
     for mode, row in summary["modes"].items():
+        w = row["trainer_wait_fraction"]
+        console.print(f"{mode}: the trainer waited {sum(w.values()):.0%} of the time: {w['capacity']:.0%} for rollout "
+                      f"capacity, {w['tail']:.0%} for a batch's tail, {w['window']:.0%} for the window's oldest groups",
+                      soft_wrap=True, highlight=False)
         if row["borrowed_instances"]:
             console.print(f"{mode}: {row['borrowed_instances']} borrowed instances on the trainer's accelerators; "
                           f"the trainer waited {row['drain_wait_s']:.1f} s a step for their drain "

@@ -70,6 +70,12 @@ def test_tensorboard_scalars_equal_the_train_steps_table_through_preemption_and_
     for tag in ("rollout/tokens_per_s", "rollout/step_interval_s", "rollout/versions_live", "staleness/max"):
         assert [s for s, _ in got[tag]] == list(range(steps)), tag
     assert max(v for _, v in got["staleness/max"]) <= 2
+    # what the trainer waited for (Policy.train_wait) adds up to at most each step's interval
+    waits = [got[f"trainer_wait/{w}_s"] for w in ("capacity", "tail", "window")]
+    for s, interval in got["rollout/step_interval_s"]:
+        total = sum(dict(series)[s] for series in waits)
+        assert 0 <= total <= interval + 1e-3, (s, total, interval)
+    assert sum(v for series in waits for _, v in series) > 0
     # tokens/s is what finished between two published steps: 0 when a step trains on groups that were
     # already complete (buffered, or read back from the shards on resume) with nothing finishing meanwhile
     rates = [v for _, v in got["rollout/tokens_per_s"]]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+WAITS = ("capacity", "tail", "window")  # what an idle trainer waits for (core: Policy.train_wait)
 # the train-steps row's figures that are not scalars to plot
 NOT_SCALARS = ("step", "t_start", "t_end", "weights_checksum", "attempt")
 
@@ -30,7 +31,8 @@ class Sink(Protocol):
 
 def step_record(train_row: dict, rollout: dict[str, float]) -> dict[str, float]:
     """The record of one train step: the trainer's train-steps row as ``train/<column>`` (exactly the HDF5
-    table's values) and rank 0's figures as ``rollout/<name>`` and ``staleness/<name>``."""
+    table's values) and rank 0's figures as ``rollout/<name>``, ``staleness/<name>`` and
+    ``trainer_wait/<what>_s`` (seconds the trainer waited since the last step, by what it waited for)."""
     out = {f"train/{k}": float(v) for k, v in train_row.items() if k not in NOT_SCALARS}
     out |= {k if "/" in k else f"rollout/{k}": float(v) for k, v in rollout.items()}
     return out
@@ -43,6 +45,14 @@ class StepFigures:
     def __init__(self, now: float) -> None:
         self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
         self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
+        self.waits = dict.fromkeys(WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
+        self.wait, self.t_wait = None, now       # what it waits for since t_wait (None: it trains)
+
+    def on_decision(self, now: float, wait: str | None) -> None:
+        """The policy decided at ``now``; until its next decision the trainer waits for ``wait``."""
+        if self.wait is not None:
+            self.waits[self.wait] += now - self.t_wait
+        self.wait, self.t_wait = wait, now
 
     def on_done(self, response_len: int, kv_transfer_s: float) -> None:
         self.tokens += response_len
@@ -62,6 +72,9 @@ class StepFigures:
                "versions_live": len(set(targets)), "queued": queued,
                "staleness/mean": sum(stale) / len(stale) if stale else math.nan,
                "staleness/max": max(stale, default=math.nan)}
+        self.on_decision(now, self.wait)
+        out |= {f"trainer_wait/{k}_s": v for k, v in self.waits.items()}
+        self.waits = dict.fromkeys(WAITS, 0.0)
         out |= {f"instances_behind_{d}": targets.count(v) for d, v in
                 ((latest - v, v) for v in sorted(set(targets), reverse=True))}
         out |= {f"staleness/groups_at_{s}": stale.count(s) for s in sorted(set(stale))}

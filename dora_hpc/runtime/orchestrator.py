@@ -320,6 +320,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         if any(isinstance(c, Migrate | AssignVersion) for c in commands):
             self.op("load_balancing", detail=type(event).__name__, t_start=t)
         self.execute(commands)
+        self.figures.on_decision(t, self.policy.train_wait())
 
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
