@@ -15,11 +15,11 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 
 from . import __version__
 from .config import ConfigError, load_config
 from .core.policies import MODES
+from .errors import fail
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -102,8 +102,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                       + (" (resume)" if args.resume else ""))
         code = launch(cfg, run_dir, resume)
     except LaunchError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot launch[/]: {e}", highlight=False)
-        return 2
+        return fail("cannot launch", e)
     if code in (PREEMPTED, RESUMABLE) or code > 128:  # said why: a signal (3: at a checkpoint; 128 + N: at
         return code                                     # once) or a full disk (75)
     if code != 0:
@@ -146,8 +145,7 @@ def cmd_submit(args: argparse.Namespace, console: Console) -> int:
     try:
         job = submit(cfg, run_dir, "required" if args.resume else "no")
     except LaunchError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot submit[/]: {e}", highlight=False)
-        return 2
+        return fail("cannot submit", e)
     console.print(f"submitted job {job.job_id}: {1 + cfg.cluster.trainer_ranks} orchestrator/trainer + "
                   f"{cfg.cluster.rollout_instances} rollout ranks, one MPI world -> {run_dir}", soft_wrap=True)
     console.print(f"follow: tail -f {job.paths.stdout}; afterwards: dora-hpc analyze {run_dir}", soft_wrap=True)
@@ -167,8 +165,7 @@ def cmd_prepare(args: argparse.Namespace, console: Console) -> int:
     try:
         prepare(cfg, run_dir, "if_any" if again else "no")
     except LaunchError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]cannot prepare[/]: {e}", highlight=False)
-        return 2
+        return fail("cannot prepare", e)
     console.print(f"{'kept' if again else 'prepared'} {run_dir / 'launch.json'}", soft_wrap=True)
     return 0
 
@@ -197,8 +194,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
                 warnings.simplefilter("ignore")  # each skipped shard is named below, on one line
                 results.append(analyze(run_dir, plots))
         except ShardError as e:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]analyze[/]: {escape(str(e))}", highlight=False)
-            return 2
+            return fail("analyze", e)
     table = Table(title="runs side by side" if len(results) > 1 else "run")
     table.add_column("figure")
     for r in results:
@@ -282,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except ConfigError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]config error[/]: {e}", highlight=False)
-        return 2
+        return fail("config error", e)
 
 
 if __name__ == "__main__":

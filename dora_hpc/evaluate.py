@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, RunConfig, load_config, parse_overrides, validate, with_overrides
+from .errors import fail
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -185,8 +186,6 @@ def evaluate(target: Target, n: int = 200, samples: int = 4, train_prompts: int 
 
 
 def cmd_eval(args, console) -> int:
-    from rich.console import Console
-    from rich.markup import escape
 
     from . import quiet_hf
 
@@ -196,8 +195,7 @@ def cmd_eval(args, console) -> int:
             [f"task.name={args.task}"] if args.task else []))
         result = evaluate(target, n=args.n, samples=args.samples, console=console)
     except (EvalError, ConfigError) as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]eval[/]: {escape(str(e))}", highlight=False)
-        return 2
+        return fail("eval", e)
     g, s = result["greedy"], result.get("sampled")
     line = (f"{result['target']}: {result['n']} held-out prompts of {result['task']['name']}; greedy mean reward "
             f"{g['mean_reward']:.3f}, pass@1 {g['pass_at_1']:.3f}, length {g['response_len']['mean']:.1f}")

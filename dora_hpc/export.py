@@ -17,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from .errors import fail
 from .evaluate import EvalError, resolve
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -67,8 +68,6 @@ def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", ma
 
 
 def cmd_export(args, console) -> int:
-    from rich.console import Console
-    from rich.markup import escape
 
     from . import quiet_hf
 
@@ -76,8 +75,7 @@ def cmd_export(args, console) -> int:
     try:
         info = export(args.run_dir, args.step, Path(args.out), args.dtype, args.max_shard_size, console=console)
     except EvalError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]export[/]: {escape(str(e))}", highlight=False)
-        return 2
+        return fail("export", e)
     console.print(f"exported {info['from']} ({info['dtype']}) to {info['out']}: {', '.join(info['files'])}",
                   soft_wrap=True, highlight=False, markup=False)
     return 0

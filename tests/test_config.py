@@ -67,6 +67,11 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
     assert code == 2
     assert "batch.tbs" in capsys.readouterr().err
     assert main(["simulate", "configs/sim/small.yaml", "--modes", "dora,warp", "--out", str(tmp_path)]) == 2
+    capsys.readouterr()
+    # the message is text, not rich markup: a path with brackets reaches the user whole, on one line
+    assert main(["simulate", str(tmp_path / "[exp1]" / "c.yaml"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/[exp1]/c.yaml does not exist" in err and err.count("\n") == 1, err
 
 
 def test_deprecated_keys_keep_working_and_name_their_new_key(tmp_path, capsys):

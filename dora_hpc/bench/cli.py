@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..config import ConfigError, load_config
+from ..errors import fail
 from .modes_bench import CASES as MODE_CASES
 
 
@@ -114,8 +115,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     try:
         run(args, console)
     except BenchError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]bench {args.what}[/]: {e}", highlight=False)
-        return 1
+        return fail(f"bench {args.what}", e, code=1)
     if uses_config:
         console.print(f"wrote {args.out}/summary.json (runs and their logs in {args.out}/runs)")
     return 0

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
+
+from ..errors import fail
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -18,14 +19,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from ..store.shards import ShardError
     from .fit import plan
 
-    err = Console(stderr=True, soft_wrap=True)
     try:
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task(f"plan {args.run_dir}", total=None)
             result = plan(Path(args.run_dir), args.accelerators, lambda: progress.advance(task))
     except (LaunchError, ShardError, ValueError, OSError) as e:
-        err.print(f"[bold red]plan[/]: {escape(str(e))}", highlight=False)
-        return 2
+        return fail("plan", e)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
