@@ -46,6 +46,9 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
     assert 0 < a["slot_utilization"] <= 1 and a["bubble_fraction"] == pytest.approx(1 - a["slot_utilization"])
     assert 0 <= a["inter_instance_bubble"] < 1 and 0 < a["rollout_only_fraction"] <= 1
     assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
+    waits = a["trainer_wait_fraction"]  # rank 0's policy said what the trainer waited for (trainer_wait ops)
+    assert 0 < sum(waits.values()) <= 1 and "trainer_wait" not in a["overheads"], waits
+    assert mode == "dora" or waits["window"] == 0, waits  # only DORA has a staleness window
     gap = a["logprob_gap"]  # the engine's logprobs against the trainer's, on tokens of the same weights
     if mode == "partial":
         assert gap["tokens"] == 0  # its trajectories may span versions: none is counted

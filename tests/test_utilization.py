@@ -16,7 +16,9 @@ def test_two_instances_two_steps_known_answers():
     esteps = cols([(2, 0, 10, 2, 2), (2, 12, 22, 2, 2), (3, 0, 5, 2, 2), (3, 12, 17, 2, 2), (3, 5, 10, 0, 2)],
                   ["rank", "t_start", "t_end", "batch_size", "capacity"])
     tsteps = cols([(0, 10, 12, 100), (1, 22, 24, 300)], ["step", "t_start", "t_end", "tokens"])
-    ops = cols([("weight_load", 10, 11.2), ("migration_in", 15, 15.0)], ["kind", "t_start", "t_end"])
+    ops = cols([("weight_load", 10, 11.2, ""), ("migration_in", 15, 15.0, ""), ("trainer_wait", 0, 9, "capacity"),
+                ("trainer_wait", 9, 10, "window"), ("trainer_wait", 12, 22, "tail")],
+               ["kind", "t_start", "t_end", "detail"])
     u = utilization(esteps, tsteps, ops)
     assert u["window_s"] == 24
     assert u["slot_utilization"] == pytest.approx(60 / 96)       # 2*10 + 2*10 + 2*5 + 2*5 slot-seconds of 2x2x24
@@ -27,9 +29,12 @@ def test_two_instances_two_steps_known_answers():
     assert u["engine_steps_per_trained_token"] == pytest.approx(4 / 400)  # the idle step does not count
     assert u["instance_busy_s"] == pytest.approx((20 + 10) / 2)
     assert u["overheads"] == {"weight_load": pytest.approx(1.2 / 48)}  # zero-length ops take no time
+    assert u["trainer_wait_fraction"] == {"capacity": pytest.approx(9 / 24), "tail": pytest.approx(10 / 24),
+                                          "window": pytest.approx(1 / 24)}  # a wait is not an overhead
     # leaving step 0 out as warm-up: the window is [12, 24]
     w = utilization(esteps, tsteps, ops, warmup_steps=1)
     assert w["window_s"] == 12 and w["slot_utilization"] == pytest.approx(30 / 48)
+    assert w["trainer_wait_fraction"]["tail"] == pytest.approx(10 / 12) and w["trainer_wait_fraction"]["capacity"] == 0
     assert w["throughput_tokens_per_s"] == pytest.approx(300 / 12)
     assert w["engine_steps_per_trained_token"] == pytest.approx(2 / 300)
 
@@ -37,7 +42,7 @@ def test_two_instances_two_steps_known_answers():
 def test_a_perfectly_balanced_run_has_no_inter_instance_bubble_and_empty_logs_give_zeros():
     esteps = cols([(r, 0, 10, 4, 4) for r in (2, 3, 4)], ["rank", "t_start", "t_end", "batch_size", "capacity"])
     tsteps = cols([(0, 10, 11, 50)], ["step", "t_start", "t_end", "tokens"])
-    ops = cols([], ["kind", "t_start", "t_end"])
+    ops = cols([], ["kind", "t_start", "t_end", "detail"])
     u = utilization(esteps, tsteps, ops)
     assert u["inter_instance_bubble"] == 0 and u["slot_utilization"] == pytest.approx(10 / 11)
     empty = cols([], ["rank", "t_start", "t_end", "batch_size", "capacity"])

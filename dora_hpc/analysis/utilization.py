@@ -14,7 +14,9 @@ The definitions are the simulator's (sim/metrics.py), applied to measured interv
 * engine_steps_per_trained_token: engine steps with a non-empty batch, summed over instances, that
   start in the window / the tokens those steps' train steps consumed (hardware-independent: pacing and
   core contention change seconds, not step counts);
-* overheads: seconds spent in each kind of op (weight loads, migrations, ...) / (instances x window).
+* overheads: seconds spent in each kind of op (weight loads, migrations, ...) / (instances x window);
+* trainer_wait_fraction: share of the window in which rank 0's policy had the trainer waiting, by
+  what for (``trainer_wait`` ops; core: Policy.train_wait): capacity, tail or window.
 
 Invariant: only measured intervals are used; a run with no engine steps or no train steps gives zeros.
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+
+WAITS = ("capacity", "tail", "window")  # what an idle trainer waits for (core: Policy.train_wait)
 
 
 class Cover:
@@ -52,12 +56,26 @@ class Cover:
         return float(self.upto(hi) - self.upto(lo)) if len(self.a) else 0.0
 
 
+def op_seconds(ops: dict[str, np.ndarray], lo: float, hi: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds within [lo, hi] of each kind of op, and of the trainer's waits by what for (not an op's cost)."""
+    over: dict[str, float] = defaultdict(float)
+    waits = dict.fromkeys(WAITS, 0.0)
+    for kind, a, b, detail in zip(ops["kind"], ops["t_start"], ops["t_end"], ops["detail"], strict=True):
+        if b > a:
+            seconds = max(0.0, min(b, hi) - max(a, lo))
+            if kind == "trainer_wait":
+                waits[str(detail)] = waits.get(str(detail), 0.0) + seconds
+            else:
+                over[str(kind)] += seconds
+    return over, waits
+
+
 def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], ops: dict[str, np.ndarray],
                 warmup_steps: int = 0) -> dict:
     """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row)."""
     zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
             "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "engine_steps_per_trained_token": 0.0,
-            "instance_busy_s": 0.0,
+            "instance_busy_s": 0.0, "trainer_wait_fraction": dict.fromkeys(WAITS, 0.0),
             "overheads": {}}
     if not len(esteps["t_start"]) or not len(tsteps["t_end"]):
         return zero
@@ -95,10 +113,7 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
         ok = top > 0
         bubbles = ((top[ok] - per[:, ok]) / top[ok]).mean(axis=0).tolist()
     trained = float(sum(int(k) for k, e in zip(tokens, t_end, strict=True) if lo < e <= hi))
-    over: dict[str, float] = defaultdict(float)
-    for kind, a, b in zip(ops["kind"], ops["t_start"], ops["t_end"], strict=True):
-        if b > a:
-            over[str(kind)] += max(0.0, min(b, hi) - max(a, lo))
+    over, waits = op_seconds(ops, lo, hi)
     n_inst = max(len(ranks), 1)
     return {"window_s": span, "slot_utilization": slot_util, "bubble_fraction": 1.0 - slot_util,
             "rollout_only_fraction": rollout_only,
@@ -106,4 +121,5 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             "throughput_tokens_per_s": trained / span,
             "engine_steps_per_trained_token": busy_steps / trained if trained else 0.0,
             "instance_busy_s": float(np.mean([Cover(busy[r]).length(lo, hi) if busy[r] else 0.0 for r in ranks])),
+            "trainer_wait_fraction": {k: v / span for k, v in waits.items()},
             "overheads": {k: v / (n_inst * span) for k, v in sorted(over.items())}}

@@ -105,6 +105,7 @@ def figures(a: dict, cfg) -> dict:
         "slot_utilization_limit": min(1.0, limit / full_rate) if full_rate != float("inf") else 1.0,
         "weight_load_share": a["overheads"].get("weight_load", 0.0),
         "overheads": a["overheads"],
+        "trainer_wait_fraction": a["trainer_wait_fraction"],
         "reward_first_last": [a["reward_by_step"][0], a["reward_by_step"][-1]] if a["reward_by_step"] else [],
     }
 

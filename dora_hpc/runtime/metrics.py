@@ -47,12 +47,19 @@ class StepFigures:
         self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
         self.waits = dict.fromkeys(WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
         self.wait, self.t_wait = None, now       # what it waits for since t_wait (None: it trains)
+        self.t_counted = now                     # the step figures hold the current wait up to here
 
-    def on_decision(self, now: float, wait: str | None) -> None:
-        """The policy decided at ``now``; until its next decision the trainer waits for ``wait``."""
+    def on_decision(self, now: float, wait: str | None) -> tuple[str, float] | None:
+        """The policy decided at ``now``; until its next decision the trainer waits for ``wait``. Returns
+        (what, since) of a wait that ends now, for the event log."""
+        if wait == self.wait:
+            return None
+        ended = None
         if self.wait is not None:
-            self.waits[self.wait] += now - self.t_wait
-        self.wait, self.t_wait = wait, now
+            self.waits[self.wait] += now - self.t_counted
+            ended = (self.wait, self.t_wait)
+        self.wait, self.t_wait, self.t_counted = wait, now, now
+        return ended
 
     def on_done(self, response_len: int, kv_transfer_s: float) -> None:
         self.tokens += response_len
@@ -72,7 +79,9 @@ class StepFigures:
                "versions_live": len(set(targets)), "queued": queued,
                "staleness/mean": sum(stale) / len(stale) if stale else math.nan,
                "staleness/max": max(stale, default=math.nan)}
-        self.on_decision(now, self.wait)
+        if self.wait is not None:  # a wait in progress counts up to now in this step's figures
+            self.waits[self.wait] += now - self.t_counted
+            self.t_counted = now
         out |= {f"trainer_wait/{k}_s": v for k, v in self.waits.items()}
         self.waits = dict.fromkeys(WAITS, 0.0)
         out |= {f"instances_behind_{d}": targets.count(v) for d, v in

@@ -320,7 +320,9 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         if any(isinstance(c, Migrate | AssignVersion) for c in commands):
             self.op("load_balancing", detail=type(event).__name__, t_start=t)
         self.execute(commands)
-        self.figures.on_decision(t, self.policy.train_wait())
+        ended = self.figures.on_decision(t, self.policy.train_wait())
+        if ended is not None:  # analysis reads what the trainer waited for from these ops
+            self.op("trainer_wait", detail=ended[0], t_start=ended[1])
 
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
