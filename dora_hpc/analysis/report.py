@@ -11,6 +11,8 @@ import html
 import json
 from pathlib import Path
 
+from ..core.policy_base import TRAIN_WAITS
+
 
 def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
     """(label, one value per run) for every figure of the table."""
@@ -29,7 +31,7 @@ def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
             ("inter-instance bubble (C.3)", lambda r: f"{r['inter_instance_bubble']:.3f}"),
             ("rollout-only fraction", lambda r: f"{r['rollout_only_fraction']:.3f}"),
             ("trainer waited for: capacity / tail / window",
-             lambda r: " / ".join(f"{r['trainer_wait_fraction'][k]:.3f}" for k in ("capacity", "tail", "window"))),
+             lambda r: " / ".join(f"{r['trainer_wait_fraction'][k]:.3f}" for k in TRAIN_WAITS)),
             ("trained tokens / s", lambda r: f"{r['throughput_tokens_per_s']:.1f}"),
             ("overheads, % of instance time", lambda r: ", ".join(f"{k} {100 * v:.2f}" for k, v in
                                                                  r["overheads"].items()) or "-"),

@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import numpy as np
 
-WAITS = ("capacity", "tail", "window")  # what an idle trainer waits for (core: Policy.train_wait)
+from ..core.policy_base import TRAIN_WAITS
 
 
 class Cover:
@@ -59,7 +59,7 @@ class Cover:
 def op_seconds(ops: dict[str, np.ndarray], lo: float, hi: float) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds within [lo, hi] of each kind of op, and of the trainer's waits by what for (not an op's cost)."""
     over: dict[str, float] = defaultdict(float)
-    waits = dict.fromkeys(WAITS, 0.0)
+    waits = dict.fromkeys(TRAIN_WAITS, 0.0)
     for kind, a, b, detail in zip(ops["kind"], ops["t_start"], ops["t_end"], ops["detail"], strict=True):
         if b > a:
             seconds = max(0.0, min(b, hi) - max(a, lo))
@@ -75,7 +75,7 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row)."""
     zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
             "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "engine_steps_per_trained_token": 0.0,
-            "instance_busy_s": 0.0, "trainer_wait_fraction": dict.fromkeys(WAITS, 0.0),
+            "instance_busy_s": 0.0, "trainer_wait_fraction": dict.fromkeys(TRAIN_WAITS, 0.0),
             "overheads": {}}
     if not len(esteps["t_start"]) or not len(tsteps["t_end"]):
         return zero

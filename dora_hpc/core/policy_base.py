@@ -30,6 +30,7 @@ from .ledger import Ledger
 from .resume import ResumePlan
 
 MODES = ("sync", "one_step", "partial", "oversample", "dora")
+TRAIN_WAITS = ("capacity", "tail", "window")  # what an idle trainer may wait for (Policy.train_wait)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-WAITS = ("capacity", "tail", "window")  # what an idle trainer waits for (core: Policy.train_wait)
+from ..core.policy_base import TRAIN_WAITS
+
 # the train-steps row's figures that are not scalars to plot
 NOT_SCALARS = ("step", "t_start", "t_end", "weights_checksum", "attempt")
 
@@ -45,7 +46,7 @@ class StepFigures:
     def __init__(self, now: float) -> None:
         self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
         self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
-        self.waits = dict.fromkeys(WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
+        self.waits = dict.fromkeys(TRAIN_WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
         self.wait, self.t_wait = None, now       # what it waits for since t_wait (None: it trains)
         self.t_counted = now                     # the step figures hold the current wait up to here
 
@@ -83,7 +84,7 @@ class StepFigures:
             self.waits[self.wait] += now - self.t_counted
             self.t_counted = now
         out |= {f"trainer_wait/{k}_s": v for k, v in self.waits.items()}
-        self.waits = dict.fromkeys(WAITS, 0.0)
+        self.waits = dict.fromkeys(TRAIN_WAITS, 0.0)
         out |= {f"instances_behind_{d}": targets.count(v) for d, v in
                 ((latest - v, v) for v in sorted(set(targets), reverse=True))}
         out |= {f"staleness/groups_at_{s}": stale.count(s) for s in sorted(set(stale))}

@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ..config import RunConfig
+from ..core.policy_base import TRAIN_WAITS
 from .cluster import Simulator
 from .costs import CostModel
 from .workload import Workload
-
-WAITS = ("capacity", "tail", "window")  # Policy.train_wait's answers
 
 
 def inter_instance_bubbles(sim: Simulator, warmup: int) -> list[float]:
@@ -96,7 +95,7 @@ def summarize(sim: Simulator) -> dict:
         "throughput_tokens_per_s": tokens / span,
         "mean_step_time_s": span / (len(sim.steps) - w),
         "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,
-        "trainer_wait_fraction": {k: (sim.wait_s[k] - sim.wait_at_t0[k]) / span for k in WAITS},
+        "trainer_wait_fraction": {k: (sim.wait_s[k] - sim.wait_at_t0[k]) / span for k in TRAIN_WAITS},
         "slot_utilization": slot_util,
         "bubble_fraction": slot_bubble,
         "inter_instance_bubble": sum(bubbles) / len(bubbles) if bubbles else 0.0,
