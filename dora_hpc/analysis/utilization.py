@@ -121,5 +121,5 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             "throughput_tokens_per_s": trained / span,
             "engine_steps_per_trained_token": busy_steps / trained if trained else 0.0,
             "instance_busy_s": float(np.mean([Cover(busy[r]).length(lo, hi) if busy[r] else 0.0 for r in ranks])),
-            "trainer_wait_fraction": {k: v / span for k, v in waits.items()},
+            "trainer_wait_fraction": {k: float(v / span) for k, v in waits.items()},
             "overheads": {k: v / (n_inst * span) for k, v in sorted(over.items())}}

@@ -165,13 +165,15 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
         c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})
         s = simulate(replace(fit, cfg=c), c)
         rows.append({"set": sets, "predicted_tokens_per_s": s["throughput_tokens_per_s"],
-                     "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"]})
+                     "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"],
+                     "predicted_trainer_wait": s["trainer_wait_fraction"]})
         if progress:
             progress()
     rows.sort(key=lambda r: -r["predicted_tokens_per_s"])
     return {"run_dir": str(run_dir), "fit_check": {"measured_step_s": fit.measured_step_s,
                                                    "simulated_step_s": again["mean_step_time_s"],
                                                    "relative_error": error, "within": bool(abs(error) <= FIT_TOLERANCE),
-                                                   "tolerance": FIT_TOLERANCE},
+                                                   "tolerance": FIT_TOLERANCE,
+                                                   "simulated_trainer_wait": again["trainer_wait_fraction"]},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
             "candidates": rows, "n_candidates": len(candidates)}

@@ -33,20 +33,27 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   f"{check['simulated_step_s']:.2f} s against {check['measured_step_s']:.2f} s measured "
                   f"({check['relative_error']:+.1%}; {'within' if check['within'] else 'OUTSIDE'} "
                   f"{check['tolerance']:.0%})")
+    console.print("the logged run's trainer waited (re-simulated): " + _waits(check["simulated_trainer_wait"]),
+                  soft_wrap=True, highlight=False)
     table = Table(title=f"predicted, {result['accelerators']} accelerators (measured "
                         f"{result['measured_tokens_per_s']:,.0f} trained tokens/s)")
-    for col in ("rank", "--set", "tokens/s", "step s", "max staleness"):
+    for col in ("rank", "--set", "tokens/s", "step s", "max staleness", "trainer waits"):
         table.add_column(col, justify="right" if col != "--set" else "left", overflow="fold")
     for i, row in enumerate(result["candidates"][:8], 1):
         sets = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in row["set"].items())
         table.add_row(str(i), sets, f"{row['predicted_tokens_per_s']:,.0f}", f"{row['predicted_step_s']:.2f}",
-                      str(row["max_staleness"]))
+                      str(row["max_staleness"]), _waits(row["predicted_trainer_wait"]))
     console.print(table)
     best = result["candidates"][0]["set"]
     console.print("recommended: " + " ".join(
         f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items()))
     console.print(f"wrote {out / 'plan.json'}")
     return 0
+
+
+def _waits(w: dict[str, float]) -> str:
+    """The trainer's idle share by what it waited for (core: Policy.train_wait), e.g. ``window 12%``."""
+    return ", ".join(f"{k} {v:.0%}" for k, v in w.items() if v >= 0.005) or "none"
 
 
 def add_parser(sub) -> None:
