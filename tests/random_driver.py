@@ -67,10 +67,12 @@ class RandomDriver:
         self.max_live_versions = 0
         self.migrations = 0
         self.reprefills = 0
-        self.elastic = {"sleeps": 0, "offloads": 0, "restores": 0, "drain_migrations": 0}
+        self.elastic = {"sleeps": 0, "offloads": 0, "restores": 0, "drain_migrations": 0, "wakes": 0}
+        self.woken_now: set[int] = set()  # borrowed instances woken by the event being executed
 
     # -- executing commands ------------------------------------------------------------------------
     def feed(self, event) -> None:
+        self.woken_now = set()
         for cmd in self.p.on(event):
             self.execute(cmd)
 
@@ -79,6 +81,9 @@ class RandomDriver:
             case AssignVersion(i, v, src, keep):
                 if i in self.asleep and self.train_step is not None:
                     raise InvariantBroken(f"{cmd}: a borrowed instance woken while the trainer trains")
+                if i in self.asleep:
+                    self.elastic["wakes"] += 1
+                    self.woken_now.add(i)
                 self.asleep.discard(i)
                 live = [t for t, j in self.where.items() if j == i]
                 if live and not keep:
@@ -127,6 +132,8 @@ class RandomDriver:
             case Sleep(i):
                 if i not in self.borrowed or any(j == i for j in self.where.values()):
                     raise InvariantBroken(f"{cmd}: not borrowed, or it still runs requests")
+                if i in self.woken_now:
+                    raise InvariantBroken(f"{cmd}: woken and put back to sleep by one decision")
                 self.asleep.add(i)
                 self.elastic["sleeps"] += 1
                 self.version[i] = None

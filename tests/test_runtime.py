@@ -212,8 +212,16 @@ def test_elastic_trainer_ranks_host_borrowed_instances_and_drain_them_before_eac
     assert set(trajs["rank"].tolist()) & set(range(1, 1 + trainers))  # a trainer rank's shard has rows
     ops = read_table(run_dir, "events", "ops", ["kind"], with_rank=True)
     on_trainers = [k for r, k in zip(ops["rank"].tolist(), ops["kind"].tolist(), strict=True) if r <= trainers]
-    assert on_trainers.count("sleep") >= 8 * trainers - trainers  # before (nearly) every step, each
-    assert "weight_load" in on_trainers
+    assert on_trainers.count("sleep") >= trainers and "weight_load" in on_trainers  # each slept and woke
+    # a borrowed instance never decodes while its trainer trains: it is drained and asleep first (rank 1 writes
+    # the train-steps rows, with its own times)
+    esteps = read_table(run_dir, "events", "steps", ["t_start", "t_end", "batch_size"], with_rank=True)
+    tsteps = read_table(run_dir, "train", "steps", ["t_start", "t_end"])
+    train = list(zip(tsteps["t_start"], tsteps["t_end"], strict=True))
+    decode = [(a, b) for q, a, b, n in zip(esteps["rank"], esteps["t_start"], esteps["t_end"], esteps["batch_size"],
+                                          strict=True) if q == 1 and n > 0]
+    assert len(train) == 8 and decode
+    assert not [(d, t) for d in decode for t in train if d[0] < t[1] and t[0] < d[1]]
 
 
 def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):

@@ -87,11 +87,12 @@ class Dora(Policy):
 
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
-        return self._wake() + self._admit() + self._rebalance() + self._train()
+        wake = [] if self._can_train() else self._wake()  # a step that starts at once would put them back to sleep
+        return wake + self._admit() + self._rebalance() + self._train()
 
     def _wake(self) -> list[Command]:
-        """The trainer is free: each asleep borrowed instance loads the latest version from the trainer
-        that hosts it (the planner may give it another)."""
+        """The trainer is free and must wait: each asleep borrowed instance loads the latest version from
+        the trainer that hosts it (the planner may give it another)."""
         out: list[Command] = []
         for i in self.view.borrowed:
             if self.view.instances[i].asleep:
