@@ -18,7 +18,7 @@ from rich.console import Console
 
 from . import __version__
 from .config import ConfigError, load_config
-from .core.policies import MODES
+from .core.policies import MODES, traits_of
 from .errors import fail
 
 
@@ -57,7 +57,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    if "dora" in modes and cfg.sim.warmup_steps <= cfg.dora.k:
+    if any(traits_of(m, cfg.dora.k).uses_k for m in modes) and cfg.sim.warmup_steps <= cfg.dora.k:
         console.print(f"note: sim.warmup_steps ({cfg.sim.warmup_steps}) <= dora.k ({cfg.dora.k}): DORA's measured "
                       "window holds the pipeline's fill (at step K the trainer first waits for every group admitted "
                       f"at the start); its steady state: --set sim.warmup_steps={2 * cfg.dora.k} and more sim.steps",

@@ -139,8 +139,10 @@ def test_kv_pressure_causes_preemption_when_memory_is_short():
     assert s["lost_groups"] == 0
 
 
-def test_cli_writes_summary_and_timelines(tmp_path):
+def test_cli_writes_summary_and_timelines(tmp_path, capsys):
     assert main(["simulate", SMALL, "--modes", "sync,dora", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out  # small.yaml leaves 2 warm-up steps out at K=2: the window holds the fill
+    assert "note: sim.warmup_steps (2) <= dora.k (2)" in out and "dora: the trainer waited" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     keys = {"throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
             "bubble_fraction", "max_staleness", "lost_groups", "duplicate_groups",

@@ -39,7 +39,8 @@ class Dora(Policy):
     def traits(cls, k: int) -> Traits:
         # versions v-K..v live on the instances, v+1 being made: K + 2
         return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
-                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True, elastic=True)
+                      kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True, elastic=True,
+                      uses_k=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)

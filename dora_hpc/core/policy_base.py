@@ -49,6 +49,7 @@ class Traits:
     auto_rbs: bool = False        # RBS may be "auto": groups are admitted while rollout slots are free (and,
     #                               under a window, while it allows), so no fixed number bounds what is in flight
     elastic: bool = False         # may borrow the trainer's accelerators for rollout while it waits (cluster.elastic)
+    uses_k: bool = False          # dora.k is its staleness bound (a staleness window of K versions)
 
 
 @dataclass(frozen=True)

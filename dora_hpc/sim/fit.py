@@ -151,11 +151,10 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
     candidates = []
     k0, mode = fit.cfg.dora.k, fit.cfg.mode
     traits = traits_of(mode, k0)
-    uses_k = traits_of(mode, 0).staleness_bound != traits_of(mode, 1).staleness_bound  # K bounds its staleness
     for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
         if n >= total:
             continue
-        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if uses_k else [k0]:
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if traits.uses_k else [k0]:
             for elastic in (False, True) if traits.elastic else (False,):
                 for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if traits.auto_rbs else [fit.cfg.batch.rbs]:
                     candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
