@@ -210,9 +210,11 @@ def test_elastic_trainer_ranks_host_borrowed_instances_and_drain_them_before_eac
     served = {i for path in trajs["instance_path"] for i in path.split(">")} & borrowed
     assert served == borrowed  # each borrowed instance generated (some finished there, some moved off)
     assert set(trajs["rank"].tolist()) & set(range(1, 1 + trainers))  # a trainer rank's shard has rows
-    ops = read_table(run_dir, "events", "ops", ["kind"], with_rank=True)
+    ops = read_table(run_dir, "events", "ops", ["kind", "bytes"], with_rank=True)
     on_trainers = [k for r, k in zip(ops["rank"].tolist(), ops["kind"].tolist(), strict=True) if r <= trainers]
     assert on_trainers.count("sleep") >= trainers and "weight_load" in on_trainers  # each slept and woke
+    freed = [b for r, k, b in zip(ops["rank"], ops["kind"], ops["bytes"], strict=True) if k == "sleep"]
+    assert freed and min(freed) > 0  # each sleep gave the engine's KV pool back
     # a borrowed instance never decodes while its trainer trains: it is drained and asleep first (rank 1 writes
     # the train-steps rows, with its own times)
     esteps = read_table(run_dir, "events", "steps", ["t_start", "t_end", "batch_size"], with_rank=True)

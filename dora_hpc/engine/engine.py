@@ -207,12 +207,20 @@ class Engine:
             raise RequestError(f"cannot load v{version}: {len(self.seqs)} live requests of v{self.version}")
         state = check_state(self.model, state, f"weights of v{version}")
         self.model.load_state_dict(state, strict=False)
+        self.kv.allocate_memory()  # a slept engine wakes with its new weights
         for seq in self.seqs.values():
             self.counts["reprefill_tokens"] += seq.n_cached
             self.kv.release(seq.table)
             seq.table, seq.n_cached, seq.host_kv = [], 0, None
             seq.status, seq.version = Status.WAITING, version
         self.version = version
+
+    def sleep(self) -> int:
+        """Free the KV pool for the trainer that hosts this engine (cluster.elastic) until the next
+        ``load_weights``; no request may hold KV on the device. Returns the bytes freed."""
+        if any(seq.table for seq in self.seqs.values()):
+            raise RequestError("cannot sleep: requests hold KV on the device")
+        return self.kv.free_memory()
 
     # -- stepping ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -221,6 +229,8 @@ class Engine:
     def step(self) -> list[Finished]:
         t0, prefilled = time.perf_counter(), self.counts["prefill_tokens"]
         plan = self._schedule()
+        if plan and not self.kv.resident:
+            raise RequestError("the engine sleeps (its KV pool is freed): load weights to wake it")
         finished = self._run(plan) if plan else []
         self.counts["steps"] += 1
         pace(t0, self.min_step_time_s, self.prefill_s_per_token, self.counts["prefill_tokens"] - prefilled)

@@ -24,10 +24,29 @@ class KVPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV pool needs at least one block of at least one slot")
         self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.v = torch.zeros(self.shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
+
+    # -- memory ------------------------------------------------------------------------------------
+    @property
+    def resident(self) -> bool:
+        return self.k.numel() > 0
+
+    def free_memory(self) -> int:
+        """Give the pool's memory back (a borrowed instance while its trainer trains); every block must be
+        free. Returns the bytes freed; ``allocate_memory`` brings the pool back, empty."""
+        if len(self._free) != self.num_blocks:
+            raise RuntimeError(f"KV pool freed with {self.num_blocks - len(self._free)} blocks in use")
+        freed = self.k.nbytes + self.v.nbytes
+        self.k, self.v = self.k.new_empty(0), self.v.new_empty(0)
+        return freed
+
+    def allocate_memory(self) -> None:
+        if not self.resident:
+            self.k = torch.zeros(self.shape, dtype=self.k.dtype, device=self.k.device)
+            self.v = torch.zeros(self.shape, dtype=self.v.dtype, device=self.v.device)
 
     # -- blocks ------------------------------------------------------------------------------------
     @property

@@ -253,6 +253,11 @@ class VllmEngine:
         """The hosted version's weights in Hugging Face naming (what load_weights was given)."""
         return self.state
 
+    def sleep(self) -> int:
+        """Not on this backend yet: vLLM's sleep mode needs CUDA, and cluster.elastic refuses
+        engine.backend=vllm at launch, so a vLLM engine is never asked to sleep."""
+        raise RequestError("the vLLM backend cannot sleep yet (cluster.elastic needs engine.backend=builtin)")
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
         if self.reqs and not keep_requests:
             raise RequestError(f"cannot load v{version}: {len(self.reqs)} live requests of v{self.version}")

@@ -167,7 +167,7 @@ class RolloutRank(OpLog):
             case SleepEngine():  # the trainer takes the accelerators; a LoadVersion wakes it
                 if self.engine.has_work():
                     raise RuntimeError(f"rank {self.comm.rank}: asked to sleep with requests running")
-                self.op("sleep")
+                self.op("sleep", nbytes=self.engine.sleep())  # the KV pool's memory goes back to the trainer
             case MigrateIn():
                 self.migrate_in(msg, src)
             case AbortTraj():
