@@ -23,8 +23,9 @@ def test_plan_fits_a_real_run_and_recommends_the_next_split(tmp_path):
     assert check["within"] and abs(check["relative_error"]) <= 0.15, check
     assert f"{check['relative_error']:+.1%}" in p.stdout  # the fit-check figure is in the output
     assert "recommended: --set cluster.rollout_instances=" in p.stdout
-    assert "the logged run's trainer waited (re-simulated): " in p.stdout  # why it was slow: Policy.train_wait
+    assert "the logged run's trainer waited: " in p.stdout and "; re-simulated: " in p.stdout  # Policy.train_wait
     assert 0 < sum(check["simulated_trainer_wait"].values()) < 1
+    assert 0 < sum(check["measured_trainer_wait"].values()) < 1  # from the run's trainer_wait ops
     rates = [r["predicted_tokens_per_s"] for r in result["candidates"]]
     assert rates == sorted(rates, reverse=True) and len(rates) == result["n_candidates"] > 4
     fitted = result["fitted"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..analysis.utilization import op_seconds
 from ..config import RunConfig, validate, with_overrides
 from ..core.policies import traits_of
 from ..store.shards import read_table
@@ -37,6 +38,7 @@ class Fit:
     measured_step_s: float    # mean train-step interval after the first step (the simulator's definition)
     measured_tokens_per_s: float
     fitted: dict              # the fitted figures, for the report
+    measured_waits: dict | None = None  # the trainer's logged waits over that window (None: not logged)
 
 
 def _lognormal(x: np.ndarray) -> dict:
@@ -57,7 +59,7 @@ def fit_run(run_dir: Path) -> Fit:
     run = validate(saved_config(run_dir), saved=True)
     tables = {"trajs": ("traj", "trajectories", ["traj_id", "group_id", "prompt_len", "response_len"]),
               "steps": ("events", "steps", ["t_start", "t_end", "batch_size", "kv_blocks_used"]),
-              "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes"]),
+              "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes", "detail"]),
               "train": ("train", "steps", ["step", "t_start", "t_end"]),
               "consumed": ("train", "consumed", ["traj_id", "consume_step"])}
     got = {name: read_table(run_dir, kind, table, [*cols, "attempt"]) for name, (kind, table, cols) in tables.items()}
@@ -102,7 +104,10 @@ def fit_run(run_dir: Path) -> Fit:
     fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
               "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
               "response_len_trend_per_step": _trend(trajs, consumed)}
-    return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted)
+    waits = None
+    if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
+        waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
+    return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
 
 
 def _engine_step(steps: dict, block_size: int) -> tuple[float, float]:
@@ -173,6 +178,7 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
                                                    "simulated_step_s": again["mean_step_time_s"],
                                                    "relative_error": error, "within": bool(abs(error) <= FIT_TOLERANCE),
                                                    "tolerance": FIT_TOLERANCE,
-                                                   "simulated_trainer_wait": again["trainer_wait_fraction"]},
+                                                   "simulated_trainer_wait": again["trainer_wait_fraction"],
+                                                   "measured_trainer_wait": fit.measured_waits},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
             "candidates": rows, "n_candidates": len(candidates)}

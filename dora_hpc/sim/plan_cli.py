@@ -33,8 +33,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   f"{check['simulated_step_s']:.2f} s against {check['measured_step_s']:.2f} s measured "
                   f"({check['relative_error']:+.1%}; {'within' if check['within'] else 'OUTSIDE'} "
                   f"{check['tolerance']:.0%})")
-    console.print("the logged run's trainer waited (re-simulated): " + _waits(check["simulated_trainer_wait"]),
-                  soft_wrap=True, highlight=False)
+    measured = check["measured_trainer_wait"]
+    console.print("the logged run's trainer waited: " + (_waits(measured) if measured is not None else "not logged")
+                  + "; re-simulated: " + _waits(check["simulated_trainer_wait"]), soft_wrap=True, highlight=False)
     table = Table(title=f"predicted, {result['accelerators']} accelerators (measured "
                         f"{result['measured_tokens_per_s']:,.0f} trained tokens/s)")
     for col in ("rank", "--set", "tokens/s", "step s", "max staleness", "trainer waits"):
