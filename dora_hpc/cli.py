@@ -106,10 +106,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if code in (PREEMPTED, RESUMABLE) or code > 128:  # said why: a signal (3: at a checkpoint; 128 + N: at
         return code                                     # once) or a full disk (75)
     if code != 0:
-        Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]run failed[/] (exit {code}); logs so far are in {run_dir}; continue with: "
-            f"dora-hpc run --resume --run-dir {run_dir}")
-        return 1
+        return fail("run failed", f"exit {code}; logs so far are in {run_dir}; continue with: "
+                                  f"dora-hpc run --resume --run-dir {run_dir}", code=1)
     from .analysis.basic import analyze
 
     a = analyze(run_dir)
