@@ -58,8 +58,9 @@ class RolloutEngine(Protocol):
     def stats(self) -> dict: ...
 
 
-def make_engine(cfg, model_dir) -> RolloutEngine:
-    """The configured backend for one rollout rank (``cfg`` is the RunConfig); version -1 until loaded."""
+def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
+    """The configured backend for one rollout instance (``cfg`` is the RunConfig); version -1 until loaded.
+    ``borrowed``: hosted on a trainer rank (cluster.elastic), so it must be able to sleep."""
     e = cfg.engine
     kw = dict(kv_blocks=e.kv_blocks, block_size=e.block_size, max_num_seqs=cfg.cluster.max_num_seqs,
               max_batched_tokens=e.max_batched_tokens, seed=cfg.seed, version=-1,
@@ -69,7 +70,7 @@ def make_engine(cfg, model_dir) -> RolloutEngine:
         from .vllm import VllmEngine
 
         return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype,
-                          gpu_memory_utilization=e.gpu_memory_utilization)
+                          gpu_memory_utilization=e.gpu_memory_utilization, sleepable=borrowed)
     from .engine import Engine
     from .model import load_model
 

@@ -17,7 +17,12 @@ Invariants (those of the built-in engine, where vLLM allows them):
   fast-forwarded), so only greedy continuations are token-identical to an unmigrated run;
 * logprobs are vLLM's ``processed_logprobs`` of the sampled token: under the temperature-scaled
   distribution, as the trainer computes them;
-* a bad request (unknown version, too long for the KV pool) raises RequestError before touching state.
+* a bad request (unknown version, too long for the KV pool) raises RequestError before touching state;
+* a borrowed instance (``sleepable``, cluster.elastic) sleeps only when it holds no request, and a
+  slept engine steps nothing until ``load_weights`` wakes it. Where vLLM has a sleep mode (CUDA) it
+  discards weights and KV (level 2: the trainer holds the weights, and the wake loads new ones);
+  elsewhere vLLM's sleep does nothing, so the engine frees the KV cache's backing buffer itself
+  (every layer's cache is a view of it) and allocates it again, zeroed, at the wake.
 """
 
 from __future__ import annotations
@@ -73,6 +78,34 @@ def refresh_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+def _kv_storages(worker) -> list[torch.UntypedStorage]:
+    """The backing buffers of a worker's paged KV cache (each layer's cache is a view of one)."""
+    from .vllm_kv import layer_caches
+
+    seen: dict[int, torch.UntypedStorage] = {}
+    for cache in layer_caches(worker.vllm_config.compilation_config.static_forward_context):
+        st = cache.untyped_storage()
+        seen.setdefault(st.data_ptr(), st)
+    return list(seen.values())
+
+
+def free_kv_cache(worker) -> int:
+    """Run on every worker by ``collective_rpc`` where vLLM has no sleep mode: release the KV cache's
+    memory (the views keep their shapes; nothing may read them until ``allocate_kv_cache``)."""
+    worker.dora_kv_sizes = [(st, st.nbytes()) for st in _kv_storages(worker)]
+    for st, _ in worker.dora_kv_sizes:
+        st.resize_(0)
+    return sum(n for _, n in worker.dora_kv_sizes)
+
+
+def allocate_kv_cache(worker) -> None:
+    """Undo ``free_kv_cache``: the same buffers, re-allocated and zeroed (as vLLM allocates them)."""
+    for st, n in worker.dora_kv_sizes:
+        st.resize_(n)
+        st.fill_(0)
+    worker.dora_kv_sizes = []
+
+
 def _config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
@@ -81,7 +114,7 @@ class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
                  prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.9) -> None:
+                 gpu_memory_utilization: float = 0.9, sleepable: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: one per MPI rank
         on_gpu = torch.cuda.is_available()
         if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -107,7 +140,12 @@ class VllmEngine:
         # vLLM's CPU attention takes blocks of a multiple of 32 tokens; GPUs take the configured size
         self.block_size = block_size if on_gpu else -(-block_size // 32) * 32
         self.tp = tensor_parallel
+        from vllm.platforms import current_platform
+
+        self.sleep_mode = sleepable and current_platform.is_sleep_mode_available()  # vLLM's own (CUDA)
+        self.asleep = False
         self.llm = LLMEngine.from_engine_args(EngineArgs(
+            enable_sleep_mode=self.sleep_mode,
             model=str(self.model_dir), dtype=dtype, seed=seed, enforce_eager=not on_gpu, block_size=self.block_size,
             tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp" if tensor_parallel > 1 else None,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -254,9 +292,27 @@ class VllmEngine:
         return self.state
 
     def sleep(self) -> int:
-        """Not on this backend yet: vLLM's sleep mode needs CUDA, and cluster.elastic refuses
-        engine.backend=vllm at launch, so a vLLM engine is never asked to sleep."""
-        raise RequestError("the vLLM backend cannot sleep yet (cluster.elastic needs engine.backend=builtin)")
+        """Free the device memory this instance holds for its trainer (cluster.elastic) until the next
+        ``load_weights``; no request may be live here. Returns the bytes freed."""
+        if self.reqs:
+            raise RequestError(f"cannot sleep: {len(self.reqs)} requests are live on this engine")
+        if self.asleep:
+            return 0
+        if self.sleep_mode:
+            free0 = torch.cuda.mem_get_info()[0]
+            self.llm.sleep(level=2)
+            freed = torch.cuda.mem_get_info()[0] - free0
+        else:
+            freed = sum(self.llm.collective_rpc(free_kv_cache))
+        self.asleep = True
+        return freed
+
+    def _wake(self, part: str) -> None:
+        """Bring back what sleep freed: "weights" before a reload, then "kv_cache"."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=[part])
+        elif part == "kv_cache":
+            self.llm.collective_rpc(allocate_kv_cache)
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
         if self.reqs and not keep_requests:
@@ -268,8 +324,13 @@ class VllmEngine:
         for req_id, live in self.reqs.items():  # partial rollout: re-prefill under the new weights
             self._withdraw(req_id, live)
             live.host_kv = None  # KV of the old weights
+        if self.asleep:
+            self._wake("weights")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
         self.llm.collective_rpc(refresh_lm_head)
+        if self.asleep:
+            self._wake("kv_cache")
+            self.asleep = False
         self.llm.reset_prefix_cache()
         self.state = {**self.state, **state}
         self.version = version
@@ -283,6 +344,8 @@ class VllmEngine:
         return any(not live.parked for live in self.reqs.values())
 
     def step(self) -> list[Finished]:
+        if self.asleep:
+            raise RequestError("the engine sleeps (its KV cache is freed): load weights to wake it")
         t0, prefilled = time.perf_counter(), 0
         finished = []
         for out in self.llm.step():

@@ -87,9 +87,6 @@ def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
     """Write (or, on resume, update) ``launch.json``; returns it. ``resume``: no | required | if_any."""
     from ..engine.model import ModelSpec, load_hf_config
 
-    if cfg.cluster.elastic and cfg.engine.backend != "builtin":
-        raise LaunchError("cluster.elastic: a trainer rank hosts the built-in engine only so far "
-                          f"(engine.backend={cfg.engine.backend})")
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "launch.json"
     (run_dir / "preempted.json").unlink(missing_ok=True)

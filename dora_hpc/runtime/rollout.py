@@ -64,7 +64,7 @@ class RolloutRank(OpLog):
         self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
         self.run_dir = run_dir
         self.instance = comm.roles.instance_of_rank(comm.rank)
-        self.engine = make_engine(cfg, model_dir)
+        self.engine = make_engine(cfg, model_dir, borrowed=comm.roles.role(comm.rank) == "trainer")
         cj = cfg.model_dump_json()
         rows = cfg.store.rows_per_shard
         self.traj_log = ShardWriter(run_dir, "traj", comm.rank, "rollout", run_id, cj, rows, attempt)
