@@ -93,10 +93,3 @@ def test_deprecated_keys_keep_working_and_name_their_new_key(tmp_path, capsys):
              "dora": {"kv_offload": False}, "engine": {"on_kv_full": "offload"}}
     cfg = validate(saved, saved=True)
     assert cfg.cluster.rollout_instances == 2 and cfg.engine.on_kv_full == "offload"
-
-
-def test_run_refuses_elastic_with_an_engine_a_trainer_rank_cannot_host_yet(tmp_path, capsys):
-    code = main(["run", "configs/tiny-cpu.yaml", "--run-dir", str(tmp_path / "r"), "--set", "cluster.elastic=true",
-                 "--set", "engine.backend=vllm"])
-    assert code == 2 and "built-in engine only" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()  # nothing written

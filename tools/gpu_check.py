@@ -205,6 +205,23 @@ def section_vllm(work: Path, small: bool) -> dict:
         return {"skipped": "vllm is not installed on this machine (its wheels exceed what can be carried)"}
     from vllm import LLM, SamplingParams
 
+    from dora_hpc.engine.sampling import SamplingParams as DoraParams
+    from dora_hpc.engine.vllm import VllmEngine
+
+    # a borrowed instance's sleep and wake (cluster.elastic): vLLM's sleep mode on CUDA, then new weights
+    eng = VllmEngine(model_dir(work), kv_blocks=1024, dtype="bfloat16", gpu_memory_utilization=0.3, version=0,
+                     sleepable=True)
+    state = eng.weights()
+    t_sleep, freed = timed(eng.sleep)
+    t_wake, _ = timed(lambda: eng.load_weights(state, 1))
+    eng.add(0, torch.randint(10, 4000, (64,)).tolist(), DoraParams(max_tokens=32, ignore_eos=True), 1)
+    done = []
+    while eng.has_work():
+        done += eng.step()
+    sleep = {"sleep_mode": eng.sleep_mode, "freed_bytes": freed, "sleep_s": t_sleep, "wake_and_load_s": t_wake,
+             "tokens_after_wake": len(done[0].response)}
+    eng.close()
+
     llm = LLM(str(model_dir(work)), dtype="bfloat16", gpu_memory_utilization=0.5, enforce_eager=False,
               skip_tokenizer_init=True)
     rows = []
@@ -215,7 +232,7 @@ def section_vllm(work: Path, small: bool) -> dict:
         s, res = timed(lambda prompts=prompts, sp=sp: llm.generate(prompts, sp))
         n = sum(len(r.outputs[0].token_ids) for r in res)
         rows.append({"batch": batch, "new_tokens": n, "seconds": s, "tokens_per_s": n / s})
-    return {"runs": rows}
+    return {"runs": rows, "sleep": sleep}
 
 
 def section_runtime(work: Path, small: bool) -> dict:

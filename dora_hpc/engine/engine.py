@@ -347,3 +347,6 @@ class Engine:
         return {"version": self.version, "running": by[Status.RUNNING], "waiting": by[Status.WAITING],
                 "offloaded": by[Status.OFFLOADED], "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
                 "kv_used_fraction": used / self.kv.num_blocks, **self.counts}
+
+    def close(self) -> None:
+        """Nothing to release: the pool and the model are this object's."""

@@ -57,6 +57,10 @@ class RolloutEngine(Protocol):
 
     def stats(self) -> dict: ...
 
+    def close(self) -> None:
+        """Release what the backend holds beyond this object (vLLM: its engine core, worker processes and
+        distributed groups)."""
+
 
 def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
     """The configured backend for one rollout instance (``cfg`` is the RunConfig); version -1 until loaded.

@@ -26,7 +26,10 @@ Invariants:
   waits. Rank 0 sends a borrowed instance its drain (MigrateOut, Park) and SleepEngine before the Train
   that follows, and one sender's messages arrive in order, so the engine is empty when a step starts;
   a parked request's KV is sent on when asked, even during a step (by the weight-serving thread); its
-  weights for a wake-up come from this trainer's own versions, not over MPI.
+  weights for a wake-up come from this trainer's own versions, not over MPI. A borrowed vLLM engine
+  runs in this process and builds its (one-rank) groups on the trainers' torch.distributed world when
+  the backend made one: every trainer rank builds its engine at start-up, as new groups need, and
+  closes it before the backend's world goes.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class TrainerRank(RankClock):
                 self.comm.discard(msg, src)
             self.rollout.traj_log.flush()
             self.rollout.log.flush()
+            self.rollout.engine.close()
         self.log.flush()
         self.dp.close()
 

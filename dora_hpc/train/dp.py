@@ -139,5 +139,6 @@ class DataParallel:
         if self.initialised:
             import torch.distributed as dist
 
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a borrowed vLLM engine that shared this world may have ended it
+                dist.destroy_process_group()
             self.initialised = False
