@@ -143,6 +143,9 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         self.sleep_mode = sleepable and current_platform.is_sleep_mode_available()  # vLLM's own (CUDA)
+        if sleepable and on_gpu:  # the trainer already holds part of this GPU; vLLM checks its share is free
+            free, total = torch.cuda.mem_get_info()
+            gpu_memory_utilization = min(gpu_memory_utilization, 0.95 * free / total)
         self.asleep = False
         self.llm = LLMEngine.from_engine_args(EngineArgs(
             enable_sleep_mode=self.sleep_mode,
