@@ -201,22 +201,40 @@ def test_an_elastic_run_on_vllm_hosts_sleeps_and_wakes_a_vllm_engine_on_each_tra
     """cluster.elastic with engine.backend=vllm on 2 data-parallel trainer ranks: each hosts a vLLM engine
     in-process (its groups on the trainers' torch.distributed world), which generates while its trainer
     waits, is drained before each step, frees its KV cache while the step runs and wakes with the new
-    weights; every invariant holds, the sampled logprobs match the trainer's, and the run ends cleanly."""
+    weights. A SIGTERM commits the current step and the run resumes: every invariant holds over both
+    attempts, the sampled logprobs match the trainer's, and neither attempt prints a traceback."""
+    import signal
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     from elastic_util import check_elastic_run
 
-    run_dir = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm",
-           "--set", "mode=dora", "--set", "train.max_steps=6", "--set", "cluster.rollout_instances=2",
-           "--set", "cluster.trainer_ranks=2", "--set", "cluster.elastic=true", "--set", "cluster.max_num_seqs=4",
-           "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
-    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]  # vLLM's groups went before the trainers' world
-    a = check_elastic_run(run_dir, steps=6, trainers=2, dedicated=2)
+    repo, run_dir = Path(__file__).resolve().parents[1], tmp_path / "elastic"
+    cli = [sys.executable, "-m", "dora_hpc.cli", "run"]
+    cmd = cli + ["configs/tiny-cpu.yaml", "--set", "engine.backend=vllm", "--set", "mode=dora",
+                 "--set", "train.max_steps=60", "--set", "train.checkpoint_every=2",
+                 "--set", "cluster.rollout_instances=2", "--set", "cluster.trainer_ranks=2",
+                 "--set", "cluster.elastic=true", "--set", "cluster.max_num_seqs=4",
+                 "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def steps() -> list[int]:
+        return sorted(int(q.name[5:]) for q in run_dir.glob("checkpoints/step-*") if q.name[5:].isdigit())
+
+    end = time.time() + 600
+    while len(steps()) < 2 and proc.poll() is None and time.time() < end:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3 and "Traceback" not in err, err[-3000:]
+    stopped = max(steps())
+    p = subprocess.run(cli + ["--resume", "--run-dir", str(run_dir), "--set", f"train.max_steps={stopped + 3}"],
+                       cwd=repo, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    a = check_elastic_run(run_dir, steps=stopped + 3, trainers=2, dedicated=2)
+    assert a["preemption"]["resumed_at_steps"] == [stopped]
     assert a["logprob_gap"]["tokens"] > 0 and a["logprob_gap"]["max"] < 1e-3, a["logprob_gap"]
     assert a["reprefill_tokens"] <= 32 * a["migrations"]  # whole 32-token blocks move with a request
 
