@@ -244,8 +244,8 @@ def tp_engines(tiny_dir):
     """Two instances of two tensor-parallel workers each (vLLM's multiprocess executor, gloo on CPU)."""
     from dora_hpc.engine.vllm import VllmEngine
 
-    engines = [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2)
-               for _ in range(2)]
+    engines = [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2,
+                          sleepable=True) for _ in range(2)]
     yield engines
     for e in engines:  # their four worker processes go now, not at the end of the whole session
         e.close()
@@ -294,6 +294,12 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
     with pytest.raises(RequestError, match="tensor-parallel size"):
         b.import_({**meta, "version": 1}, kv)
     assert not b.has_request(513)
+
+    run_all(b)  # a borrowed TP=2 instance: both workers free their KV cache, and it wakes as it was
+    assert b.sleep() > 0
+    b.load_weights(new, 1)
+    b.add(514, p, greedy, 1)
+    assert run_all(b)[514].response == ref.response
 
 
 def test_an_exported_checkpoint_generates_in_vllm_as_the_builtin_engine_does(tmp_path):
