@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from engine_util import run_all
+from engine_util import run_all, sleep_and_wake
 
 from dora_hpc.engine.engine import Engine, RequestError
 from dora_hpc.engine.kv import KVPool
@@ -152,21 +152,10 @@ def test_sleep_frees_the_kv_pool_and_new_weights_wake_the_engine(tiny_dir):
     e = _engine(tiny_dir)
     p = prompts(512, lens=(12,))[0]
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    e.add(0, p, params, 0)
-    e.step()
-    with pytest.raises(RequestError, match="hold KV"):
-        e.sleep()
-    before = run_all(e)[0].response
-    size = e.kv.k.nbytes + e.kv.v.nbytes
-    assert e.sleep() == size > 0 and e.kv.k.numel() == e.kv.v.numel() == 0
-    e.add(1, p, params, 0)
-    with pytest.raises(RequestError, match="sleeps"):
-        e.step()
-    e.abort(1)
-    e.load_weights(e.model.state_dict(), version=1)  # the next version's weights wake it
-    assert e.kv.k.nbytes + e.kv.v.nbytes == size and e.kv.free_blocks == e.kv.num_blocks
-    e.add(0, p, params, 1)  # same request, same seed: the same tokens as before it slept
-    assert run_all(e)[0].response == before
+    freed, size, asleep = sleep_and_wake(e, p, params, e.model.state_dict(), "hold KV",
+                                         lambda: e.kv.k.nbytes + e.kv.v.nbytes)
+    assert freed == size > 0 and asleep == 0
+    assert e.kv.free_blocks == e.kv.num_blocks
 
 
 def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_dir):

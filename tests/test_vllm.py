@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from engine_util import run_all
+from engine_util import run_all, sleep_and_wake
 
 from dora_hpc.engine.engine import RequestError
 from dora_hpc.engine.local_models import build_tiny_model
@@ -347,27 +347,15 @@ def test_a_sleepable_engine_frees_its_kv_cache_and_new_weights_wake_it(tiny_dir,
     e = VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, sleepable=True)
     p = prompts(3, seed=11)[1]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    e.add(0, p, greedy, 0)
-    e.step()
-    with pytest.raises(RequestError, match="live on this engine"):
-        e.sleep()
-    before = run_all(e)[0].response
-    size = sum(st.nbytes() for st in e.llm.collective_rpc(_kv_storages)[0])
-    freed = e.sleep()
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    freed, size, asleep = sleep_and_wake(e, p, greedy, weights, "live on this engine",
+                                         lambda: sum(st.nbytes() for st in e.llm.collective_rpc(_kv_storages)[0]))
     if not e.sleep_mode:  # CPU: the engine frees the cache's buffer itself (CUDA: vLLM's sleep mode)
-        assert freed == size > 0 and sum(st.nbytes() for st in e.llm.collective_rpc(_kv_storages)[0]) == 0
+        assert freed == size > 0 and asleep == 0
     assert freed > 0
-    e.add(1, p, greedy, 0)
-    with pytest.raises(RequestError, match="sleeps"):
-        e.step()
-    e.abort(1)
-    e.load_weights(load_file(str(tiny_dir / "model.safetensors")), 1)  # wakes it
-    assert sum(st.nbytes() for st in e.llm.collective_rpc(_kv_storages)[0]) == size
     assert e.sleep() > 0  # and again, once woken
-    e.load_weights(load_file(str(tiny_dir / "model.safetensors")), 1)
-    e.add(2, p, greedy, 1)
-    assert run_all(e)[2].response == before
-    e.add(3, p, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), 1)
+    e.load_weights(weights, 2)
+    e.add(3, p, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), 2)
     got = run_all(e)[3]
     assert (torch.tensor(got.logprobs) - hf_logprobs(hf_model, p, got.response)).abs().max() <= 1e-4
     e.close()
