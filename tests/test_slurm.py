@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_resume import checkpoints
 
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.launch.local import DeathWatch
@@ -90,11 +91,6 @@ def wait_for(cond, job: str, timeout: float = 300, what: str = "", run_dir: Path
 def attempts(run_dir: Path) -> int:
     f = run_dir / "attempts.jsonl"
     return len(f.read_text().splitlines()) if f.exists() else 0
-
-
-def checkpoints(run_dir: Path) -> list[int]:
-    root = run_dir / "checkpoints"
-    return sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()) if root.exists() else []
 
 
 def progressed(run_dir: Path, n_attempts: int):

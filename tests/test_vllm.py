@@ -205,33 +205,23 @@ def test_an_elastic_run_on_vllm_hosts_sleeps_and_wakes_a_vllm_engine_on_each_tra
     attempts, the sampled logprobs match the trainer's, and neither attempt prints a traceback."""
     import signal
     import subprocess
-    import sys
-    import time
-    from pathlib import Path
 
     from elastic_util import check_elastic_run
+    from test_resume import CLI, REPO, checkpoints, resume, wait_for
 
-    repo, run_dir = Path(__file__).resolve().parents[1], tmp_path / "elastic"
-    cli = [sys.executable, "-m", "dora_hpc.cli", "run"]
-    cmd = cli + ["configs/tiny-cpu.yaml", "--set", "engine.backend=vllm", "--set", "mode=dora",
+    run_dir = tmp_path / "elastic"
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm", "--set", "mode=dora",
                  "--set", "train.max_steps=60", "--set", "train.checkpoint_every=2",
                  "--set", "cluster.rollout_instances=2", "--set", "cluster.trainer_ranks=2",
                  "--set", "cluster.elastic=true", "--set", "cluster.max_num_seqs=4",
                  "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def steps() -> list[int]:
-        return sorted(int(q.name[5:]) for q in run_dir.glob("checkpoints/step-*") if q.name[5:].isdigit())
-
-    end = time.time() + 600
-    while len(steps()) < 2 and proc.poll() is None and time.time() < end:
-        time.sleep(0.5)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(checkpoints(run_dir)) >= 2 or proc.poll() is not None, timeout=600)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 3 and "Traceback" not in err, err[-3000:]
-    stopped = max(steps())
-    p = subprocess.run(cli + ["--resume", "--run-dir", str(run_dir), "--set", f"train.max_steps={stopped + 3}"],
-                       cwd=repo, capture_output=True, text=True, timeout=900)
+    stopped = max(checkpoints(run_dir))
+    p = resume(run_dir, "--set", f"train.max_steps={stopped + 3}")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     a = check_elastic_run(run_dir, steps=stopped + 3, trainers=2, dedicated=2)
     assert a["preemption"]["resumed_at_steps"] == [stopped]
