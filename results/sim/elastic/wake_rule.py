@@ -7,13 +7,14 @@ The previous rule is patched into the policy here; core/ keeps only the current 
 
 import sys
 
+from elastic import HEAVY, ROOT  # the heavy tail as elastic.py measures it (this script's folder)
+
 from dora_hpc.config import load_config
 from dora_hpc.core import dora
 from dora_hpc.sim.cluster import Simulator
 from dora_hpc.sim.metrics import summarize
 
-HEAVY = ["workload.response_len.sigma=1.6", "workload.response_len.max=65536", "dora.k=6", "sim.steps=40",
-         "sim.warmup_steps=12", "cluster.elastic=true"]
+STEADY = ["sim.steps=40", "sim.warmup_steps=12", "cluster.elastic=true"]  # elastic.py's steady window at K=6
 
 
 def previous_rule(self):
@@ -25,7 +26,7 @@ def main() -> None:
     rule, seed = sys.argv[1], int(sys.argv[2])
     if rule == "old":
         dora.Dora.on_published = previous_rule
-    cfg = load_config("configs/sim/paper-64.yaml", [*HEAVY, f"seed={seed}"])
+    cfg = load_config(ROOT / "configs/sim/paper-64.yaml", [*HEAVY, *STEADY, f"seed={seed}"])
     s = summarize(Simulator(cfg, "dora", timeline=False).run())
     print(rule, seed, round(s["throughput_tokens_per_s"]), flush=True)
 
