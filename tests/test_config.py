@@ -34,6 +34,7 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("engine.dtype=fp8", "engine.dtype"),
     ("train.mini_batches=99", "train.mini_batches"),  # more than batch.tbs
     ("batch.rbs=lots", "batch.rbs"),                # an int or auto
+    ("train.is_level=group", "train.is_level"),     # token or sequence
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:

@@ -65,6 +65,7 @@ def test_decoupled_takes_the_ppo_clip_step_on_fresh_samples_and_every_step_repor
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     assert b["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and b["is_weight_max"] < 1.01
     assert b["is_truncated_frac"] == 0.0 and b["is_masked_frac"] == 0.0 and b["clip_frac"] == 0.0
+    assert b["dual_clip_frac"] == 0.0  # the dual clip is off
     assert 0 < b["entropy"] < torch.log(torch.tensor(512.0)).item()  # nats, below a uniform vocabulary's
     assert b["response_len_max"] == 12 and b["response_len_mean"] == 12.0
 

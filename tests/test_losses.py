@@ -90,13 +90,54 @@ def test_gspo_clips_one_geometric_mean_ratio_per_sequence():
     assert near(grad[1], [r[1]] * 2, 1e-5) and grad[0].tolist() == [0.0, 0.0]
 
 
-def test_dual_clip_caps_a_negative_advantage_token_and_log_ratios_are_clamped():
-    new = [[L(5.0), 100.0]] * 4
-    per_tok, _, _ = run(LossConfig(clip_ratio_c=3.0), new, new, [[0.0, 0.0]] * 4)
+def test_dual_clip_caps_a_negative_advantage_token_counts_where_it_did_and_log_ratios_are_clamped():
+    new = [[L(5.0), 100.0], [L(5.0), 100.0], [L(2.0), L(5.0)], [L(5.0), 100.0]]
+    per_tok, grad, st = run(LossConfig(clip_ratio_c=3.0), new, new, [[0.0, 0.0]] * 4)
     assert per_tok[1].tolist() == pytest.approx([3.0, 3.0])  # 5 and e^20, both capped at c * |A|
+    assert per_tok[2].tolist() == pytest.approx([2.0, 3.0])  # ratio 2 < c: the plain PPO loss
     assert per_tok[0].tolist() == pytest.approx([-1.28, -1.28])
+    assert st["dual_clip"].tolist() == [[0, 0], [1, 1], [0, 1], [0, 0]]  # only A < 0 tokens the cap set
+    assert grad[1].tolist() == [0.0, 0.0] and grad[2, 0].item() == pytest.approx(2.0)  # capped: no gradient
+    _, _, st = run(LossConfig(), new, new, [[0.0, 0.0]] * 4)
+    assert not st["dual_clip"].any()  # off by default
+    new = [[L(5.0), 100.0]] * 4
     per_tok, _, _ = run(LossConfig(), new, new, [[0.0, 0.0]] * 4)
     assert per_tok[1, 1].item() == pytest.approx(math.exp(20.0), rel=1e-5)  # finite, not inf
+
+
+# sequence-level weights: prox - behav per token; sample 3's second token is masked out, so its 7x is not counted
+SEQ_PROX = [[L(1.2), L(3.0)], [L(0.4), 0.0], [L(1.5), L(0.8)], [L(2.5), L(7.0)]]
+SEQ_W = [3.6, 0.4, 1.2, 2.5]  # the product of each sample's unmasked token ratios
+
+
+@pytest.mark.parametrize("corr,w_c,truncated,masked", [
+    ("none", SEQ_W, [0, 0, 0, 0], [0, 0, 0, 0]),
+    ("truncate", [2.0, 0.4, 1.2, 2.0], [1, 0, 0, 1], [0, 0, 0, 0]),
+    ("mask", [0.0, 0.0, 1.2, 0.0], [0, 0, 0, 0], [1, 1, 0, 1]),  # band [0.5, 2]: whole samples masked
+])
+def test_sequence_level_weights_are_each_samples_product_of_ratios_and_corrections_act_on_whole_samples(
+        corr, w_c, truncated, masked):
+    cfg = LossConfig(policy_loss="decoupled", is_correction=corr, is_level="sequence")
+    per_tok, grad, st = run(cfg, SEQ_PROX, SEQ_PROX, [[0.0, 0.0]] * 4)
+    every = torch.tensor(w_c)[:, None].expand(4, 2)
+    assert near(per_tok, (-ADV * every).tolist(), 1e-5)  # ratio pi_new / pi_prox = 1: the loss is -A w_c
+    assert near(grad, (-ADV * every * MASK).tolist(), 1e-5)
+    assert near(st["is_weight"], torch.tensor(SEQ_W)[:, None].expand(4, 2).tolist(), 1e-5)
+    assert st["is_truncated"].tolist() == [[x, x] for x in truncated]
+    assert st["is_masked"].tolist() == [[x, x] for x in masked]
+
+
+def test_sequence_level_truncation_under_ppo_clip_rescales_whole_samples_and_the_sum_is_clamped():
+    new = [[L(1.2), L(3.0)], [15.0, 15.0], [L(1.5), L(0.8)], [L(2.5), 0.0]]  # sample 1: log w = 30 -> 20
+    cfg = LossConfig(is_correction="truncate", is_cap=2.0, is_level="sequence")
+    per_tok, _, st = run(cfg, new, new, [[0.0, 0.0]] * 4)
+    plain, _, _ = run(LossConfig(), new, new, [[0.0, 0.0]] * 4)
+    scale = torch.tensor([2.0 / 3.6, 2.0 / math.exp(20.0), 1.0, 2.0 / 2.5])[:, None]
+    assert near(per_tok, (plain * scale).tolist(), 1e-5)
+    assert st["is_weight"][1, 0].item() == pytest.approx(math.exp(20.0), rel=1e-5)  # finite: the sum is clamped
+    token = run(LossConfig(is_correction="truncate", is_cap=2.0), new, new, [[0.0, 0.0]] * 4)[0]
+    assert near(token[2], (plain[2]).tolist())  # token level: 1.5 and 0.8 stay under the cap, as here
+    assert not near(token[0], per_tok[0].tolist())  # but sample 0's first token (1.2) is not rescaled there
 
 
 def test_k3_is_clamped():

@@ -128,6 +128,9 @@ class TrainConfig(Section):
         "tokens outside is_band")
     is_cap: float = Field(2.0, ge=1)
     is_band: tuple[float, float] = (0.5, 2.0)
+    is_level: Literal["token", "sequence"] = Field(
+        "token", description="what the importance weight is: each token's pi_proximal/pi_behaviour, or one "
+        "per sample (sequence: the product over its tokens), so is_correction truncates or masks whole samples")
     clip_ratio_c: float | None = Field(None, gt=1, description="dual clip: a negative-advantage token's loss "
                                        "is at most clip_ratio_c * |A| (null: off)")
     micro_batch: int = Field(8, ge=1)

@@ -71,8 +71,8 @@ from .comm import (
 ROLLOUT_MESSAGES = (Generate, LoadVersion, MigrateOut, MigrateIn, AbortTraj, Flush, WeightsHeader, Park, SleepEngine)
 
 # train-step metrics logged as they are (store/shards.py: TRAIN_STEPS)
-STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "clip_band_frac", "entropy",
-              "is_weight_mean", "is_weight_max", "is_truncated_frac", "is_masked_frac", "response_len_mean",
+STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "clip_band_frac", "dual_clip_frac",
+              "entropy", "is_weight_mean", "is_weight_max", "is_truncated_frac", "is_masked_frac", "response_len_mean",
               "response_len_max")
 
 

@@ -28,11 +28,12 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 6  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3, 4, 5, 6)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
+SCHEMA_VERSION = 7  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4, 5, 6, 7)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
 #   importance weights, response lengths); 5: trajectories name their tag `dispatch_version` (was
 #   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured);
-#   6: a trajectory's tokens are its `response` (was `tokens`, the glossary's name).
+#   6: a trajectory's tokens are its `response` (was `tokens`, the glossary's name); 7: train steps have
+#   `dual_clip_frac`.
 #   An older shard reads a newer column as its default, or under its old name (RENAMED)
 RENAMED = {("trajectories", "dispatch_version"): "dispatch_step",  # (table, column) -> its older name
            ("trajectories", "response"): "tokens"}
@@ -61,7 +62,8 @@ TRAIN_STEPS = {"step": "i8", "t_start": "f8", "t_end": "f8", "loss": "f8", "rewa
                "clip_frac": "f8", "kl": "f8", "tokens": "i8", "weights_checksum": "str", "attempt": "i8",
                "logprob_gap": "f8", "gap_tokens": "i8", "clip_frac_low": "f8", "clip_frac_high": "f8",
                "clip_band_frac": "f8", "entropy": "f8", "is_weight_mean": "f8", "is_weight_max": "f8",
-               "is_truncated_frac": "f8", "is_masked_frac": "f8", "response_len_mean": "f8", "response_len_max": "i8"}
+               "is_truncated_frac": "f8", "is_masked_frac": "f8", "response_len_mean": "f8", "response_len_max": "i8",
+               "dual_clip_frac": "f8"}
 
 FILE_KINDS = {  # file prefix -> its tables
     "traj": {"trajectories": TRAJECTORIES},

@@ -37,8 +37,8 @@ from .dp import DataParallel
 from .losses import LossConfig, aggregate, k3, policy_loss
 
 # what a train step sums over its tokens (every replica's), in this order
-SUMS = ("loss", "kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high", "is_weight", "is_truncated",
-        "is_masked", "gap_sum", "gap_tokens")
+SUMS = ("loss", "kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high", "dual_clip", "is_weight",
+        "is_truncated", "is_masked", "gap_sum", "gap_tokens")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def grpo_config(cfg) -> GRPOConfig:
                       temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
                       mini_batches=t.mini_batches,
                       loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
-                                      t.is_cap, tuple(t.is_band)))
+                                      t.is_cap, tuple(t.is_band), t.is_level))
 
 
 # the stand-in of an empty micro-batch (its loss is multiplied by 0)
@@ -276,10 +276,11 @@ def step_metrics(m: dict[str, float], top: torch.Tensor, norms: list[float], n_p
                  n_samples: float, reward_sum: float) -> dict:
     """A step's metrics over all replicas, from its summed figures ``m`` (SUMS) and maxima ``top``."""
     per_token = {k: m[k] / n_tokens for k in ("kl", "ratio", "entropy", "clip_band", "clip_low", "clip_high",
-                                              "is_weight", "is_truncated", "is_masked")}
+                                              "dual_clip", "is_weight", "is_truncated", "is_masked")}
     return {"loss": m["loss"] / n_parts, "clip_frac": per_token["clip_low"] + per_token["clip_high"],
             "clip_frac_low": per_token["clip_low"], "clip_frac_high": per_token["clip_high"],
-            "clip_band_frac": per_token["clip_band"], "kl": per_token["kl"], "ratio_mean": per_token["ratio"],
+            "clip_band_frac": per_token["clip_band"], "dual_clip_frac": per_token["dual_clip"], "kl": per_token["kl"],
+            "ratio_mean": per_token["ratio"],
             "entropy": per_token["entropy"], "is_weight_mean": per_token["is_weight"],
             "is_weight_max": float(top[0]), "is_truncated_frac": per_token["is_truncated"],
             "is_masked_frac": per_token["is_masked"], "response_len_mean": n_tokens / n_samples,

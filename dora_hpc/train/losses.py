@@ -8,18 +8,26 @@ rollout engine sampled under: the trajectory's own version). ``w = pi_prox / pi_
 behaviour-to-proximal importance weight: staleness plus the engine-vs-trainer numerical gap.
 
 * ``ppo_clip``: clip ``pi_new / pi_behav`` (today's objective); a correction rescales each token by
-  ``corrected(w) / w`` (truncated importance sampling on the trainer-vs-rollout mismatch, veRL's TIS);
+  ``corrected(w) / w``: 1 where the correction leaves ``w`` alone, ``cap / w`` where it truncates, 0 where
+  it masks (veRL has no counterpart; its TIS is ``decoupled`` with ``truncate``);
 * ``decoupled`` (AReaL): clip ``pi_new / pi_prox`` and weight the token by ``corrected(w)``, detached. A
   stale sample's gradient is kept (weighted) instead of clipped away. With ``w = 1`` it equals ppo_clip;
+  with ``truncate`` it is veRL's TIS (``rollout_is=token``);
 * ``gspo``: one ratio per sequence, the geometric mean of ``pi_new / pi_behav`` over its tokens, clipped
   per sequence; every token of the sequence carries the sequence's loss.
 
-Conventions (docs/training.md says why):
-* log-ratios are clamped to [-20, 20] before ``exp`` (float32 ``exp`` overflows past ~88);
+``is_level`` says what ``w`` is: ``token`` (each token's own ratio) or ``sequence`` (one weight per
+sample, the product of its tokens' ratios: ``exp`` of the clamped sum of their log-ratios, carried by every
+token of the sample), so a correction truncates or masks whole samples.
+
+Conventions (docs/training.md says why, and how they map to veRL's):
+* log-ratios are clamped to [-20, 20] before ``exp`` (float32 ``exp`` overflows past ~88), a sequence's
+  summed log-ratio too;
 * ``clip_frac`` counts tokens where clipping changed the loss (their gradient is cut: advantage > 0 above
   the band, < 0 below it), split ``low``/``high``; ``clip_band_frac`` counts every token whose ratio left
   the band, whatever its advantage (what ``clip_frac`` meant before);
-* dual clip (``clip_ratio_c``, off by default) caps a negative-advantage token's loss at ``c * |A|``.
+* dual clip (``clip_ratio_c``, off by default) caps a negative-advantage token's loss at ``c * |A|``;
+  ``dual_clip`` counts the tokens where that cap set the loss (veRL's ``pg_clipfrac_lower``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 PolicyLoss = Literal["ppo_clip", "decoupled", "gspo"]
 Correction = Literal["none", "truncate", "mask"]
+Level = Literal["token", "sequence"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class LossConfig:
     is_correction: Correction = "none"
     is_cap: float = 2.0                   # truncate: min(w, is_cap)
     is_band: tuple[float, float] = (0.5, 2.0)  # mask: tokens whose w lies outside are not trained on
+    is_level: Level = "token"             # sequence: one w per sample, the product of its tokens' ratios
 
 
 def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -60,13 +70,22 @@ def corrected(w: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Ten
     return w, none, none
 
 
+def importance_weight(prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tensor:
+    """``w = pi_prox / pi_behav`` per token [B, L], detached: each token's own ratio, or (``sequence``) its
+    sample's product of ratios over the unmasked tokens, the summed log-ratio clamped like any other."""
+    log_w = (prox - behav).detach()
+    if level == "sequence":
+        log_w = (log_w * mask).sum(1, keepdim=True).expand_as(log_w)
+    return _ratio(log_w)
+
+
 def policy_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, L] (to be aggregated over ``mask``) and per-token statistics (float [B, L]: sum
     them over ``mask``; ``ratio`` is the clipped objective's ratio, ``is_weight`` the raw w). ``adv`` is
     [B, 1]; ``prox`` and ``behav`` carry no gradient."""
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
-    w = _ratio(prox - behav).detach()
+    w = importance_weight(prox, behav, mask, cfg.is_level)
     w_c, truncated, masked = corrected(w, cfg)
     if cfg.policy_loss == "gspo":
         n = mask.sum(1, keepdim=True).clamp(min=1)
@@ -75,15 +94,17 @@ def policy_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, adv:
         ratio = _ratio(new - (prox if cfg.policy_loss == "decoupled" else behav))
     clipped = torch.clamp(ratio, lo, hi)
     per_tok = -torch.minimum(ratio * adv, clipped * adv)
+    dual = torch.zeros_like(per_tok, dtype=torch.bool)
     if cfg.clip_ratio_c is not None:
-        per_tok = torch.where(adv < 0, torch.minimum(per_tok, -adv * cfg.clip_ratio_c), per_tok)
+        dual = (adv < 0) & (per_tok > -adv * cfg.clip_ratio_c)
+        per_tok = torch.where(dual, -adv * cfg.clip_ratio_c, per_tok)
     if cfg.policy_loss == "decoupled":
         per_tok = per_tok * w_c
     elif cfg.is_correction != "none":
         per_tok = per_tok * (w_c / w)
     stats = {"ratio": ratio.detach(), "clip_low": ((adv < 0) & (ratio < lo)).float(),
              "clip_high": ((adv > 0) & (ratio > hi)).float(),
-             "clip_band": ((ratio < lo) | (ratio > hi)).float(), "is_weight": w,
+             "clip_band": ((ratio < lo) | (ratio > hi)).float(), "dual_clip": dual.float(), "is_weight": w,
              "is_truncated": truncated.float(), "is_masked": masked.float()}
     return per_tok, stats
 
