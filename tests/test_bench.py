@@ -51,6 +51,30 @@ def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_
     assert p.returncode == 2 and "sync" in p.stderr and not (tmp_path / "v").exists()
 
 
+def test_a_set_that_a_case_or_loss_would_override_is_refused_naming_both(tmp_path):
+    """The cases' own KEY=VALUEs come after the user's --set, so a --set of the same key would silently
+    lose: it is refused (exit 2, one line) before anything runs."""
+    p = bench("convergence", "configs/bench-convergence.yaml", "--set", "train.policy_loss=decoupled",
+              "--set", "train.is_correction=truncate", "--out", str(tmp_path / "c"))
+    assert p.returncode == 2 and not (tmp_path / "c").exists()
+    assert "--set train.policy_loss=decoupled" in p.stderr and "--losses ppo_clip" in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    p = bench("convergence", "configs/bench-convergence.yaml", "--cases", "sync,dora-k2", "--set", "dora.k=4",
+              "--out", str(tmp_path / "c"))
+    assert p.returncode == 2 and "--cases dora-k2 sets dora.k" in p.stderr, p.stderr
+    p = bench("modes", "configs/tiny-cpu.yaml", "--modes", "sync,dora-k1", "--set", "mode=partial",
+              "--out", str(tmp_path / "m"))
+    assert p.returncode == 2 and "--set mode=partial: --modes sync sets mode" in p.stderr, p.stderr
+    p = bench("modes", "configs/tiny-cpu.yaml", "--set", "engine.pacing=false", "--out", str(tmp_path / "m"))
+    assert p.returncode == 2 and "the paced pass sets engine.pacing" in p.stderr, p.stderr
+    p = bench("ablation", "configs/tiny-cpu.yaml", "--set", "dora.kv_migration=false", "--out", str(tmp_path / "a"))
+    assert p.returncode == 2 and "--ablation kv-migration" in p.stderr and not (tmp_path / "a").exists()
+    from dora_hpc.bench.convergence_bench import cases
+    from dora_hpc.bench.modes_bench import refuse_overridden
+
+    refuse_overridden(["train.lr=1e-3", "dora.k=9"], {"--losses ppo_clip": (cases(["ppo_clip"], ["sync"])["sync"], "")})
+
+
 def test_convergence_cases_run_every_mode_under_every_loss():
     from dora_hpc.bench.convergence_bench import cases
 

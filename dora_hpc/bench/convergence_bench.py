@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .modes_bench import _fresh, machine, run_case
+from .modes_bench import _fresh, machine, refuse_overridden, run_case
 
 CASES: dict[str, list[str]] = {
     "sync": ["mode=sync"],
@@ -146,6 +146,9 @@ def bench_convergence(config: str, out: Path, sets: list[str] | None = None, see
 
     sets, seeds, losses = list(sets or []), list(seeds or [0, 1]), list(losses or ["ppo_clip"])
     every = cases(losses, which)
+    refuse_overridden(sets, {f"--losses {loss}": (LOSSES[loss], f"choose the objective with --losses (one of "
+                                                             f"{', '.join(LOSSES)})") for loss in losses}
+                      | {f"--cases {c}": (CASES[c], "choose the cases with --cases") for c in which or DEFAULT_CASES})
     _fresh(out)
     (out / "runs").mkdir()
     with Progress(console=console) as bar:

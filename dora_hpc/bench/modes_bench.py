@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import load_config
+from ..config import ConfigError, load_config
 
 CASES: dict[str, list[str]] = {
     "sync": ["mode=sync"], "one_step": ["mode=one_step"], "partial": ["mode=partial"],
@@ -56,6 +56,21 @@ FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction
 
 class BenchError(RuntimeError):
     """A benchmark run that failed or broke an invariant; the message names its log."""
+
+
+# the paced pass of bench modes and ablation: (its KEY=VALUEs, what to do instead of a --set)
+PACED = (["engine.pacing=true"], "bench modes runs an unpaced pass too (unless --no-unpaced)")
+
+
+def refuse_overridden(sets: list[str], setters: dict[str, tuple[list[str], str]]) -> None:
+    """A ``--set`` whose key a benchmark's case sets too would silently lose (the case's comes last): refuse
+    it, naming both. ``setters``: who sets keys (``"--losses ppo_clip"``) -> (its KEY=VALUEs, the way to
+    choose that key instead)."""
+    for s in sets:
+        key = s.split("=", 1)[0].strip()
+        for who, (theirs, instead) in setters.items():
+            if any(t.split("=", 1)[0] == key for t in theirs):
+                raise ConfigError(f"--set {s}: {who} sets {key} in its runs and would override it; {instead}")
 
 
 def run_case(config: str, sets: list[str], run_dir: Path, timeout_s: float) -> dict:
@@ -168,6 +183,8 @@ def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: 
                 modes: list[str] | None = None, unpaced: bool = True, console=None) -> dict:
     sets = list(sets or [])
     cases = {m: CASES[m] for m in (modes or CASES)}
+    refuse_overridden(sets, {f"--modes {m}": (s, "choose the cases with --modes") for m, s in cases.items()}
+                      | {"the paced pass": PACED})
     _fresh(out)
     paced, rows = run_matrix(config, [*sets, "engine.pacing=true"], cases, out, repeats, console=console)
     summary: dict = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "modes": paced,
@@ -202,6 +219,8 @@ def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeat
         raise BenchError(f"unknown ablation {which!r}; one of {', '.join(ABLATIONS)}")
     spec = ABLATIONS[which]
     sets = list(sets or [])
+    refuse_overridden(sets, {f"--ablation {which} (its case {case})": (s, "the ablation's cases choose it")
+                             for case, s in spec["cases"].items()} | {"the paced pass": PACED})
     _fresh(out)
     med, rows = run_matrix(config, [*sets, "engine.pacing=true"], spec["cases"], out, repeats, console=console)
     ratios = {}
