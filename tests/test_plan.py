@@ -1,5 +1,6 @@
 """dora-hpc plan on a real local run: the simulator fitted to the run's own logs reproduces its measured
-train-step interval within 15%, and the plan names a split, K and elastic setting for the next submission."""
+train-step interval within 15%, and the plan names a split and elastic setting for the next submission,
+keeping the run's K unless asked to vary it (--vary k)."""
 
 import json
 import subprocess
@@ -23,6 +24,8 @@ def test_plan_fits_a_real_run_and_recommends_the_next_split(tmp_path):
     assert check["within"] and abs(check["relative_error"]) <= 0.15, check
     assert f"{check['relative_error']:+.1%}" in p.stdout  # the fit-check figure is in the output
     assert "recommended: --set cluster.rollout_instances=" in p.stdout
+    assert "(keeps the run's dora.k=2; --vary k also weighs K" in p.stdout  # K is not swept unasked
+    assert all("dora.k" not in r["set"] for r in result["candidates"]) and result["k"]["run"] == 2
     assert "the logged run's trainer waited: " in p.stdout and "; re-simulated: " in p.stdout  # Policy.train_wait
     assert 0 < sum(check["simulated_trainer_wait"].values()) < 1
     assert 0 < sum(check["measured_trainer_wait"].values()) < 1  # from the run's trainer_wait ops
@@ -37,3 +40,33 @@ def test_plan_of_something_that_is_no_run_exits_2(tmp_path):
     p = subprocess.run(CLI + ["plan", str(tmp_path / "nothing"), "--out", str(tmp_path / "plan")], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "plan:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_plan_varies_k_only_when_asked_and_says_what_the_recommendation_does_to_it(tmp_path):
+    run_dir = tmp_path / "run"
+    p = subprocess.run(CLI + ["run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), "--set", "dora.k=3",
+                              "--set", "train.max_steps=4"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run(CLI + ["plan", str(run_dir), "--out", str(tmp_path / "plan")], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert result["k"] == {"run": 3, "varied": False, "uses_k": True}
+    assert all("dora.k" not in r["set"] for r in result["candidates"])  # every row keeps K=3
+    assert all(r["max_staleness"] <= 3 for r in result["candidates"])
+    assert "(keeps the run's dora.k=3; --vary k also weighs K" in p.stdout
+    p = subprocess.run(CLI + ["plan", str(run_dir), "--out", str(tmp_path / "plan"), "--vary", "k"], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert result["k"] == {"run": 3, "varied": True, "uses_k": True}
+    assert {r["set"]["dora.k"] for r in result["candidates"]} == {2, 3, 4, 6}
+    assert all(r["max_staleness"] <= r["set"]["dora.k"] for r in result["candidates"])
+    best = result["candidates"][0]["set"]["dora.k"]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("recommended:"))
+    assert f"--set dora.k={best}" in line
+    assert ("(keeps the run's dora.k=3)" in line) if best == 3 else (f"CHANGES K: dora.k 3 -> {best}" in line)
+    assert "max staleness" in p.stdout
+    p = subprocess.run(CLI + ["plan", str(run_dir), "--out", str(tmp_path / "plan"), "--vary", "split"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--vary: unknown ['split']" in p.stderr

@@ -145,9 +145,10 @@ def simulate(fit: Fit, cfg: RunConfig) -> dict:
     return summarize(Simulator(cfg, cfg.mode, timeline=False, cost=fit.cost).run())
 
 
-def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
-    """The fit check, then a sweep of splits and, where the mode has them, K, elastic on/off and rbs as set
-    or auto; the best first."""
+def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: bool = False) -> dict:
+    """The fit check, then a sweep of splits and, where the mode has them, elastic on/off and rbs as set or
+    auto; the best first. K stays the run's: a larger K buys tokens/s with staleness, which can cost reward
+    (docs/training.md), so it is swept (K-1, K, K+1, 2K) only with ``vary_k``."""
     fit = fit_run(run_dir)
     again = simulate(fit, fit.cfg)
     error = float(again["mean_step_time_s"] / fit.measured_step_s - 1.0)
@@ -159,11 +160,12 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
     for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
         if n >= total:
             continue
-        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if traits.uses_k else [k0]:
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if traits.uses_k and vary_k else [k0]:
             for elastic in (False, True) if traits.elastic else (False,):
                 for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if traits.auto_rbs else [fit.cfg.batch.rbs]:
                     candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
-                                       "dora.k": k, "cluster.elastic": elastic, "batch.rbs": rbs})
+                                       "cluster.elastic": elastic, "batch.rbs": rbs}
+                                      | ({"dora.k": k} if traits.uses_k and vary_k else {}))
     rows = []
     for sets in candidates:
         c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})
@@ -181,4 +183,5 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None) -> dict:
                                                    "simulated_trainer_wait": again["trainer_wait_fraction"],
                                                    "measured_trainer_wait": fit.measured_waits},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
-            "candidates": rows, "n_candidates": len(candidates)}
+            "candidates": rows, "n_candidates": len(candidates),
+            "k": {"run": k0, "varied": bool(traits.uses_k and vary_k), "uses_k": traits.uses_k}}
