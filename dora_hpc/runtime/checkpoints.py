@@ -1,39 +1,67 @@
-"""Rank 0's two-phase checkpoint (part of the Orchestrator): phase one sends the policy's snapshot to
-the trainers (the lead writes its weights of the same version beside it) and asks every rank hosting an
-instance to flush its trajectory shard; phase two commits once every live one has, so every group the
-checkpoint calls complete is on disk (store/resume.py)."""
+"""Rank 0's two-phase checkpoint, owned by the Orchestrator.
+
+Phase one sends the policy's snapshot to the trainers (the lead writes its weights of the same version
+beside it) and asks every live rank hosting an instance to flush its trajectory shard; phase two commits
+once every live one has. Invariant: every group a committed checkpoint calls complete is on disk
+(store/resume.py), and at most one checkpoint is in flight.
+"""
 
 from __future__ import annotations
 
-from .comm import Checkpoint, Checkpointed, Commit, Flush, Flushed
+from collections.abc import Callable
+
+from .comm import Checkpoint, Checkpointed, Comm, Commit, Flush, Flushed
 
 
-class TwoPhaseCheckpoints:
-    def start_checkpoint(self) -> None:
-        v = self.policy.next_step
-        state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
-                                  "run_id": self.log.run_id}}
-        self.ckpt = {"version": v, "flushed": set(), "t": self.now()}
-        for r in self.live_instance_ranks:
-            self.comm.send(Flush(v), r)
-        for t in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
-            self.comm.send(Checkpoint(v, state if t == self.roles.lead_trainer else None), t)
-        self.log.flush()  # so the ops up to here survive a crash too
+class Checkpointer:
+    """Takes checkpoints over ``comm``; ``op`` logs an op row (the orchestrator's ``OpLog.op``) and
+    ``flush_log`` writes rank 0's events shard. The orchestrator tells it which ranks are live at each call
+    (fencing changes them) and which trajectories each rank finished (``done``)."""
 
-    def on_checkpoint_progress(self, msg: Flushed | Checkpointed) -> None:
-        if self.ckpt is None or msg.version != self.ckpt["version"]:
-            raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({self.ckpt})")
+    def __init__(self, comm: Comm, op: Callable[..., None], flush_log: Callable[[], None]) -> None:
+        self.comm, self.roles, self.op, self.flush_log = comm, comm.roles, op, flush_log
+        self.in_flight: dict | None = None  # version, instances flushed, start time, committing
+        self.last = -1                      # version of the last committed checkpoint
+        self.unflushed: dict[int, list[int]] = {}  # rank -> trajectories done since its last Flushed
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    def done(self, rank: int, traj_id: int) -> None:
+        """A trajectory finished on ``rank``: its row is in that rank's memory until the next flush."""
+        self.unflushed.setdefault(rank, []).append(traj_id)
+
+    def forget(self, rank: int) -> list[int]:
+        """The trajectories a fenced ``rank`` finished since its last flush: their rows are lost with it."""
+        return self.unflushed.pop(rank, [])
+
+    def start(self, version: int, state: dict, live_ranks: list[int], t: float) -> None:
+        """Phase one for ``version``: ``state`` (the orchestrator's snapshot) goes to the lead trainer."""
+        self.in_flight = {"version": version, "flushed": set(), "t": t}
+        for r in live_ranks:
+            self.comm.send(Flush(version), r)
+        for t_rank in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
+            self.comm.send(Checkpoint(version, state if t_rank == self.roles.lead_trainer else None), t_rank)
+        self.flush_log()  # so the ops up to here survive a crash too
+
+    def on_progress(self, msg: Flushed | Checkpointed, live_ranks: list[int]) -> None:
+        ckpt = self.in_flight
+        if ckpt is None or msg.version != ckpt["version"]:
+            raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({ckpt})")
         if isinstance(msg, Flushed):
-            self.ckpt["flushed"].add(msg.instance)
+            ckpt["flushed"].add(msg.instance)
             self.unflushed.pop(self.roles.rank_of_instance(msg.instance), None)
-            self.maybe_commit()
+            self.maybe_commit(live_ranks)
             return
-        self.op("checkpoint", version=msg.version, detail=msg.path, t_start=self.ckpt["t"])
-        self.last_ckpt, self.ckpt = msg.version, None
+        self.op("checkpoint", version=msg.version, detail=msg.path, t_start=ckpt["t"])
+        self.last, self.in_flight = msg.version, None
 
-    def maybe_commit(self) -> None:
-        """Phase two once every live rollout rank has flushed (a rank fenced meanwhile is not waited for)."""
-        live = {self.roles.instance_of_rank(r) for r in self.live_instance_ranks}
-        if not self.ckpt.get("committing") and live <= self.ckpt["flushed"]:
-            self.ckpt["committing"] = True
-            self.comm.send(Commit(self.ckpt["version"]), self.roles.lead_trainer)
+    def maybe_commit(self, live_ranks: list[int]) -> None:
+        """Phase two once every live instance rank has flushed (a rank fenced meanwhile is not waited for)."""
+        ckpt = self.in_flight
+        if ckpt is None or ckpt.get("committing"):
+            return
+        if {self.roles.instance_of_rank(r) for r in live_ranks} <= ckpt["flushed"]:
+            ckpt["committing"] = True
+            self.comm.send(Commit(ckpt["version"]), self.roles.lead_trainer)

@@ -195,7 +195,7 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
         outcome = orch.run()
         if outcome == "preempted":
             (run / "preempted.json").write_text(json.dumps(
-                {"attempt": attempt, "checkpoint_step": orch.last_ckpt, "signal": STOP_SIGNAL[:1]}))
+                {"attempt": attempt, "checkpoint_step": orch.checkpoints.last, "signal": STOP_SIGNAL[:1]}))
         return outcome
     if role == "trainer":
         from .trainer import TrainerRank

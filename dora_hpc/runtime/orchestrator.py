@@ -52,7 +52,7 @@ from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
 from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
-from .checkpoints import TwoPhaseCheckpoints
+from .checkpoints import Checkpointer
 from .clock import OpLog
 from .comm import (
     AbortTraj,
@@ -84,7 +84,7 @@ class RankHung(RuntimeError):
     """A rank sent nothing for ``runtime.hang_timeout_s``; the run cannot continue without it (resumable)."""
 
 
-class Orchestrator(TwoPhaseCheckpoints, OpLog):
+class Orchestrator(OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float, attempt: int = 0,
                  resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
@@ -98,8 +98,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         self.rewards: list[float] = []
         self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1")  # the launcher draws it
         self.stop = stop or threading.Event()  # set by a signal handler: checkpoint, then end the run
-        self.ckpt: dict | None = None    # the checkpoint in flight: version, rollout ranks flushed
-        self.last_ckpt = -1              # version of the last committed checkpoint
+        self.checkpoints = Checkpointer(comm, self.op, self.log.flush)
         self.requeued: list[list] = []   # stored complete groups to stream to the trainer on resume
         # colocated placement (cluster.placement): rollout and training share the devices, so the rollout
         # ranks stop stepping while a train step runs (sync, partial and oversample by default)
@@ -111,7 +110,6 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
-        self.unflushed: dict[int, list[int]] = {}  # rollout rank -> trajectories done since its last Flushed
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -128,7 +126,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         plan = plan_resume(ledger, ckpt.step, {g: len(rows) for g, rows in stored.items()})
         self.policy.restore(ledger, plan, st.get("window"))
         self.requeued = [stored[g] for g in plan.requeue]
-        self.steps_done = self.last_ckpt = ckpt.step
+        self.steps_done = self.checkpoints.last = ckpt.step
         self.rewards = list(st.get("rewards", []))
         self.op("start", version=ckpt.step, detail=f"from_attempt={st['attempt']} checkpoint={ckpt.path.name} "
                 f"requeued={len(plan.requeue)} redispatched={len(plan.redispatch)}")
@@ -146,11 +144,11 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         self.begin()
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
-        while self.steps_done < self.cfg.train.max_steps or self.ckpt is not None:
+        while self.steps_done < self.cfg.train.max_steps or self.checkpoints.busy:
             if time.time() > deadline:
                 raise RuntimeError(f"run exceeded runtime.timeout_s={self.cfg.runtime.timeout_s}")
-            if self.stopping and self.ckpt is None:
-                if self.last_ckpt == self.policy.next_step:
+            if self.stopping and not self.checkpoints.busy:
+                if self.checkpoints.last == self.policy.next_step:
                     break
                 print(f"dora-hpc: stop requested at step {self.policy.next_step}: committing a checkpoint",
                       file=sys.stderr, flush=True)
@@ -185,7 +183,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
             case Heartbeat():
                 pass
             case Flushed() | Checkpointed():
-                self.on_checkpoint_progress(msg)
+                self.checkpoints.on_progress(msg, self.live_instance_ranks)
             case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
                 self.stop.set()
             case Published() if self.stopping:  # the step under way when the stop came: it is in the
@@ -208,7 +206,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
             return  # an earlier dispatch of a trajectory that was started again
         del self.epoch[msg.traj_id]
         self.moved_from.pop(msg.traj_id, None)
-        self.unflushed.setdefault(src, []).append(msg.traj_id)
+        self.checkpoints.done(src, msg.traj_id)
         self.finished_tokens += msg.response_len
         self.figures.on_done(msg.response_len, msg.kv_transfer_s)
         self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
@@ -221,19 +219,25 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         self.op("publish", version=msg.version, detail=msg.checksum)
         self.report(force=True)
         every, last = self.cfg.train.checkpoint_every, self.steps_done >= self.cfg.train.max_steps
-        if every and (msg.version % every == 0 or last) and self.ckpt is None:  # the trained model is kept
+        if every and (msg.version % every == 0 or last) and not self.checkpoints.busy:  # the trained model is kept
             self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
         if not last:
             self.feed(VersionPublished(msg.version))
             if self.paused and not self.policy.trainer_busy:  # after the new weights' LoadVersion
                 self.set_paused(False, msg.version)
 
+    def start_checkpoint(self) -> None:
+        """Phase one of a checkpoint of the next version: the policy's snapshot and what a resume needs."""
+        state = {"orchestrator": {**self.policy.snapshot(), "attempt": self.attempt, "rewards": self.rewards,
+                                  "run_id": self.log.run_id}}
+        self.checkpoints.start(self.policy.next_step, state, self.live_instance_ranks, self.now())
+
     def end(self) -> str:
         outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
         open_groups = [g for g, rec in self.policy.ledger.groups.items()
                        if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
         self.op("pending_at_end", detail=",".join(map(str, open_groups)))
-        self.op(outcome, version=self.last_ckpt, detail=f"next_group={self.policy.ledger.next_group}")
+        self.op(outcome, version=self.checkpoints.last, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
         self.sinks.close()
         self.comm.fenced = tuple(sorted(self.fenced))
@@ -281,7 +285,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
         in_transit = tuple(sorted(t for t, src in self.moved_from.items() if src == i))
         again = len(self.policy.view.instances[i].active) + len(in_transit)
         # rows it held in memory are lost with it; the trainer has the trajectories, analyze is told which
-        unlogged = self.unflushed.pop(r, [])
+        unlogged = self.checkpoints.forget(r)
         self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s started_again={again} "
                 f"unlogged={','.join(map(str, unlogged))}")
         self.log.flush()
@@ -300,8 +304,7 @@ class Orchestrator(TwoPhaseCheckpoints, OpLog):
                 self.comm.send(LoadVersion(v, trainer, keep), self.roles.rank_of_instance(inst))
                 self.loads[inst] = (v, trainer, keep)
         self.feed(InstanceLost(i, in_transit))
-        if self.ckpt is not None:
-            self.maybe_commit()
+        self.checkpoints.maybe_commit(self.live_instance_ranks)
 
     # -- steps -------------------------------------------------------------------------------------
     def record_step(self, msg: Published) -> None:
