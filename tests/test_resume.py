@@ -19,6 +19,7 @@ from dora_hpc.store.shards import read_table
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
 BASE = ["--set", "batch.tbs=4", "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2"]
+pytestmark = pytest.mark.slow  # every test here launches real runs (tools/test.sh --quick leaves them out)
 
 
 def start(run_dir: Path, mode: str, steps: int) -> subprocess.Popen:
@@ -102,13 +103,15 @@ def job_processes(launcher: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to every process"])
-def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path, how):
+@pytest.mark.parametrize("how,mode", [("SIGINT to the process group", "dora"),
+                                      ("SIGTERM to every process", "one_step")])
+def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path, how, mode):
     """A terminal's Ctrl-C (SIGINT to the foreground process group), or SIGTERM to each process of the job
     (a container stop, Slurm's preemption): one stop request, a checkpoint of the step the run is at --
-    with no periodic checkpoint, so it can only be that one -- exit 3, and --resume finishes the run."""
-    run_dir = tmp_path / "dora"
-    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=8", *BASE,
+    with no periodic checkpoint, so it can only be that one -- exit 3, and --resume finishes the run, in
+    DORA and in a barrier mode (one_step) alike."""
+    run_dir = tmp_path / mode
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", f"mode={mode}", "--set", "train.max_steps=8", *BASE,
                  "--set", "train.checkpoint_every=0", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group, as a shell's foreground job
@@ -124,29 +127,12 @@ def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path
     err = finish(proc, 120)
     assert proc.returncode == 3, err[-3000:]
     assert "died first" not in err and "stopped at checkpoint" in err, err[-3000:]
+    assert "continue with: dora-hpc run --resume" in err
     stopped_at, = checkpoints(run_dir)
     assert 3 <= stopped_at < 8
-    if not how.startswith("SIGINT"):
-        return  # resuming from such a checkpoint is the same in both cases: once is enough
     p = resume(run_dir)
     assert p.returncode == 0, p.stderr[-3000:]
-    a = assert_whole(run_dir, steps=8, k=2)
-    assert a["preemption"]["resumed_at_steps"] == [stopped_at]
-
-
-def test_graceful_preemption_of_a_barrier_mode_resumes(tmp_path):
-    run_dir = tmp_path / "one_step"
-    proc = start(run_dir, "one_step", steps=6)
-    wait_for(lambda: checkpoints(run_dir) and checkpoints(run_dir)[-1] >= 2)
-    proc.send_signal(signal.SIGTERM)
-    err = finish(proc, 120)
-    assert proc.returncode == 3, err[-3000:]  # stopped at a committed checkpoint
-    assert "continue with: dora-hpc run --resume" in err
-    stopped_at = checkpoints(run_dir)[-1]
-    assert stopped_at < 6
-    p = resume(run_dir)
-    assert p.returncode == 0, p.stderr[-3000:]
-    a = assert_whole(run_dir, steps=6, k=1)
+    a = assert_whole(run_dir, steps=8, k=2 if mode == "dora" else 1)
     assert a["preemption"]["resumed_at_steps"] == [stopped_at]
 
 
@@ -225,10 +211,13 @@ def test_a_hung_trainer_ends_the_job_naming_it_resumably(tmp_path):
     assert checkpoints(run_dir)  # what --resume continues from (resuming is tested above)
 
 
-def test_a_hung_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path):
-    """SIGSTOP stands in for a hung GPU or node under one rollout instance: rank 0 fences it after
-    hang_timeout_s, its trajectories (and any migrating away from it) start again on the other instances
-    under their own tags, and the run makes every step with every invariant 0; analyze shows the fence."""
+def test_a_hung_and_a_killed_rollout_rank_are_fenced_and_the_run_finishes_without_them(tmp_path):
+    """Two of the three rollout ranks fail in one run. SIGSTOP on rank 3 stands in for a hung GPU or node:
+    rank 0 fences it after hang_timeout_s. SIGKILL on rank 4 (a crashed process, an OOM kill): the
+    launcher tells rank 0 at once, which fences it without waiting for hang_timeout_s, and the survivors
+    ignore mpiexec's notice of the death (SIGUSR1). Their trajectories (and any migrating away from them)
+    start again on the last instance under their own tags, and the run makes every step with every
+    invariant 0; analyze shows both fences and their causes."""
     run_dir = tmp_path / "dora"
     hang = ["--set", "runtime.hang_timeout_s=8", "--set", "runtime.heartbeat_s=1"]
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=10", *BASE, *hang, "--run-dir", str(run_dir)]
@@ -236,31 +225,16 @@ def test_a_hung_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path)
     wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 3)
     stopped = int((run_dir / "pids" / "rank-3").read_text())
     os.kill(stopped, signal.SIGSTOP)
+    os.kill(int((run_dir / "pids" / "rank-4").read_text()), signal.SIGKILL)
     err = finish(proc, 240)
     assert proc.returncode == 0, err[-3000:]
-    assert "rank 3 (rollout instance 1) sent nothing for" in err and "fenced" in err
+    assert "rank 3 (rollout instance 1) sent nothing for" in err and "fenced" in err, err[-3000:]
+    assert "rank 4 (rollout instance 2) died: fenced" in err and "died first" not in err, err[-3000:]
     wait_for(lambda: not DeathWatch._alive(stopped), timeout=30)  # the job's end took it down too
     a = assert_whole(run_dir, steps=10, k=2)
-    fence, = a["fenced"]
-    assert fence["rank"] == 3 and fence["silent_s"] >= 8
-
-
-def test_a_killed_rollout_rank_is_fenced_and_the_run_finishes_without_it(tmp_path):
-    """SIGKILL on one rollout rank (a crashed process, an OOM kill): the launcher tells rank 0 at once,
-    which fences it without waiting for hang_timeout_s; its work starts again on the other instances,
-    the survivors ignore mpiexec's notice of the death (SIGUSR1), and the run makes every step with
-    every invariant 0; analyze shows the fence and its cause."""
-    run_dir = tmp_path / "dora"
-    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=10", *BASE, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 3)
-    os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
-    err = finish(proc, 240)
-    assert proc.returncode == 0, err[-3000:]
-    assert "rank 3 (rollout instance 1) died: fenced" in err and "died first" not in err, err[-3000:]
-    a = assert_whole(run_dir, steps=10, k=2)
-    fence, = a["fenced"]
-    assert fence["rank"] == 3 and fence["cause"] == "died"
+    fences = {f["rank"]: f for f in a["fenced"]}
+    assert sorted(fences) == [3, 4] and fences[3]["silent_s"] >= 8 and fences[4]["cause"] == "died"
+    assert fences[3]["cause"] == "hung"
 
 
 def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
@@ -282,32 +256,14 @@ def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
     assert dead in ops["peer"][ops["kind"] == "migration_lost"]  # the destination stopped waiting for the KV
 
 
-def test_a_resume_onto_a_new_allocation_changes_the_rank_counts_and_loses_nothing(tmp_path):
-    """Preempted with 1 trainer + 3 rollout ranks, resumed with 2 trainers (data-parallel) + 2 rollout
-    ranks and another engine setting: the world is renumbered, the groups in flight start again whole on
-    the new instances, and the logs of both launches still add up to one run."""
+def test_an_elastic_run_stops_at_a_signal_and_resumes_onto_a_new_allocation_without_borrowing(tmp_path):
+    """Preempted with 1 trainer (hosting a borrowed instance, cluster.elastic) + 3 rollout ranks: the SIGTERM
+    commits the current step (the borrowed instance's shard is flushed with the others, its parked requests
+    count as pending). Resumed with 2 trainers (data-parallel) + 2 rollout ranks, no borrowing
+    (cluster.elastic may change on resume) and another engine setting: the world is renumbered, the groups
+    in flight start again whole on the new instances, and the logs of both launches still add up to one
+    run: nothing lost, nothing twice."""
     run_dir = tmp_path / "moved"
-    proc = start(run_dir, "dora", steps=60)
-    wait_for(lambda: len(checkpoints(run_dir)) >= 2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 3, finish(proc, 10)[-3000:]
-    stopped = max(checkpoints(run_dir))
-    p = resume(run_dir, "--set", "cluster.rollout_instances=2", "--set", "cluster.trainer_ranks=2",
-               "--set", "engine.max_batched_tokens=128", "--set", f"train.max_steps={stopped + 6}")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "ranks=1+2+2" in p.stdout
-    a = assert_whole(run_dir, steps=stopped + 6, k=2)
-    assert a["preemption"]["attempts"] == 2 and a["preemption"]["resumed_at_steps"] == [stopped]
-    c = read_table(run_dir, "train", "consumed", with_rank=True)
-    late = c["consume_step"] >= stopped
-    assert set(c["rank"][late].tolist()) == {1, 2}  # both replicas of the new allocation trained
-
-
-def test_an_elastic_run_commits_at_a_signal_and_resumes_without_borrowing(tmp_path):
-    """cluster.elastic: a SIGTERM commits the current step (the borrowed instance's shard is flushed with
-    the others, its parked requests count as pending), and the run resumes onto an allocation without
-    borrowed instances (cluster.elastic may change on resume): nothing lost, nothing twice."""
-    run_dir = tmp_path / "elastic"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "mode=dora", "--set", "train.max_steps=60", *BASE,
                  "--set", "cluster.elastic=true", "--set", "cluster.max_num_seqs=4", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -315,9 +271,16 @@ def test_an_elastic_run_commits_at_a_signal_and_resumes_without_borrowing(tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 3, finish(proc, 10)[-3000:]
     stopped = max(checkpoints(run_dir))
-    p = resume(run_dir, "--set", "cluster.elastic=false", "--set", f"train.max_steps={stopped + 4}")
+    p = resume(run_dir, "--set", "cluster.elastic=false", "--set", "cluster.rollout_instances=2",
+               "--set", "cluster.trainer_ranks=2", "--set", "engine.max_batched_tokens=128",
+               "--set", f"train.max_steps={stopped + 6}")
     assert p.returncode == 0, p.stderr[-3000:]
-    a = assert_whole(run_dir, steps=stopped + 4, k=2)
-    assert a["preemption"]["resumed_at_steps"] == [stopped]
-    trajs = read_table(run_dir, "traj", "trajectories", ["traj_id"], with_rank=True)
-    assert 1 in set(trajs["rank"].tolist())  # the trainer rank's borrowed instance finished some before the stop
+    assert "ranks=1+2+2" in p.stdout
+    a = assert_whole(run_dir, steps=stopped + 6, k=2)
+    assert a["preemption"]["attempts"] == 2 and a["preemption"]["resumed_at_steps"] == [stopped]
+    c = read_table(run_dir, "train", "consumed", with_rank=True)
+    late = c["consume_step"] >= stopped
+    assert set(c["rank"][late].tolist()) == {1, 2}  # both replicas of the new allocation trained
+    trajs = read_table(run_dir, "traj", "trajectories", ["traj_id", "attempt"], with_rank=True)
+    first = trajs["attempt"] == 0
+    assert 1 in set(trajs["rank"][first].tolist())  # the trainer rank's borrowed instance finished some before the stop
