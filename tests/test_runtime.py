@@ -31,9 +31,21 @@ def run(tmp_path, mode, *extra, steps=4, env=None, name=None):
     return p, run_dir
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step", "partial", "oversample", "dora"])
-def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode):
-    p, run_dir = run(tmp_path, mode, steps=8 if mode == "dora" else 4)
+@pytest.fixture(scope="module")
+def dora_run(tmp_path_factory):
+    """One DORA run of 8 steps (two mini-batches a step, lr 1e-3), shared: every mode's checks and the
+    trainer backends' replays read it."""
+    p, run_dir = run(tmp_path_factory.mktemp("dora8"), "dora", "--set", "train.lr=1e-3",
+                     "--set", "train.mini_batches=2", steps=8)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, run_dir
+
+
+# the quick tier's one real run is DORA's (tools/test.sh --quick)
+@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow)
+                                   for m in ("sync", "one_step", "partial", "oversample")), "dora"])
+def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
+    p, run_dir = request.getfixturevalue("dora_run") if mode == "dora" else run(tmp_path, mode, steps=4)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout + p.stderr  # model loading is quiet: rank 0 names the model once, no progress bars
     assert out.count("dora-hpc: model ") == 1 and "Loading weights" not in out and "it/s]" not in out
@@ -90,6 +102,7 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
                if n > 0 and any(s + grace_s < a < end for s, end in zip(t["t_start"], t["t_end"], strict=True)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,plane", [("torch", "mpi"), ("fsdp", "torch"), pytest.param(
     "megatron", "mpi", marks=pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                                 reason="megatron-core not installed"))])
@@ -145,9 +158,11 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     assert all(torch.equal(exported[k], saved[k]) for k in exported if k in saved) and len(exported) >= len(saved) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("fsdp", 2), pytest.param("megatron", 2, marks=(
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")))])
 def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path, dora_run, backend, ranks):
+    dora_run = dora_run[1]
     """The tiny config's DORA run (one torch trainer, lr 1e-3, two mini-batches per step) replayed step by
     step -- its logged groups (cut into mini-batches where the run cut them), behaviour logprobs and
     rewards -- by each trainer backend (torch alone, FSDP2 on 2 ranks, megatron TP=2)
@@ -162,31 +177,13 @@ def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["ranks"] == ranks and len(r["steps"]) == 6 and r["tokens_match"]
+    assert r["ranks"] == ranks and len(r["steps"]) == 8 and r["tokens_match"]
     assert all(s["loss"] != 0 for s in r["steps"])
     # measured over 6 steps at lr 1e-3, two runs: torch 0 (bit-exact), fsdp 4e-8 and 5e-8, megatron 8e-6, 1.7e-5
     assert r["max_abs_loss_diff"] < 1e-4, r["steps"]
 
 
-@pytest.fixture(scope="module")
-def dora_run(tmp_path_factory):
-    p, run_dir = run(tmp_path_factory.mktemp("dora6"), "dora", "--set", "train.lr=1e-3",
-                     "--set", "train.mini_batches=2", steps=6)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return run_dir
-
-
-def test_a_tight_kv_pool_offloads_to_host_and_logs_the_free_cache_overhead(tmp_path):
-    """16 KV blocks for 8 slots: sequences are preempted for space, their KV goes to host and back
-    (engine.on_kv_full=offload, the default); analyze reports it as the free-cache overhead."""
-    p, run_dir = run(tmp_path, "dora", "--set", "engine.kv_blocks=16", steps=3)
-    assert p.returncode == 0, p.stderr[-3000:]
-    a = analyze(run_dir)
-    assert not any(a["invariants"][k] for k in ("mixed_version_trajectories", "staleness_over_k", "lost_groups",
-                                                "duplicate_groups", "split_groups"))
-    assert 0 < a["overheads"]["free_cache"] < 0.01 and a["reprefill_tokens"] == 0
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("trainers", [1, 2])
 def test_elastic_trainer_ranks_host_borrowed_instances_and_drain_them_before_each_step(tmp_path, trainers):
     """cluster.elastic: each trainer rank also hosts a rollout instance (instances 3.. after the 3 dedicated
@@ -202,11 +199,19 @@ def test_elastic_trainer_ranks_host_borrowed_instances_and_drain_them_before_eac
     assert a["reprefill_tokens"] == 0  # the built-in engine carries all of a request's KV
 
 
-def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
+@pytest.mark.slow
+def test_a_raising_reward_is_recorded_not_fatal_and_a_tight_kv_pool_offloads_to_host(tmp_path):
+    """A reward function that raises on some responses: the error is recorded, the run goes on. In the
+    same run 16 KV blocks for 8 slots: sequences are preempted for space, their KV goes to host and back
+    (engine.on_kv_full=offload, the default); analyze reports it as the free-cache overhead."""
     p, run_dir = run(tmp_path, "dora", "--set", "task.reward_fn=flaky_reward:flaky_reward", "--set",
-                     "reward.overlong_buffer=4", steps=3, env={"PYTHONPATH": str(REPO / "tests")})
+                     "reward.overlong_buffer=4", "--set", "engine.kv_blocks=16", steps=3,
+                     env={"PYTHONPATH": str(REPO / "tests")})
     assert p.returncode == 0, p.stderr[-3000:]
     a = analyze(run_dir)
+    assert not any(a["invariants"][k] for k in ("mixed_version_trajectories", "staleness_over_k", "lost_groups",
+                                                "duplicate_groups", "split_groups"))
+    assert 0 < a["overheads"]["free_cache"] < 0.01 and a["reprefill_tokens"] == 0
     assert a["reward_errors"] > 0 and a["invariants"]["lost_groups"] == 0
     # the toy task never stops early, so every response reaches its budget and takes the full penalty
     from dora_hpc.store.shards import read_table
@@ -227,6 +232,7 @@ def test_a_reward_function_that_raises_is_recorded_not_fatal(tmp_path):
     assert main(["analyze", str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_filters_equal_reward_groups_and_trains_tbs_informative_groups_per_step(tmp_path):
     """DORA K=3 with batch.filter_groups on a pass/fail reward: groups whose samples all pass or all fail are
     filtered (recorded, never trained on) and replaced, every step trains TBS groups, every invariant 0."""
@@ -257,6 +263,7 @@ def test_cuda_on_a_machine_without_a_gpu_is_refused_before_anything_starts(tmp_p
     assert p.returncode == 2 and "runtime.device=cuda" in p.stderr and not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
     run_dir = tmp_path / "killed"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=500", "--run-dir", str(run_dir)]
@@ -276,6 +283,7 @@ def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
     assert re.search(r"rank \d \((orchestrator|trainer|rollout)\) died first", err), err[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plane", ["mpi", "torch"])
 def test_close_returns_when_a_run_ends_with_buffers_in_flight(plane):
     """A run that ends while a KV migration or a weight transfer is under way still ends: the receivers
