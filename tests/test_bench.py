@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
 SHORT = ["--set", "train.max_steps=3", "--set", "cluster.rollout_instances=2", "--set", "batch.tbs=4",
@@ -18,6 +20,7 @@ def bench(*args, timeout=600):
     return subprocess.run(CLI + ["bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_bench_modes_runs_real_runs_and_summarises_them(tmp_path):
     out = tmp_path / "modes"
     p = bench("modes", "configs/tiny-cpu.yaml", "--out", str(out), "--modes", "sync,dora-k1", "--repeats", "1",
@@ -94,6 +97,7 @@ def test_reach_is_the_first_step_whose_three_step_mean_gets_there():
     assert reach([0.1, 0.2, 0.3], [1, 2, 3], 0.9) is None
 
 
+@pytest.mark.slow
 def test_bench_convergence_reads_reward_curves_from_the_logs_and_scores_held_out_prompts(tmp_path):
     out = tmp_path / "conv"
     p = bench("convergence", "configs/tiny-cpu.yaml", "--out", str(out), "--seeds", "0", "--cases", "sync,dora-k2",

@@ -71,6 +71,7 @@ def run(run_dir, steps: int) -> str:
             f"--set batch.rbs=6 --run-dir {run_dir}")
 
 
+@pytest.mark.slow
 def test_the_dashboard_redraws_in_place_at_80x24(tmp_path, tmux):
     term = tmux(80, 24, run(tmp_path / "run", 5))
     screen = term.wait_for("EXIT=")
@@ -81,6 +82,7 @@ def test_the_dashboard_redraws_in_place_at_80x24(tmp_path, tmux):
     assert term.cursor_shown()
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_200x50_commits_a_checkpoint_and_leaves_the_terminal_clean(tmp_path, tmux):
     term = tmux(200, 50, run(tmp_path / "run", 40))
     end = time.time() + 240

@@ -42,6 +42,7 @@ def logits(model_or_dir, state=None):
         return model(torch.tensor([PROMPT])).logits[0]
 
 
+@pytest.mark.slow
 def test_an_exported_checkpoint_loads_in_transformers_with_its_logits_and_generates_as_the_engine(run_dir, tmp_path):
     out = tmp_path / "hf"
     p = cli("export", str(run_dir), "--out", str(out))
@@ -66,6 +67,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_its_logits_and_genera
     assert ids[len(PROMPT):].tolist() == list(tokens)
 
 
+@pytest.mark.slow
 def test_export_shards_and_writes_bfloat16(run_dir, tmp_path):
     out = tmp_path / "bf16"
     p = cli("export", str(run_dir), "--step", "2", "--out", str(out), "--dtype", "bfloat16", "--max-shard-size", "1MB")
@@ -78,6 +80,7 @@ def test_export_shards_and_writes_bfloat16(run_dir, tmp_path):
     assert (logits(out) - logits(model_dir, state)).abs().max().item() < 0.1  # bf16 rounding only
 
 
+@pytest.mark.slow
 def test_export_errors_name_the_step_the_run_or_the_folder(run_dir, tmp_path):
     p = cli("export", str(run_dir), "--step", "3", "--out", str(tmp_path / "a"))
     assert p.returncode == 2 and "no checkpoint step-3" in p.stderr and "Traceback" not in p.stderr

@@ -128,6 +128,7 @@ def test_bad_samples_are_refused(tiny):
 megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,tp,ac,mini,loss", [("torch", None, False, 2, "ppo_clip,none"),
                                                      ("fsdp", None, False, 1, "gspo,mask"),
                                                      ("fsdp", None, True, 2, "decoupled,truncate"),
@@ -174,6 +175,7 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, m
     assert out["max_abs_logits_diff"] < 1e-5  # measured: 0 (torch, fsdp), 5e-7 (megatron TP=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])
 def test_bf16_mixed_precision_keeps_float32_masters_and_the_step_close(tiny, backend):
     """train.mixed_precision=bf16 (torch: autocast; fsdp: MixedPrecisionPolicy) on 2 ranks against one

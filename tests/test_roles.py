@@ -41,6 +41,7 @@ if MPI.COMM_WORLD.Get_rank() == 0:
 """
 
 
+@pytest.mark.slow
 def test_bind_gpus_narrows_each_rank_to_its_gpus_under_mpi(tmp_path):
     """Four ranks on one node that shows GPUs 2,3,5: the orchestrator keeps them all, the trainer takes
     the first, the first rollout pair the next two, the second pair wraps around to share them."""

@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv/ and run the test suite (plus ruff).
+#   bash tools/test.sh            everything (about 15 min on 2 cores; Slurm tests start a local cluster as root)
+#   bash tools/test.sh --quick    the quick tier (under 5 min): core, config, engines, losses, analysis, docs,
+#                                 and one real DORA run; no test marked `slow` (multi-process runs, Slurm
+#                                 jobs, benchmarks) and no vLLM test
+# Further arguments go to pytest (e.g. -k resume, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MARKS=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  MARKS=(-m "not slow and not vllm")
+fi
 bash tools/setup.sh
 .venv/bin/ruff check dora_hpc tests
-.venv/bin/python -m pytest -q --durations=15 "$@"
+.venv/bin/python -m pytest -q --durations=15 "${MARKS[@]}" "$@"
