@@ -62,6 +62,7 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
     waits = a["trainer_wait_fraction"]  # rank 0's policy said what the trainer waited for (trainer_wait ops)
     assert 0 < sum(waits.values()) <= 1 and "trainer_wait" not in a["overheads"], waits
     assert mode == "dora" or waits["window"] == 0, waits  # only DORA has a staleness window
+    assert a["dual_clip_frac_by_step"] == [0.0] * a["steps"]  # logged every step; the dual clip is off
     gap = a["logprob_gap"]  # the engine's logprobs against the trainer's, on tokens of the same weights
     if mode == "partial":
         assert gap["tokens"] == 0  # its trajectories may span versions: none is counted

@@ -206,7 +206,8 @@ def logprob_gap(tsteps: dict[str, np.ndarray]) -> dict:
 def loss_stats(tsteps: dict[str, np.ndarray]) -> dict:
     """What the policy loss saw, per train step (train/losses.py): the importance weight pi_prox/pi_behaviour
     (mean of the steps' token means, max of their maxima), the sampled tokens' entropy at the first and
-    last step, the clip fractions. None where the shards predate these columns (schema < 4)."""
+    last step, the clip and dual-clip fractions. None (NaN per step) where the shards predate these columns
+    (schema < 4; schema < 7 for the dual clip)."""
     def finite(col: str) -> np.ndarray:
         return tsteps[col][np.isfinite(tsteps[col])]
 
@@ -217,6 +218,7 @@ def loss_stats(tsteps: dict[str, np.ndarray]) -> dict:
                           "masked_frac": float(np.nanmean(tsteps["is_masked_frac"])) if has else None},
             "entropy": {"first": float(ent[0]) if len(ent) else None, "last": float(ent[-1]) if len(ent) else None},
             "clip_frac_by_step": [float(x) for x in tsteps["clip_frac"]],
+            "dual_clip_frac_by_step": [float(x) for x in tsteps["dual_clip_frac"]],  # NaN before schema 7
             "entropy_by_step": [float(x) for x in tsteps["entropy"]]}
 
 
