@@ -251,6 +251,7 @@ def test_data_parallel_trainers_in_a_heterogeneous_job(tmp_path, slurm_cluster):
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "dp"
+    sent = node_bytes()
     # the local cluster's nodes have 2 CPUs each: component 0's 3 tasks span 2 of them
     job = submit(run_dir, 3, "cluster.trainer_ranks=2", "cluster.rollout_instances=2", "slurm.trainer.nodes=2")
     try:
@@ -266,6 +267,13 @@ def test_data_parallel_trainers_in_a_heterogeneous_job(tmp_path, slurm_cluster):
                                                 "staleness_over_k", "mixed_version_trajectories"))
     c = read_table(run_dir, "train", "consumed", with_rank=True)
     assert {(int(r), int(g) % 2) for r, g in zip(c["rank"], c["group_id"], strict=True)} == {(1, 0), (2, 1)}
+    if _netns_nodes():  # the replicas on two nodes: gloo's all-reduce crossed the bridge every step
+        hosts = rank_hosts(run_dir, job)
+        assert hosts[1] != hosts[2], hosts
+        ops = read_table(run_dir, "events", "ops", ["kind", "bytes"])
+        model = max(int(b) for k, b in zip(ops["kind"], ops["bytes"], strict=True) if k == "weight_load")
+        from_second = node_bytes()[hosts[2]] - sent[hosts[2]]
+        assert from_second >= 3 * model, (from_second, model)  # 3 steps' gradients, at least a model each
 
 
 def rank_hosts(run_dir: Path, job: str) -> dict[int, str]:
@@ -275,9 +283,14 @@ def rank_hosts(run_dir: Path, job: str) -> dict[int, str]:
     return {int(r): h for r, h in re.findall(r"r(\d+)@(\w+)", world)}
 
 
+def node_bytes() -> dict[str, int]:
+    """Bytes each namespaced node has sent into the bridge (its veth's host side counts what the node sent)."""
+    return {f"n{p.parent.parent.name[3:]}": int(p.read_text())
+            for p in Path("/sys/class/net").glob("dvh*/statistics/rx_bytes")}
+
+
 def bridge_bytes() -> int:
-    """Bytes the namespaced nodes have sent into the bridge (each veth's host side counts what its node sent)."""
-    return sum(int(p.read_text()) for p in Path("/sys/class/net").glob("dvh*/statistics/rx_bytes"))
+    return sum(node_bytes().values())
 
 
 @pytest.mark.slow
