@@ -61,3 +61,23 @@ def test_bind_gpus_narrows_each_rank_to_its_gpus_under_mpi(tmp_path):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [
         [None, "2,3,5"], ["2", "2"], ["3,5", "3,5"], ["2,3", "2,3"]]
     assert "5 GPUs wanted" in p.stderr and "ranks share them" in p.stderr
+
+
+def test_a_requeued_start_removes_only_the_stale_mpich_segments(tmp_path):
+    """Segments a dead start left (old, mapped by no process) go; a fresh one, a mapped one and other
+    files stay (runtime/main.py: clear_stale_shm, run before MPI_Init on a requeued Slurm start)."""
+    import mmap
+    import os
+    import time
+
+    from dora_hpc.runtime.main import STALE_AFTER_S, clear_stale_shm
+
+    old = time.time() - 2 * STALE_AFTER_S
+    names = ["mpich_shm_b911e98_1", "mpich_vci_b911e98_1", "mpich_shm_b911e98_0", "mpich_shm_c0ffee_0", "other"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * 4096)
+        os.utime(tmp_path / n, (old, old))
+    os.utime(tmp_path / "mpich_shm_c0ffee_0")  # just made: a start being set up now
+    with open(tmp_path / "mpich_shm_b911e98_0", "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live job's
+        assert sorted(clear_stale_shm(tmp_path)) == ["mpich_shm_b911e98_1", "mpich_vci_b911e98_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_b911e98_0", "mpich_shm_c0ffee_0", "other"]

@@ -33,13 +33,19 @@ def _netns_nodes() -> bool:
     return "NodeAddr=10.77.0." in out
 
 
-def _cluster_up() -> bool:
+def _cluster_up(idle_only: bool = False) -> bool:
+    """At least 3 nodes up (``idle_only``: every node idle)."""
     try:
         out = subprocess.run(["sinfo", "-h", "-t", "idle,alloc,mix", "-o", "%D"], capture_output=True, text=True,
                              timeout=10)
+        everyone = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, timeout=10)
+        idle = subprocess.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return out.returncode == 0 and sum(int(x) for x in out.stdout.split() if x.isdigit()) >= 3
+    count = lambda p: sum(int(x) for x in p.stdout.split() if x.isdigit())  # noqa: E731
+    if idle_only:
+        return idle.returncode == 0 and count(idle) == count(everyone)
+    return out.returncode == 0 and count(out) >= 3
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +56,7 @@ def slurm_cluster():
     if os.geteuid() != 0 or not shutil.which("apt-get") or os.environ.get("DORA_HPC_NO_SLURM"):
         pytest.skip("no Slurm cluster, and cannot start the local one here (needs root on Debian)")
     p = subprocess.run(["bash", "slurm/start_local_slurm.sh"], cwd=REPO, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "NETNS": "1"})
+                       env={**os.environ, "NETNS": "1", "NNODES": "5"})  # one to lose, four left
     if p.returncode != 0 or not _cluster_up():  # no namespaces here: one host, every node on 127.0.0.1
         subprocess.run(["bash", "slurm/stop_local_slurm.sh"], cwd=REPO, capture_output=True, timeout=120)
         p = subprocess.run(["bash", "slurm/start_local_slurm.sh"], cwd=REPO, capture_output=True, text=True,
@@ -276,10 +282,64 @@ def test_data_parallel_trainers_in_a_heterogeneous_job(tmp_path, slurm_cluster):
         assert from_second >= 3 * model, (from_second, model)  # 3 steps' gradients, at least a model each
 
 
-def rank_hosts(run_dir: Path, job: str) -> dict[int, str]:
-    """Each rank's host, from the job's "one MPI world" line (its first launch)."""
+@pytest.mark.slow
+def test_a_dora_run_across_four_nodes_loses_one_and_resumes_on_the_others(tmp_path, slurm_cluster):
+    """Orchestrator and trainer on one node, one rollout instance on each of three others: every weight load
+    comes from another node and crosses the bridge (MPI over TCP, not shared memory), KV migrates between
+    nodes, and the logs name each rank's host. Then one rollout node dies (every process in it killed, its
+    slurmd too): Slurm marks it down and requeues the job, which resumes from its last checkpoint on the
+    nodes that are left, nothing lost or trained twice."""
+    from dora_hpc.store.shards import read_table
+
+    if not _netns_nodes():
+        pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
+    run_dir = tmp_path / "nodes"
+    before = bridge_bytes()
+    job = submit(run_dir, 16, "slurm.rollout.nodes=3", "train.checkpoint_every=2", "slurm.time_min=20")
+    try:
+        wait_for(trained(run_dir, 0, 4), job, what="attempt 0 to train four steps", run_dir=run_dir)
+        hosts = rank_hosts(run_dir, job)
+        dead = hosts[4]
+        killed = subprocess.run(["ip", "netns", "pids", f"dora-{dead}"], capture_output=True, text=True).stdout.split()
+        for pid in killed:  # the node dies: its slurmd, its slurmstepd, its rank
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=400,
+                 what="the job to resume on the nodes left and complete", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        revive(dead if "dead" in locals() else None)
+    sent = bridge_bytes() - before
+    assert hosts[0] == hosts[1] and len({hosts[0], hosts[2], hosts[3], hosts[4]}) == 4, hosts  # 4 nodes
+    after = rank_hosts(run_dir, job, launch=-1)
+    assert attempts(run_dir) == 2 and dead not in after.values(), after  # resumed without the dead node
+    a = analyze(run_dir)
+    assert a["steps"] == 16 and a["consumed"] == 16 * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories"))
+    assert a["preemption"]["chain"] == [0, 1] and a["preemption"]["resumed_at_steps"][0] >= 2
+    assert a["migrations"] >= 1 and a["reprefill_tokens"] == 0  # instances on different nodes: KV moved
+    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "bytes", "attempt"], with_rank=True)
+    loads = [(int(r), int(p), int(b)) for k, p, b, r, t in zip(ops["kind"], ops["peer"], ops["bytes"], ops["rank"],
+                                                             ops["attempt"], strict=True)
+             if k == "weight_load" and t == 0]
+    across = [(r, p, b) for r, p, b in loads if hosts[r] != hosts[p]]
+    assert across == loads and len(loads) >= 3, loads  # every load of the first launch came from another node
+    assert sent >= sum(b for _, _, b in across), (sent, across)  # and its bytes went over the bridge
+
+
+def revive(node: str | None) -> None:
+    """Start a dead namespaced node's slurmd again and wait until every node is idle (for the next test)."""
+    if node is not None:
+        subprocess.run(["bash", "slurm/start_node.sh", node[1:]], cwd=REPO, capture_output=True, timeout=60)
+    end = time.time() + 120
+    while time.time() < end and not _cluster_up(idle_only=True):
+        time.sleep(1)
+
+
+def rank_hosts(run_dir: Path, job: str, launch: int = 0) -> dict[int, str]:
+    """Each rank's host in a launch of the job (0: its first, -1: its last), from its "one MPI world" line."""
     log = "".join(f.read_text() for f in (run_dir / "slurm").glob(f"{job}_0_log.out"))
-    world = re.search(r"one MPI world of \d+ ranks: (.*)", log).group(1)
+    world = re.findall(r"one MPI world of \d+ ranks: (.*)", log)[launch]
     return {int(r): h for r, h in re.findall(r"r(\d+)@(\w+)", world)}
 
 
@@ -291,37 +351,3 @@ def node_bytes() -> dict[str, int]:
 
 def bridge_bytes() -> int:
     return sum(node_bytes().values())
-
-
-@pytest.mark.slow
-def test_a_dora_run_across_three_nodes_migrates_kv_and_loads_weights_between_them(tmp_path, slurm_cluster):
-    """Orchestrator and trainer on one node, one rollout instance on each of three others: every KV
-    migration and every weight load crosses the bridge (MPI over TCP, not shared memory), the logs name
-    each rank's host, and every invariant holds."""
-    from dora_hpc.store.shards import read_table
-
-    if not _netns_nodes():
-        pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
-    run_dir = tmp_path / "nodes"
-    before = bridge_bytes()
-    job = submit(run_dir, 6, "slurm.rollout.nodes=3")
-    try:
-        wait_for(lambda: job_state(job).get("JobState") in ("COMPLETED", "FAILED"), job, timeout=240,
-                 what="the job across nodes", run_dir=run_dir)
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-    sent = bridge_bytes() - before
-    assert job_state(job)["JobState"] == "COMPLETED", why(job, run_dir)
-    hosts = rank_hosts(run_dir, job)
-    assert hosts[0] == hosts[1] and len({hosts[0], hosts[2], hosts[3], hosts[4]}) == 4, hosts  # 4 nodes
-    a = analyze(run_dir)
-    assert a["steps"] == 6 and a["consumed"] == 6 * 4 * 4
-    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
-                                                "staleness_over_k", "mixed_version_trajectories"))
-    assert a["migrations"] >= 1 and a["reprefill_tokens"] == 0  # each one moved its KV to another node
-    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "bytes"], with_rank=True)
-    loads = [(int(r), int(p), int(b)) for k, p, b, r in zip(ops["kind"], ops["peer"], ops["bytes"], ops["rank"],
-                                                          strict=True) if k == "weight_load"]
-    across = [(r, p, b) for r, p, b in loads if hosts[r] != hosts[p]]
-    assert across == loads and len(loads) >= 3, loads  # every load came from another node
-    assert sent >= sum(b for _, _, b in across), (sent, across)  # and its bytes went over the bridge

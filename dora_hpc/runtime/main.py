@@ -126,7 +126,40 @@ def bind_gpus(world, roles, rollout_gpus: int) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+STALE_AFTER_S = 10.0  # a segment this old that no process maps is a dead start's, not one being created
+
+
+def clear_stale_shm(shm: Path = Path("/dev/shm"), now: float | None = None) -> list[str]:
+    """Remove the MPICH shared-memory segments (``mpich_shm_*``, ``mpich_vci_*``) that no process maps and
+    that are older than STALE_AFTER_S; the names removed.
+
+    A requeued Slurm job starts under the job and step ids of the start that died, and MPICH names its
+    node-local segments after them (``mpich_shm_<world id>_<node>``). A start killed on a node that
+    survives (a dead peer node, SIGKILL) leaves its segments there, the next start finds them and MPI_Init
+    fails ("Out of memory"). Called before MPI_Init on a requeued start: no rank of this start creates a
+    segment before every rank has come through here (MPICH creates them after the PMI exchange)."""
+    now = time.time() if now is None else now
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "/mpich_" in line)
+        except (OSError, IndexError):
+            continue
+    removed = []
+    for f in [*shm.glob("mpich_shm_*"), *shm.glob("mpich_vci_*")]:
+        try:
+            if str(f) not in mapped and now - f.stat().st_mtime > STALE_AFTER_S:
+                f.unlink()
+                removed.append(f.name)
+        except OSError:
+            continue  # another rank of this node removed it first, or it is not ours to remove
+    return removed
+
+
 def main(run_dir: str) -> int:
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and (gone := clear_stale_shm()):
+        print(f"dora-hpc: removed {len(gone)} MPICH shared-memory segments a dead start left on "
+              f"{os.uname().nodename}: {', '.join(gone)}", file=sys.stderr, flush=True)
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
