@@ -258,6 +258,17 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert p.returncode == 2 and "batch.group_size" in p.stderr
 
 
+def test_a_rank_that_cannot_see_the_run_directory_says_which_node_and_path(tmp_path):
+    """A node without the shared filesystem: the rank names its node and the path, in one line, and ends
+    the job at start-up instead of hanging later."""
+    missing = tmp_path / "not-shared" / "run"
+    p = subprocess.run([sys.executable, "-m", "dora_hpc.runtime.main", str(missing)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert f"rank 0 on {os.uname().nodename} cannot see the run directory {missing}" in p.stderr, p.stderr
+    assert not missing.exists()  # nothing was written there
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_cuda_on_a_machine_without_a_gpu_is_refused_before_anything_starts(tmp_path):
     p, run_dir = run(tmp_path, "dora", "--set", "runtime.device=cuda")

@@ -126,6 +126,10 @@ def bind_gpus(world, roles, rollout_gpus: int) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+class RunDirUnseen(RuntimeError):
+    """This rank's node does not see the run directory the launcher prepared (no shared filesystem there)."""
+
+
 STALE_AFTER_S = 10.0  # a segment this old that no process maps is a dead start's, not one being created
 
 
@@ -164,6 +168,10 @@ def main(run_dir: str) -> int:
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
+        if not (Path(run_dir) / "launch.json").is_file():  # before writing anything there
+            raise RunDirUnseen(f"rank {rank} on {os.uname().nodename} cannot see the run directory {run_dir} "
+                               f"({Path(run_dir) / 'launch.json'} is missing): every node of the job must see it "
+                               "at the same path (a shared filesystem; docs/architecture.md)")
         quiet_hf()
         import torch
 
@@ -268,6 +276,8 @@ def fail(run: Path, rank: int, e: BaseException) -> None:
 
     if isinstance(e, DiskFull | RankHung):  # not a bug: the message says all; the job is resumable
         sys.stderr.write(f"dora-hpc: rank {rank} stopped: {e.strerror if isinstance(e, DiskFull) else e}\n")
+    elif isinstance(e, RunDirUnseen):  # not a bug either: the message names the node and the path
+        sys.stderr.write(f"dora-hpc: {e}\n")
     else:
         sys.stderr.write(f"dora-hpc: rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     sys.stderr.flush()
