@@ -1,1 +1,3 @@
-"""Environments of multi-turn episodes (issue 30, in progress): so far the sandbox that runs tool code."""
+"""Environments of multi-turn episodes: the protocol (base.py), the built-in ones over any text task
+(builtin.py: retry, python_tool) and the sandbox that runs tool code (sandbox.py). Not yet driven by the
+rollout ranks (issue 30)."""
