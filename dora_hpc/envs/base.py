@@ -5,7 +5,7 @@ messages in, the model's text out.
 * ``step(action) -> StepOutput``: the model's turn as text; the environment's reply as chat messages
   (appended to the conversation), this step's reward, whether the episode ends, and free metadata.
 
-An environment is built once per episode by ``make_env`` from the episode's scorer (the task's reward of a
+An environment is built once per episode by ``envs.make_env`` from the episode's scorer (the task's reward of a
 final answer, one group's) and its ``env.*`` settings; it holds that episode's state only.
 """
 
@@ -45,16 +45,3 @@ def register(name: str) -> Callable[[Factory], Factory]:
         ENVS[name] = factory
         return factory
     return add
-
-
-def make_env(name: str, score: Callable[[str], float], max_turns: int, timeout_s: float,
-             args: dict[str, Any] | None = None) -> TextEnv:
-    """The environment ``name`` for one episode; an unknown name or argument is an EnvArgError naming it."""
-    from . import builtin  # noqa: F401 - registers the built-in environments
-
-    if name not in ENVS:
-        raise EnvArgError(f"env.name: unknown environment {name!r}; choose from {', '.join(sorted(ENVS))}")
-    try:
-        return ENVS[name](score=score, max_turns=max_turns, timeout_s=timeout_s, **(args or {}))
-    except TypeError as e:  # an argument the environment does not take
-        raise EnvArgError(f"env.args: {name} {e}") from e
