@@ -96,8 +96,9 @@ def policy_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, adv:
     per_tok = -torch.minimum(ratio * adv, clipped * adv)
     dual = torch.zeros_like(per_tok, dtype=torch.bool)
     if cfg.clip_ratio_c is not None:
-        dual = (adv < 0) & (per_tok > -adv * cfg.clip_ratio_c)
-        per_tok = torch.where(dual, -adv * cfg.clip_ratio_c, per_tok)
+        cap = -adv * cfg.clip_ratio_c
+        dual = (adv < 0) & (per_tok > cap)  # where the cap below sets the loss
+        per_tok = torch.where(adv < 0, torch.minimum(per_tok, cap), per_tok)
     if cfg.policy_loss == "decoupled":
         per_tok = per_tok * w_c
     elif cfg.is_correction != "none":
