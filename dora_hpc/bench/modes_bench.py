@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError, load_config, parse_overrides
 
 CASES: dict[str, list[str]] = {
     "sync": ["mode=sync"], "one_step": ["mode=one_step"], "partial": ["mode=partial"],
@@ -66,10 +66,9 @@ def refuse_overridden(sets: list[str], setters: dict[str, tuple[list[str], str]]
     """A ``--set`` whose key a benchmark's case sets too would silently lose (the case's comes last): refuse
     it, naming both. ``setters``: who sets keys (``"--losses ppo_clip"``) -> (its KEY=VALUEs, the way to
     choose that key instead)."""
-    for s in sets:
-        key = s.split("=", 1)[0].strip()
+    for s, (key, _) in zip(sets, parse_overrides(sets), strict=True):
         for who, (theirs, instead) in setters.items():
-            if any(t.split("=", 1)[0] == key for t in theirs):
+            if key in dict(parse_overrides(theirs)):
                 raise ConfigError(f"--set {s}: {who} sets {key} in its runs and would override it; {instead}")
 
 

@@ -157,15 +157,16 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
     candidates = []
     k0, mode = fit.cfg.dora.k, fit.cfg.mode
     traits = traits_of(mode, k0)
+    sweep_k = traits.uses_k and vary_k
     for n in sorted({max(1, round((total - 1) * f)) for f in (0.25, 0.5, 0.75)} | {fit.cfg.cluster.rollout_instances}):
         if n >= total:
             continue
-        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if traits.uses_k and vary_k else [k0]:
+        for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if sweep_k else [k0]:
             for elastic in (False, True) if traits.elastic else (False,):
                 for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if traits.auto_rbs else [fit.cfg.batch.rbs]:
                     candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
                                        "cluster.elastic": elastic, "batch.rbs": rbs}
-                                      | ({"dora.k": k} if traits.uses_k and vary_k else {}))
+                                      | ({"dora.k": k} if sweep_k else {}))
     rows = []
     for sets in candidates:
         c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})
@@ -184,4 +185,4 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
                                                    "measured_trainer_wait": fit.measured_waits},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
             "candidates": rows, "n_candidates": len(candidates),
-            "k": {"run": k0, "varied": bool(traits.uses_k and vary_k), "uses_k": traits.uses_k}}
+            "k": {"run": k0, "varied": bool(sweep_k), "uses_k": traits.uses_k}}

@@ -47,9 +47,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                       f"{row['predicted_step_s']:.2f}", _waits(row["predicted_trainer_wait"]))
     console.print(table)
     best = result["candidates"][0]["set"]
-    k = result["k"]
     console.print("recommended: " + " ".join(
-        f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items()) + _k_note(k, best),
+        f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items())
+                  + _k_note(result["k"], best),
                   soft_wrap=True, highlight=False)  # one line, to copy whole
     console.print(f"wrote {out / 'plan.json'}")
     return 0
