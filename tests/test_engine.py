@@ -276,3 +276,74 @@ def test_pacing_charges_a_floor_per_step_plus_each_prefilled_token(tiny_dir):
     engine.step()  # decode: 0.05 s at least, far less than a prefill step
     decode_s = time.perf_counter() - t
     assert prefill_s >= 0.25 and 0.05 <= decode_s < 0.2, (prefill_s, decode_s)
+
+
+def _teacher_logprobs(hf_model, tokens: list[int], start: int) -> torch.Tensor:
+    """log p(token i | tokens < i) for i >= start, one forward pass over the whole episode."""
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0].float(), -1)
+    return lp[torch.arange(start - 1, len(tokens) - 1), torch.tensor(tokens[start:])]
+
+
+def _episode(engine, rid: int, prompt, env_tokens, turns: int = 2, migrate_to=None):
+    """Run a ``turns``-turn episode: hold between turns, the environment's tokens appended by ``extend``; with
+    ``migrate_to`` the held episode moves there (with its KV) after its first turn. (engine, last Finished)."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    engine.add(rid, prompt, params, 0, hold=True)
+    for turn in range(turns):
+        (f,) = run_all(engine).values()
+        assert engine.has_request(rid) and not engine.has_work()  # held: out of the batch, KV kept
+        assert len(f.response) - (turn * (6 + len(env_tokens))) == 6
+        if turn == turns - 1:
+            break
+        if migrate_to is not None:
+            meta, kv = engine.export(rid)
+            assert meta["held"] and kv.shape[2] == meta["n_cached"]
+            migrate_to.import_(meta, kv)
+            engine = migrate_to
+        engine.extend(rid, env_tokens, 6)
+    engine.abort(rid)
+    return engine, f
+
+
+def test_an_episode_keeps_its_kv_between_turns_and_prefills_only_the_environment_tokens(tiny_dir, hf_model):
+    prompt, env_tokens = prompts(512, lens=(11,), seed=5)[0], [7, 8, 9, 10]
+    e = _engine(tiny_dir)
+    e, f = _episode(e, 0, prompt, env_tokens, turns=3)
+    st = e.stats()
+    assert st["env_prefill_tokens"] == 8 and st["reprefill_tokens"] == 0 and st["recompute_tokens"] == 0
+    # the prompt, then per later turn the last sampled token's KV and the environment's 4 tokens
+    assert st["prefill_tokens"] + st["decode_tokens"] == 11 + 3 * 6 - 1 + 2 * 4
+    assert f.response[6:10] == env_tokens and f.logprobs[6:10] == [0.0] * 4  # not sampled: logprob 0
+    # every model token's logprob is the model's, with the environment's tokens in context (float noise)
+    ref = _teacher_logprobs(hf_model, prompt + f.response, len(prompt))
+    model = [i for i in range(len(f.response)) if not 6 <= i % 10 < 10 or i >= 20]
+    assert torch.allclose(torch.tensor(f.logprobs)[model], ref[model], atol=1e-4)
+    assert e.stats()["kv_blocks_used"] == 0  # abort ended it
+
+
+def test_a_held_episode_migrates_with_its_kv_and_continues_identically(tiny_dir):
+    prompt, env_tokens = prompts(512, lens=(13,), seed=6)[0], [5, 6, 7]
+    _, here = _episode(_engine(tiny_dir), 3, prompt, env_tokens)
+    dst = _engine(tiny_dir)
+    _, moved = _episode(_engine(tiny_dir), 3, prompt, env_tokens, migrate_to=dst)
+    assert moved.response == here.response
+    assert torch.allclose(torch.tensor(moved.logprobs), torch.tensor(here.logprobs), atol=1e-5)
+    assert dst.stats()["reprefill_tokens"] == 0 and dst.stats()["env_prefill_tokens"] == 3
+
+
+def test_held_episodes_are_offloaded_first_under_kv_pressure(tiny_dir):
+    e = Engine(load_model(tiny_dir), kv_blocks=6, block_size=8, max_num_seqs=4, max_batched_tokens=64)
+    e.add(0, prompts(512, lens=(20,))[0], SamplingParams(max_tokens=4, ignore_eos=True), 0, hold=True)
+    run_all(e)
+    assert e.seqs[0].held and e.stats()["kv_blocks_used"] == 3
+    e.add(1, prompts(512, lens=(30,), seed=1)[0], SamplingParams(max_tokens=10, ignore_eos=True), 0)
+    assert run_all(e)[1].finish_reason == "length"  # needed 5 blocks: the held episode went to host memory
+    assert e.stats()["offloads"] == 1 and e.seqs[0].status.value == "offloaded" and not e.has_work()
+    e.extend(0, [4, 5], 3)  # its next turn brings it back, bit-exact, nothing recomputed
+    assert len(run_all(e)[0].response) == 4 + 2 + 3 and e.stats()["recompute_tokens"] == 0
+    with pytest.raises(RequestError, match="the KV pool holds 48"):  # held again: a turn too long is refused
+        e.extend(0, [1], 10**6)
+    e.add(2, [3, 4], SamplingParams(max_tokens=2), 0)
+    with pytest.raises(RequestError, match="not between turns"):
+        e.extend(2, [1], 1)

@@ -17,11 +17,12 @@ from pydantic import Field, ValidationError, model_validator
 from ..core.policies import MODES, traits_of
 from .base import ConfigError, Section
 from .deprecated import DEPRECATED, renamed, undeprecate
+from .env import EnvConfig
 from .sim import HardwareSpec, LengthDist, ModelSpec, SimConfig, WorkloadConfig
 from .slurm import SlurmComponent, SlurmConfig
 
-__all__ = ["DEPRECATED", "ConfigError", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section", "SimConfig",
-           "SlurmComponent", "SlurmConfig", "WorkloadConfig", "load_config", "parse_overrides", "validate",
+__all__ = ["DEPRECATED", "ConfigError", "EnvConfig", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section",
+           "SimConfig", "SlurmComponent", "SlurmConfig", "WorkloadConfig", "load_config", "parse_overrides", "validate",
            "with_overrides"]
 
 Mode = Literal["sync", "one_step", "partial", "oversample", "dora"]
@@ -284,6 +285,7 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
+    env: EnvConfig = EnvConfig()
     reward: RewardConfig = RewardConfig()
     store: StoreConfig = StoreConfig()
     runtime: RuntimeConfig = RuntimeConfig()
@@ -306,6 +308,13 @@ class RunConfig(Section):
         if self.train.mini_batches > self.batch.tbs:
             raise ValueError(f"train.mini_batches ({self.train.mini_batches}) must be <= batch.tbs "
                              f"({self.batch.tbs}): each mini-batch holds whole groups")
+        if self.env.multi_turn and self.engine.backend != "builtin":
+            raise ValueError(f"env.name={self.env.name}: multi-turn episodes run on engine.backend=builtin (the vllm "
+                             f"backend does not keep an episode's KV across turns yet)")
+        kv_tokens = self.engine.kv_blocks * self.engine.block_size
+        if self.env.multi_turn and self.env.max_episode_tokens > kv_tokens:
+            raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) exceeds an instance's KV pool "
+                             f"(engine.kv_blocks x engine.block_size = {kv_tokens} tokens)")
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")

@@ -14,13 +14,17 @@ Invariants:
   blocks are dropped and rebuilt when it resumes (``recompute_tokens``);
 * a migrated (exported then imported) sequence continues exactly as it would have in place, with
   zero re-prefilled tokens; sampling noise depends on (seed, request id, position) only;
-* a bad request (unknown version, too long for the pool) raises before touching engine state.
+* a bad request (unknown version, too long for the pool) raises before touching engine state;
+* a request added with ``hold`` is a multi-turn episode: when a turn finishes it leaves the decode batch
+  (``held``) but keeps its KV; ``extend`` appends the environment's tokens, which are prefilled (counted in
+  ``env_prefill_tokens``, apart from re-prefill) before the next turn decodes; ``abort`` ends it. Under KV
+  pressure held episodes are offloaded first (they use no compute); migration carries them like any other.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -36,7 +40,7 @@ class RequestError(ValueError):
 
 
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions",
-            "offloads", "offloaded_tokens", "free_cache_s")
+            "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens")
 
 
 def check_new(hosted: int, live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
@@ -76,6 +80,9 @@ class Sequence:
     status: Status = Status.WAITING
     host_kv: torch.Tensor | None = None
     auto_restore: bool = False        # imported without room yet: restore as soon as KV frees up
+    hold: bool = False                # a multi-turn episode: its KV stays when a turn finishes
+    held: bool = False                # between turns: out of the batch, waiting for ``extend``
+    turn_start: int = 0               # where the current turn begins in ``response`` (its max_tokens counts from here)
 
     @property
     def tokens(self) -> list[int]:
@@ -115,11 +122,27 @@ class Engine:
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
+    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
-        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params)
+        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold)
+
+    def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
+        """The next turn of a held episode: ``tokens`` (the environment's) join its context, then up to
+        ``max_tokens`` are sampled. Environment tokens get logprob 0 (they are not sampled)."""
+        seq = self._get(req_id)
+        if not seq.held:
+            raise RequestError(f"request {req_id} is not between turns")
+        cap = self.kv.num_blocks * self.kv.block_size
+        if len(seq) + len(tokens) + max_tokens > cap:
+            raise RequestError(f"request {req_id} may reach {len(seq) + len(tokens) + max_tokens} tokens; the KV "
+                               f"pool holds {cap}")
+        seq.response += tokens
+        seq.logprobs += [0.0] * len(tokens)
+        seq.turn_start, seq.params, seq.held = len(seq.response), replace(seq.params, max_tokens=max_tokens), False
+        seq.auto_restore = seq.status is Status.OFFLOADED
+        self.counts["env_prefill_tokens"] += len(tokens)
 
     def has_request(self, req_id: int) -> bool:
         return req_id in self.seqs
@@ -153,7 +176,8 @@ class Engine:
         seq = self._get(req_id)
         kv = seq.host_kv if seq.status is Status.OFFLOADED else self.kv.export(seq.table, seq.n_cached).cpu()
         meta = {"req_id": seq.req_id, "version": seq.version, "prompt": seq.prompt, "response": seq.response,
-                "logprobs": seq.logprobs, "n_cached": seq.n_cached, "params": seq.params.__dict__}
+                "logprobs": seq.logprobs, "n_cached": seq.n_cached, "params": seq.params.__dict__,
+                "hold": seq.hold, "held": seq.held, "turn_start": seq.turn_start}
         self.kv.release(seq.table)
         del self.seqs[req_id]
         return meta, kv
@@ -170,9 +194,11 @@ class Engine:
         if kv.shape[2] != meta["n_cached"]:
             raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "
                                f"{meta['n_cached']}")
+        held = meta.get("held", False)
         seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["response"]),
                        list(meta["logprobs"]), status=Status.OFFLOADED, host_kv=kv, n_cached=meta["n_cached"],
-                       auto_restore=True)
+                       auto_restore=not held, hold=meta.get("hold", False), held=held,
+                       turn_start=meta.get("turn_start", 0))
         self.seqs[seq.req_id] = seq
         self._try_restore(seq)
 
@@ -195,7 +221,7 @@ class Engine:
             return False
         t = time.perf_counter()
         seq.table = self.kv.import_(seq.host_kv) if seq.n_cached else []
-        seq.host_kv, seq.status, seq.auto_restore = None, Status.RUNNING, False
+        seq.host_kv, seq.status, seq.auto_restore = None, Status.RUNNING, False  # a held one stays out of the batch
         self.counts["free_cache_s"] += time.perf_counter() - t
         return True
 
@@ -224,7 +250,7 @@ class Engine:
 
     # -- stepping ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return any(s.status is not Status.OFFLOADED or s.auto_restore for s in self.seqs.values())
+        return any(not s.held and (s.status is not Status.OFFLOADED or s.auto_restore) for s in self.seqs.values())
 
     def step(self) -> list[Finished]:
         t0, prefilled = time.perf_counter(), self.counts["prefill_tokens"]
@@ -241,9 +267,9 @@ class Engine:
         fits again (restored from host), then new prefill chunks, each FIFO."""
         # candidates as the pass starts: a sequence preempted during this pass waits for the next one
         # (re-admitting it now would put it in the plan twice)
-        running = [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        running = [s for s in self.seqs.values() if s.status is Status.RUNNING and not s.held]
         offloaded = [s for s in self.seqs.values() if s.status is Status.OFFLOADED and s.auto_restore]
-        waiting = [s for s in self.seqs.values() if s.status is Status.WAITING]
+        waiting = [s for s in self.seqs.values() if s.status is Status.WAITING and not s.held]
         plan: list[tuple[Sequence, int]] = []
         budget = self.max_batched_tokens
         for seq in running:
@@ -268,9 +294,7 @@ class Engine:
             if budget <= 0 or len(plan) >= self.max_num_seqs:
                 break
             n = min(len(seq) - seq.n_cached, budget)
-            try:
-                self.kv.grow(seq.table, seq.n_cached + n)
-            except KVFull:
+            if not self._grow_past_held(seq, n):
                 break
             seq.status = Status.RUNNING
             plan.append((seq, n))
@@ -278,13 +302,23 @@ class Engine:
         return [(s, n) for s, n in plan if s.status is Status.RUNNING]
 
     def _reserve(self, seq: Sequence, n: int, running: list[Sequence]) -> bool:
-        """Grow ``seq``'s blocks by n tokens, preempting the newest running sequences if needed."""
+        """Grow ``seq``'s blocks by n tokens, preempting held episodes first, then the newest running
+        sequences, if needed."""
+        while not self._grow_past_held(seq, n):
+            victim = next((s for s in reversed(running) if s.status is Status.RUNNING and s is not seq), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _grow_past_held(self, seq: Sequence, n: int) -> bool:
+        """Grow ``seq``'s blocks by n tokens, moving held episodes to host memory if that makes room."""
         while True:
             try:
                 self.kv.grow(seq.table, seq.n_cached + n)
                 return True
             except KVFull:
-                victim = next((s for s in reversed(running) if s.status is Status.RUNNING and s is not seq), None)
+                victim = next((s for s in self.seqs.values() if s.held and s.table), None)
                 if victim is None:
                     return False
                 self._preempt(victim)
@@ -294,7 +328,7 @@ class Engine:
         if self.on_kv_full == "offload" and seq.n_cached:  # to host, back when blocks free up
             t = time.perf_counter()
             self.offload(seq.req_id)
-            seq.auto_restore = True
+            seq.auto_restore = not seq.held  # a held episode comes back with its next turn
             self.counts["offloads"] += 1
             self.counts["offloaded_tokens"] += seq.n_cached
             self.counts["free_cache_s"] += time.perf_counter() - t
@@ -327,25 +361,30 @@ class Engine:
             seq.logprobs.append(lp)
             reason = self._finish_reason(seq, tok)
             if reason:
-                finished.append(Finished(seq.req_id, seq.version, seq.prompt, seq.response, seq.logprobs, reason))
-                self.kv.release(seq.table)
-                del self.seqs[seq.req_id]
+                finished.append(Finished(seq.req_id, seq.version, list(seq.prompt), list(seq.response),
+                                         list(seq.logprobs), reason))
+                if seq.hold:  # between turns: out of the batch, its KV kept
+                    seq.held = True
+                else:
+                    self.kv.release(seq.table)
+                    del self.seqs[seq.req_id]
         return finished
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model.spec.eos_token_id):
             return "stop"
-        if len(seq.response) >= p.max_tokens:
+        if len(seq.response) - seq.turn_start >= p.max_tokens:
             return "length"
         return None
 
     # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        by = {st: sum(1 for s in self.seqs.values() if s.status is st) for st in Status}
+        by = {st: sum(1 for s in self.seqs.values() if s.status is st and not s.held) for st in Status}
         used = self.kv.num_blocks - self.kv.free_blocks
         return {"version": self.version, "running": by[Status.RUNNING], "waiting": by[Status.WAITING],
-                "offloaded": by[Status.OFFLOADED], "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
+                "offloaded": by[Status.OFFLOADED], "held": sum(1 for s in self.seqs.values() if s.held),
+                "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
                 "kv_used_fraction": used / self.kv.num_blocks, **self.counts}
 
     def close(self) -> None:

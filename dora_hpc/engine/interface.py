@@ -17,8 +17,13 @@ class RolloutEngine(Protocol):
     version: int
     max_num_seqs: int
 
-    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
-        """Queue a request tagged ``version``; raises RequestError for another version or a bad request."""
+    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
+        """Queue a request tagged ``version``; raises RequestError for another version or a bad request.
+        ``hold``: a multi-turn episode, whose KV stays between turns (the built-in engine only)."""
+
+    def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
+        """A held episode's next turn: the environment's ``tokens`` join its context (counted in
+        ``stats()['env_prefill_tokens']``), then up to ``max_tokens`` are sampled."""
 
     def step(self) -> list[Finished]:
         """Run one engine step; returns the requests that finished in it."""

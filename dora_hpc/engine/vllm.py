@@ -167,12 +167,17 @@ class VllmEngine:
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int) -> None:
+    def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
+        if hold:  # the config refuses env.name with engine.backend=vllm; this guards direct use
+            raise RequestError(f"request {req_id}: the vllm backend does not keep an episode's KV between turns")
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
         self.reqs[req_id] = live = _Live(version, list(prompt), params)
         self._submit(req_id, live)
+
+    def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
+        raise RequestError(f"request {req_id}: the vllm backend holds no episode between turns")
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
         check_new(self.version, self.reqs, req_id, version, max_len, self.max_len)

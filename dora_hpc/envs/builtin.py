@@ -69,3 +69,44 @@ class PythonToolEnv:
 
     def close(self) -> None:
         pass
+
+
+@register("toy_turns")
+class ToyTurnsEnv:
+    """For the tiny random model and fast tests: text is token ids written as decimal numbers. Each step
+    replies with ``reply_tokens`` token ids and rewards the turn's score / max_turns (the toy task's share of
+    even tokens, over the whole episode); the episode ends after ``max_turns`` turns, or earlier with
+    probability ``stop_prob`` after each. A step takes ``latency_s`` (lognormal with ``latency_sigma``, capped at
+    ``latency_max_s``): a tool's latency. Every draw is a function of the action, so a step re-run gives the
+    same reply."""
+
+    def __init__(self, score: Callable[[str], float], max_turns: int, timeout_s: float, reply_tokens: int = 4,
+                 reply_vocab: int = 64, stop_prob: float = 0.0, latency_s: float = 0.0, latency_sigma: float = 0.0,
+                 latency_max_s: float = 60.0) -> None:
+        if reply_tokens < 1 or reply_vocab < 1 or not 0 <= stop_prob <= 1 or latency_s < 0 or latency_sigma < 0:
+            raise EnvArgError("env.args: toy_turns needs reply_tokens >= 1, reply_vocab >= 1, 0 <= stop_prob <= 1 "
+                              "and latencies >= 0")
+        self.score, self.max_turns, self.turn = score, max_turns, 0
+        self.reply_tokens, self.reply_vocab, self.stop_prob = reply_tokens, reply_vocab, stop_prob
+        self.latency = (latency_s, latency_sigma, latency_max_s)
+
+    def init(self, prompt: list[Message]) -> tuple[list[Message], dict[str, Any]]:
+        return prompt, {}
+
+    def step(self, action: str) -> StepOutput:
+        import random
+        import time
+        import zlib
+
+        self.turn += 1
+        rng = random.Random(zlib.crc32(f"{self.turn}:{action}".encode()))
+        median, sigma, cap = self.latency
+        if median:
+            time.sleep(min(cap, median * rng.lognormvariate(0.0, sigma)))
+        done = self.turn >= self.max_turns or rng.random() < self.stop_prob
+        reply = " ".join(str(3 + rng.randrange(self.reply_vocab)) for _ in range(self.reply_tokens))
+        return {"observations": [] if done else [{"role": "user", "content": reply}],
+                "reward": float(self.score(action)) / self.max_turns, "done": done, "metadata": {"turn": self.turn}}
+
+    def close(self) -> None:
+        pass
