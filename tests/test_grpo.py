@@ -200,3 +200,41 @@ def test_bf16_mixed_precision_keeps_float32_masters_and_the_step_close(tiny, bac
     first, single = out["metrics"][0]
     for k in ("loss", "grad_norm", "ratio_mean"):
         assert first[k] == pytest.approx(single[k], rel=1e-3), k
+
+
+def episodes(engine, n_groups, g, env_tokens=(7, 8, 9, 10)):
+    """Two-turn episodes on the engine (KV kept between turns, the environment's tokens appended), as the
+    rollout rank runs them; each records where its environment tokens are."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for gi in range(n_groups):
+        for s in range(g):
+            engine.add(gi * g + s, [3 + 7 * gi, 5, 9], params, 0, hold=True)
+    out = {}
+    for turn in range(2):
+        while engine.has_work():
+            for f in engine.step():
+                out[f.req_id] = f
+        if turn == 0:
+            for rid in out:
+                engine.extend(rid, list(env_tokens), 6)
+    for rid in out:
+        engine.abort(rid)
+    return [Trajectory(f.req_id, f.req_id // g, 0, f.prompt, f.response, f.logprobs, even_reward(f.response[:6]),
+                       env_spans=((6, 6 + len(env_tokens)),)) for f in out.values()]
+
+
+def test_episodes_train_on_model_tokens_only_and_the_second_turn_is_on_policy(tiny):
+    """Environment tokens are context: the step never looks at their logprobs, does not count them, and the
+    engine's logprobs of the second turn (with them in context) equal the trainer's (gap: float noise)."""
+    samples = episodes(Engine(tiny, kv_blocks=128, seed=4), n_groups=2, g=4)
+    assert all(s.model_tokens == 12 and s.model_mask()[6:10] == [0.0] * 4 for s in samples)
+    states, ms = [], []
+    for env_lp in (0.0, -50.0):  # the environment tokens' recorded logprobs must not matter
+        lps = [s.logprobs[:6] + [env_lp] * 4 + s.logprobs[10:] for s in samples]
+        trainer = GRPOTrainer(tiny, GRPOConfig(lr=1e-3))
+        ms.append(trainer.train_step([Trajectory(s.traj_id, s.group_id, 0, s.prompt, s.response, lp, s.reward,
+                                                 env_spans=s.env_spans) for s, lp in zip(samples, lps)]))
+        states.append(trainer.state_dict())
+    assert ms[0]["tokens"] == 8 * 12 and ms[0]["response_len_max"] == 12
+    assert ms[0]["logprob_gap"] < 1e-4 and ms[0]["gap_tokens"] == 8 * 12 and ms[0]["ratio_mean"] == pytest.approx(1, abs=1e-4)
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

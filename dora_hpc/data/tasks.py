@@ -38,8 +38,25 @@ class EvenTokensTask:
         rng = self._rng(0, group_id)
         return rng.integers(3, self.vocab, size=self._length(self.prompt_dist, rng)).tolist()
 
-    def max_tokens(self, traj_id: int) -> int:
-        return self._length(self.resp_dist, self._rng(1, traj_id))
+    def max_tokens(self, traj_id: int, turn: int = 0) -> int:
+        """The response budget of trajectory ``traj_id`` (of each turn of a multi-turn episode)."""
+        rng = self._rng(1, traj_id) if turn == 0 else np.random.default_rng([self.seed, 1, traj_id, turn])
+        return self._length(self.resp_dist, rng)
+
+    # -- multi-turn episodes (dora_hpc/envs/): the toy's text is its token ids as decimal numbers --------------
+    def messages(self, group_id: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.decode_turn(self.prompt(group_id))}]
+
+    @staticmethod
+    def decode_turn(tokens: list[int]) -> str:
+        return " ".join(map(str, tokens))
+
+    def render_env(self, messages: list[dict[str, str]], last_token: int) -> list[int]:
+        """The environment's messages as tokens: the numbers in their contents (mod the vocabulary)."""
+        return [int(t) % self.vocab for m in messages for t in m["content"].split() if t.lstrip("-").isdigit()]
+
+    def score_text(self, group_id: int, text: str) -> float:
+        return self.reward(group_id, [int(t) for t in text.split() if t.lstrip("-").isdigit()])
 
     def reward(self, group_id: int, response: list[int]) -> float:
         if self.user_reward is not None:

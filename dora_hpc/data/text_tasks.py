@@ -35,17 +35,50 @@ class TextTask:
     def score(self, group_id: int, text: str) -> float:
         raise NotImplementedError
 
-    def prompt(self, group_id: int) -> list[int]:
+    def messages(self, group_id: int) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.cfg.task.system_prompt}] if self.cfg.task.system_prompt else []
         q, hint = self.question(group_id), self.cfg.task.answer_hint
         msgs.append({"role": "user", "content": f"{q}\n{hint}" if hint else q})
+        return msgs
+
+    def _chat(self, msgs: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def prompt(self, group_id: int) -> list[int]:
+        msgs = self.messages(group_id)
         if getattr(self.tok, "chat_template", None):
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return self._chat(msgs, True)
         return self.tok(msgs[-1]["content"])["input_ids"]
 
-    def max_tokens(self, traj_id: int) -> int:
+    def max_tokens(self, traj_id: int, turn: int = 0) -> int:
         return self.max_new
+
+    # -- multi-turn episodes (dora_hpc/envs/) ------------------------------------------------------------
+    def decode_turn(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=True)
+
+    def render_env(self, messages: list[dict[str, str]], last_token: int) -> list[int]:
+        """The environment's messages as the tokens that follow the model's turn (which ended with
+        ``last_token``): the end of that turn as the chat template writes it (what the model did not sample),
+        then the messages, then the next assistant turn's header. Only these are tokenized; the model's own
+        tokens are kept as sampled."""
+        if not getattr(self.tok, "chat_template", None):
+            return self.tok("\n" + "\n".join(m["content"] for m in messages) + "\n",
+                            add_special_tokens=False)["input_ids"]
+        base = [{"role": "user", "content": "q"}]
+        head = self._chat(base, True)
+        turn = self._chat([*base, {"role": "assistant", "content": "a"}], False)
+        body = self.tok("a", add_special_tokens=False)["input_ids"]
+        end = turn[len(head) + len(body):] if turn[:len(head) + len(body)] == head + body else [
+            *self.tok.convert_tokens_to_ids([self.tok.eos_token])]
+        if end and end[0] == last_token:  # the model ended its turn itself: the rest of the turn's end
+            end = end[1:]
+        whole = self._chat([*base, {"role": "assistant", "content": "a"}, *messages], True)
+        return end + whole[len(turn):]
+
+    def score_text(self, group_id: int, text: str) -> float:
+        return self.score(group_id, text)
 
     def safe_reward(self, group_id: int, response: list[int]) -> tuple[float, str]:
         text = self.tok.decode(response, skip_special_tokens=True)

@@ -44,10 +44,12 @@ def stored_groups(run_dir: Path, ledger: Ledger, max_attempt: int) -> dict[int, 
             t = f["trajectories"]
             cols = {c: t[stored_name(t, "trajectories", c)][idx] for c in
                     ("traj_id", "group_id", "version", "attempt", "response", "logprobs", "reward")}
+            flat = t["env_spans"][idx] if "env_spans" in t else [np.zeros(0, np.int32)] * len(idx)  # schema < 8
         for i in range(len(idx)):
+            spans = tuple(zip(flat[i][::2].tolist(), flat[i][1::2].tolist(), strict=True))
             s = Trajectory(int(cols["traj_id"][i]), int(cols["group_id"][i]), int(cols["version"][i]), [],
                            cols["response"][i].tolist(), cols["logprobs"][i].tolist(), float(cols["reward"][i]),
-                           int(cols["attempt"][i]))  # its prompt is the task's: the orchestrator adds it
+                           int(cols["attempt"][i]), spans)  # its prompt is the task's: the orchestrator adds it
             out.setdefault(s.group_id, []).append(s)
     whole = {}
     for g, trajs in out.items():

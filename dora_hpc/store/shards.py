@@ -28,12 +28,14 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 7  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3, 4, 5, 6, 7)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
+SCHEMA_VERSION = 8  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4, 5, 6, 7, 8)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy, clip split,
 #   importance weights, response lengths); 5: trajectories name their tag `dispatch_version` (was
 #   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured);
 #   6: a trajectory's tokens are its `response` (was `tokens`, the glossary's name); 7: train steps have
-#   `dual_clip_frac`.
+#   `dual_clip_frac`; 8: trajectories are episodes: `turns`, `env_spans` (the environment's tokens in
+#   `response`, flat [start, end) pairs), `env_s`, `env_error`, `env_prefill_tokens`, `env_reruns`,
+#   `segment_turns` (the turn each of `segment_versions` began at).
 #   An older shard reads a newer column as its default, or under its old name (RENAMED)
 RENAMED = {("trajectories", "dispatch_version"): "dispatch_step",  # (table, column) -> its older name
            ("trajectories", "response"): "tokens"}
@@ -50,7 +52,8 @@ TRAJECTORIES = {
     "dispatch_version": "i8", "prompt_len": "i8", "response_len": "i8", "reward": "f8", "finish_reason": "str",
     "t_dispatch": "f8", "t_finish": "f8", "n_migrations": "i8", "reprefill_tokens": "i8",
     "instance_path": "str", "reward_error": "str", "response": "vlen_i4", "logprobs": "vlen_f4",
-    "segment_versions": "vlen_i4", "attempt": "i8",
+    "segment_versions": "vlen_i4", "attempt": "i8", "turns": "i8", "env_spans": "vlen_i4", "env_s": "f8",
+    "env_error": "str", "env_prefill_tokens": "i8", "env_reruns": "i8", "segment_turns": "vlen_i4",
 }
 ENGINE_STEPS = {"t_start": "f8", "t_end": "f8", "batch_size": "i8", "capacity": "i8", "new_tokens": "i8",
                 "kv_blocks_used": "i8", "version": "i8", "attempt": "i8"}

@@ -3,7 +3,10 @@ behaviour logprobs (the version it was sampled under), on a causal LM held by a 
 (backend.py: replicated torch, FSDP2 or megatron-core; the objective is the same code for all three).
 
 Invariants:
-* advantages are computed within a GRPO group only (all samples of one prompt, one version);
+* advantages are computed within a GRPO group only (all samples of one prompt, one version), one per
+  sample: a multi-turn episode's reward is its environment's rewards summed;
+* the loss covers the model's tokens only: a multi-turn episode's environment tokens (``env_spans``) are
+  context, masked out of the loss and every statistic, their logprobs unused;
 * the importance ratio of a token is pi_theta(token) / pi_behaviour(token) with the behaviour
   logprob recorded at sampling time -- a well-defined single-policy ratio because a trajectory is
   generated under one version (DORA); losses.py corrects for the weights moving since (staleness);
@@ -139,8 +142,8 @@ class GRPOTrainer:
 
     def _token_logprobs(self, batch: list[Trajectory], reference: bool = False,
                         entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and their
-        mask; with ``entropy`` ([B, Lr], filled in place, no gradient) each position's policy entropy."""
+        """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and the mask
+        of the model's tokens (environment tokens and padding 0); with ``entropy`` ([B, Lr], filled in place, no gradient) each position's policy entropy."""
         lens = [len(s.prompt) + len(s.response) for s in batch]
         width = max(lens)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -157,7 +160,7 @@ class GRPOTrainer:
             p, r = len(s.prompt), len(s.response)
             lp = torch.log_softmax(logits[i, p - 1 : p + r - 1], dim=-1)
             out[i, :r] = lp.gather(1, torch.tensor(s.response, device=dev)[:, None])[:, 0]
-            mask[i, :r] = 1
+            mask[i, :r] = torch.tensor(s.model_mask(), device=dev) if s.env_spans else 1
             if entropy is not None:
                 with torch.no_grad():
                     entropy[i, :r] = -(lp.exp() * lp).sum(-1).to(entropy.device)
@@ -174,7 +177,7 @@ class GRPOTrainer:
         cfg = self.cfg
         adv_all = group_advantages(samples, cfg.adv_std_norm)
         n_tokens, n_samples, reward_sum = self.dp.sum_floats(
-            sum(len(s.response) for s in samples), len(samples), sum(s.reward for s in samples))
+            sum(s.model_tokens for s in samples), len(samples), sum(s.reward for s in samples))
         if not n_samples:
             raise ValueError("a train step needs at least one sample")
         parts = split_groups(samples, cfg.mini_batches, batch_groups)
@@ -182,7 +185,7 @@ class GRPOTrainer:
         if len(parts) == 1:
             counts = [(n_tokens, n_samples)]
         else:  # each mini-batch normalises by its own global counts: one all-reduce for all of them
-            flat = self.dp.sum_floats(*(x for p in parts for x in (sum(len(s.response) for s in p), len(p))))
+            flat = self.dp.sum_floats(*(x for p in parts for x in (sum(s.model_tokens for s in p), len(p))))
             counts = list(zip(flat[::2], flat[1::2], strict=True))
         # the proximal policy: the weights at the step's start; with one optimizer step, the weights being trained
         prox = None if len(parts) == 1 else [self._logprobs_no_grad(m) for m in mine]
