@@ -24,6 +24,7 @@ class TextTask:
 
     def __init__(self, cfg: RunConfig, tokenizer) -> None:
         self.cfg, self.tok = cfg, tokenizer
+        self.vocab_size = len(tokenizer)
         self.max_new = cfg.sampling.max_tokens
         self.timeout = cfg.task.reward_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")

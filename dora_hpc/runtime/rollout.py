@@ -13,7 +13,9 @@ Invariants:
   moved it here and then on; MPI does not order messages from different senders): it waits for the
   request, which is then relayed untouched, dropped or parked -- never imported under another version;
 * a borrowed instance (on a trainer rank, cluster.elastic) parks requests in its memory when drained
-  (Park) and sends a parked one on, or imports it back, when a MigrateOut names it.
+  (Park) and sends a parked one on, or imports it back, when a MigrateOut names it;
+* with ``env.name`` set a request is a multi-turn episode (episodes.py): it is finished (above) when its
+  episode ends, not when a turn does, and it migrates or parks between turns as within one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from .comm import (
     SourceFenced,
     WeightsHeader,
 )
+from .episodes import Episodes
 
 FAULT = os.environ.get("DORA_HPC_FAULT", "")  # a fault-injection point for tests (see send_migration)
 
@@ -83,6 +86,7 @@ class RolloutRank(OpLog):
         self.abort_on_arrival: set[int] = set()
         self.parked: dict[int, tuple[dict, object]] = {}  # a borrowed instance's offloaded requests: (meta, KV)
         self.park_on_arrival: set[int] = set()  # parked while still migrating here: parked when it lands
+        self.episodes = Episodes(self, model_dir) if cfg.env.multi_turn else None
 
     def run(self) -> None:
         while self.running:
@@ -90,12 +94,16 @@ class RolloutRank(OpLog):
                 self.handle(*msg)
             if not self.running:
                 break
+            if self.episodes:  # environment steps that finished: next turns, or ends of episodes
+                self.episodes.poll(self.engine.stats()["kv_used_fraction"])
             if self.engine.has_work() and not self.paused:
                 self.step()
             else:
                 time.sleep(0.001)
         for msg, src in self.deferred:  # set aside while loading weights; the run ended first
             self.comm.discard(msg, src)
+        if self.episodes:
+            self.episodes.close()
         self.traj_log.flush()
         self.log.flush()
 
@@ -115,25 +123,37 @@ class RolloutRank(OpLog):
                     detail=f"offloads={st['offloads'] - before['offloads']} tokens="
                            f"{st['offloaded_tokens'] - before['offloaded_tokens']}")
         for f in finished:
-            self.finish(f, st["kv_used_fraction"])
+            if self.episodes and self.info[f.req_id].get("episode"):
+                self.episodes.turn_ended(f, self.info[f.req_id], st["kv_used_fraction"])
+            else:
+                self.finish(f, st["kv_used_fraction"])
 
     def finish(self, f, kv_frac: float) -> None:
         """The engine's finished request becomes the trajectory record (rewarded): its HDF5 row, the
         trainer's sample and rank 0's Done all come from it."""
         info = self.info.pop(f.req_id)
         self.gone.add(f.req_id)
-        reward, error = self.task.safe_reward(info["group_id"], f.response)
-        shaping = self.cfg.reward
-        reward += overlong_penalty(len(f.response), info["max_tokens"], shaping.overlong_buffer,
-                                   shaping.overlong_penalty)
-        t = Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.response, f.logprobs, reward, self.attempt)
+        if info.get("episode"):  # the environment's rewards, summed; 0 when it failed
+            reward, error = (0.0 if info["env_error"] else sum(info["env_rewards"])), info["env_error"]
+        else:
+            reward, error = self.task.safe_reward(info["group_id"], f.response)
+            shaping = self.cfg.reward
+            reward += overlong_penalty(len(f.response), info["max_tokens"], shaping.overlong_buffer,
+                                       shaping.overlong_penalty)
+        spans = tuple(info.get("env_spans", ()))
+        t = Trajectory(f.req_id, info["group_id"], f.version, f.prompt, f.response, f.logprobs, reward, self.attempt,
+                       spans)
         self.traj_log.append("trajectories", {
             "traj_id": t.traj_id, "group_id": t.group_id, "sample_idx": info["sample_idx"], "version": t.version,
             "dispatch_version": info["dispatch_version"], "prompt_len": len(t.prompt), "response_len": len(t.response),
             "reward": t.reward, "finish_reason": f.finish_reason, "t_dispatch": info["t_dispatch"],
             "t_finish": self.now(), "n_migrations": info["n_migrations"], "reprefill_tokens": info["reprefill"],
-            "instance_path": info["path"], "reward_error": error, "response": t.response, "logprobs": t.logprobs,
-            "segment_versions": info["segments"]})
+            "instance_path": info["path"], "reward_error": "" if info.get("episode") else error,
+            "response": t.response, "logprobs": t.logprobs, "segment_versions": info["segments"],
+            "segment_turns": info["segment_turns"], "turns": info.get("turns", 1),
+            "env_spans": [i for span in spans for i in span], "env_s": info.get("env_s", 0.0),
+            "env_error": info.get("env_error", ""), "env_prefill_tokens": info.get("env_prefill", 0),
+            "env_reruns": info.get("env_reruns", 0)})
         self.comm.send(t, self.comm.roles.trainer_of_group(t.group_id))
         self.comm.send(Done(t.traj_id, self.instance, len(t.response), reward, kv_frac, info["epoch"], info["kv_s"]), 0)
 
@@ -141,14 +161,19 @@ class RolloutRank(OpLog):
     def handle(self, msg, src: int) -> None:
         match msg:
             case Generate():
+                budget = msg.max_tokens
+                if self.episodes:  # the first turn of an episode: within the episode's cap
+                    budget = max(1, min(budget, self.cfg.env.max_episode_tokens - len(msg.prompt)))
                 self.engine.add(msg.traj_id, msg.prompt, SamplingParams(
                     temperature=self.cfg.sampling.temperature, top_p=self.cfg.sampling.top_p,
-                    max_tokens=msg.max_tokens, ignore_eos=self.task.ignore_eos), msg.version)
-                self.info[msg.traj_id] = {"group_id": msg.group_id, "sample_idx": msg.sample_idx,
-                                          "dispatch_version": msg.version, "t_dispatch": self.now(),
-                                          "n_migrations": 0, "kv_s": 0.0, "reprefill": 0, "path": str(self.instance),
-                                          "segments": [msg.version], "epoch": msg.epoch,
-                                          "max_tokens": msg.max_tokens}
+                    max_tokens=budget, ignore_eos=self.task.ignore_eos), msg.version, hold=bool(self.episodes))
+                self.info[msg.traj_id] = info = {
+                    "group_id": msg.group_id, "sample_idx": msg.sample_idx, "dispatch_version": msg.version,
+                    "t_dispatch": self.now(), "n_migrations": 0, "kv_s": 0.0, "reprefill": 0,
+                    "path": str(self.instance), "segments": [msg.version], "segment_turns": [0], "epoch": msg.epoch,
+                    "max_tokens": msg.max_tokens}
+                if self.episodes:
+                    self.episodes.start(msg.traj_id, info, msg.group_id)
             case LoadVersion():
                 self.load(msg)
             case SendWeights():
@@ -160,7 +185,7 @@ class RolloutRank(OpLog):
             case Park():  # a borrowed instance before a train step: the KV goes to host memory, kept here
                 if self.engine.has_request(msg.traj_id):
                     meta, kv = self.engine.export(msg.traj_id)
-                    meta["info"] = self.info.pop(msg.traj_id)
+                    meta["info"] = self.take_info(msg.traj_id)
                     self.park(meta, kv)
                 elif msg.traj_id not in self.gone:  # still on its way here (MPI orders no two senders)
                     self.park_on_arrival.add(msg.traj_id)
@@ -173,7 +198,7 @@ class RolloutRank(OpLog):
             case AbortTraj():
                 if self.engine.has_request(msg.traj_id):
                     self.engine.abort(msg.traj_id)
-                    self.info.pop(msg.traj_id, None)
+                    self.take_info(msg.traj_id)
                     self.gone.add(msg.traj_id)
                 elif msg.traj_id not in self.gone:  # still on its way here
                     self.abort_on_arrival.add(msg.traj_id)
@@ -220,6 +245,7 @@ class RolloutRank(OpLog):
             for tid, info in self.info.items():
                 n_prompt, n_out = self.engine.progress(tid)
                 info["segments"].append(msg.version)  # the first segment stays the group's tag
+                info["segment_turns"].append(info.get("turns", 0))  # an episode's turn it switched in
                 if n_out:  # tokens exist whose KV must be rebuilt under the new weights
                     info["reprefill"] += n_prompt + n_out
         self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
@@ -245,8 +271,16 @@ class RolloutRank(OpLog):
             return  # else it finished first; its Done is on the way
         t = self.now()
         meta, kv = self.engine.export(msg.traj_id)
-        meta["info"] = self.info.pop(msg.traj_id)
+        meta["info"] = self.take_info(msg.traj_id)
         self.send_migration(msg, meta, kv, t)
+
+    def take_info(self, traj_id: int) -> dict:
+        """A request's bookkeeping as it leaves this rank (migrated, parked or aborted); an episode's
+        environment step in flight here is dropped (its destination runs it again)."""
+        info = self.info.pop(traj_id)
+        if self.episodes:
+            self.episodes.left(info)
+        return info
 
     def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
         meta["info"]["kv_s"] += self.now() - t  # exported (or received, to relay) since t; the sends overlap
@@ -261,7 +295,8 @@ class RolloutRank(OpLog):
         else:
             self.comm.send(MigrateIn(meta, None), msg.dst)
         self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
-                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"])
+                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"],
+                detail="waiting_env" if meta["info"].get("pending") is not None else "")
 
     def first_fault(self) -> bool:
         """Tests only: whether this rank is the first of the run to reach the fault-injection point."""
@@ -314,4 +349,7 @@ class RolloutRank(OpLog):
         info["kv_s"] += self.now() - t  # received and imported
         self.info[meta["req_id"]] = info
         self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
-                nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}")
+                nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}" + (
+                    " waiting_env" if info.get("pending") is not None else ""))
+        if self.episodes:
+            self.episodes.arrived(meta["req_id"], info)

@@ -143,7 +143,8 @@ class GRPOTrainer:
     def _token_logprobs(self, batch: list[Trajectory], reference: bool = False,
                         entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and the mask
-        of the model's tokens (environment tokens and padding 0); with ``entropy`` ([B, Lr], filled in place, no gradient) each position's policy entropy."""
+        of the model's tokens (environment tokens and padding 0); with ``entropy`` ([B, Lr], filled in place,
+        no gradient) each position's policy entropy."""
         lens = [len(s.prompt) + len(s.response) for s in batch]
         width = max(lens)
         ids = torch.zeros(len(batch), width, dtype=torch.long)

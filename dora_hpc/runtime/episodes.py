@@ -1,0 +1,121 @@
+"""Multi-turn episodes on one rollout rank (``env.name`` other than none): the model's turns on the engine,
+the environment's steps in the rank's worker pool (envs/pool.py), so decoding goes on while tools run.
+
+Invariants:
+* an episode is one engine request from its first turn to its last (added with ``hold``): between turns it
+  is held with its KV, so every model turn is sampled under the version its group was tagged with, and only
+  the environment's new tokens are prefilled (``env_prefill_tokens``, apart from re-prefill);
+* the episode's ``env`` in its info is the environment's state before the step in flight, if any, and
+  ``pending`` that step's action: a migration (or a park) carries both with the KV, and the destination runs
+  the step again (``env_reruns``; the source's result is dropped). Environments are therefore re-runnable
+  from their state (docs/architecture.md, "Episodes");
+* an episode ends exactly once, through ``RolloutRank.finish``: its environment says done, it used
+  ``env.max_turns`` turns, the next turn would pass ``env.max_episode_tokens`` (``episode_cap``), or its
+  environment failed (raised, timed out, killed its worker: reward 0, the error recorded);
+* the reward of an episode is the sum of its environment's step rewards (one final reward is its own sum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..envs import Scorer, bind_task, make_env
+from ..envs.pool import EnvPool
+
+if TYPE_CHECKING:
+    from .rollout import RolloutRank
+
+
+class Episodes:
+    def __init__(self, rank: RolloutRank, model_dir) -> None:
+        self.rank, self.env_cfg = rank, rank.cfg.env
+        bind_task(rank.task)  # the rank's scorers (an env's init may score) use its own task
+        self.pool = EnvPool(self.env_cfg.workers, self.env_cfg.timeout_s, {
+            "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir)})
+        self.jobs: dict[int, int] = {}  # pool job -> traj id
+
+    def start(self, traj_id: int, info: dict, group_id: int) -> None:
+        """A new episode's bookkeeping and environment (its first turn is already on the engine)."""
+        c = self.env_cfg
+        info.update(episode=True, env=None, env_error="", turns=0, turn_start=0, env_spans=[], env_rewards=[],
+                    env_s=0.0, env_prefill=0, env_reruns=0, pending=None, job=None, last=None)
+        try:
+            info["env"] = make_env(c.name, Scorer(group_id), c.max_turns, c.timeout_s, c.args)
+            info["env"].init(self.rank.task.messages(group_id))  # the first turn continues the task's prompt
+        except Exception as e:  # noqa: BLE001 - a user's environment may raise anything: the episode records it
+            info["env"], info["env_error"] = None, f"init: {type(e).__name__}: {e}"
+
+    def turn_ended(self, f, info: dict, kv_frac: float) -> None:
+        """The engine finished a model turn: its text goes to the environment (or the episode ends)."""
+        info["last"], info["turns"] = f, info["turns"] + 1
+        if info["env"] is None:  # its environment failed to start
+            self.end(f.req_id, info, kv_frac)
+            return
+        self.submit(f.req_id, info, self.rank.task.decode_turn(f.response[info["turn_start"]:]))
+
+    def submit(self, traj_id: int, info: dict, action: str) -> None:
+        info["pending"], info["job"] = action, self.pool.submit(info["env"], action)
+        self.jobs[info["job"]] = traj_id
+
+    def left(self, info: dict) -> None:
+        """The episode left this rank (migrated, parked or aborted): a step in flight here is dropped."""
+        if info.get("job") is not None:
+            self.pool.cancel(info["job"])
+            self.jobs.pop(info["job"], None)
+            info["job"] = None
+
+    def arrived(self, traj_id: int, info: dict) -> None:
+        """A migrated episode landed here: the step it was waiting on runs again, from the state before it."""
+        if info.get("pending") is not None:
+            info["env_reruns"] += 1
+            self.submit(traj_id, info, info["pending"])
+
+    def poll(self, kv_frac: float) -> None:
+        """Apply the environment steps that finished: the next turn goes on the engine, or the episode ends."""
+        for r in self.pool.poll():
+            tid = self.jobs.pop(r.job, None)
+            info = self.rank.info.get(tid) if tid is not None else None
+            if info is None or info["job"] != r.job:
+                continue
+            info["pending"] = info["job"] = None
+            info["env_s"] += r.seconds
+            if r.error:
+                info["env_error"] = r.error
+                self.end(tid, info, kv_frac)
+                continue
+            info["env"], out = r.env, r.output
+            info["env_rewards"].append(float(out["reward"]))
+            if out["done"] or info["turns"] >= self.env_cfg.max_turns:
+                self.end(tid, info, kv_frac)
+                continue
+            self.next_turn(tid, info, out["observations"], kv_frac)
+
+    def next_turn(self, tid: int, info: dict, observations: list, kv_frac: float) -> None:
+        last, task = info["last"], self.rank.task
+        tokens = task.render_env(observations, last.response[-1])
+        room = self.env_cfg.max_episode_tokens - (len(last.prompt) + len(last.response) + len(tokens))
+        budget = min(task.max_tokens(tid, info["turns"]), room)
+        if budget < 1:
+            self.end(tid, info, kv_frac, "episode_cap")
+            return
+        start = len(last.response)
+        self.rank.engine.extend(tid, tokens, budget)
+        if tokens:
+            info["env_spans"].append((start, start + len(tokens)))
+            info["env_prefill"] += len(tokens)
+        info["turn_start"] = start + len(tokens)
+
+    def end(self, tid: int, info: dict, kv_frac: float, reason: str | None = None) -> None:
+        if self.rank.engine.has_request(tid):
+            self.rank.engine.abort(tid)  # frees the KV it kept between turns
+        if info["env"] is not None:
+            with contextlib.suppress(Exception):
+                info["env"].close()
+        f = info["last"]
+        self.rank.finish(replace(f, finish_reason=reason or ("env_error" if info["env_error"] else f.finish_reason)),
+                         kv_frac)
+
+    def close(self) -> None:
+        self.pool.close()
