@@ -119,6 +119,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                   f"re-prefilled tokens; max {a['max_live_versions']} versions live at once"
                   + (f"; logprob gap rollout vs trainer <= {a['logprob_gap']['max']:.1e}"
                      if a["logprob_gap"]["max"] is not None else ""))
+    if a["turns"]["max"] > 1:  # multi-turn episodes (env.name)
+        console.print(f"episodes: {a['turns']['mean']:.2f} turns on average (max {a['turns']['max']}); environment "
+                      f"time {100 * a['env_time_fraction']:.0f}% of episode time; {a['env_errors']} environment "
+                      f"errors; {a['multi_version_episodes']} episodes spanned versions")
     console.print(f"invariants: {inv}")
     console.print(f"HDF5 logs in {run_dir}; more: dora-hpc analyze {run_dir} --json out.json")
     return 0

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.policies import MODES, traits_of
 from ..store.shards import ShardError, ShardScan, read_table, scan
+from .episodes import episode_figures
 from .history import history
 from .invariants import check, fence_detail, joined, read_trajectories
 from .staleness import stratified
@@ -97,6 +98,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "dropped_groups": len(chk.dropped),
         "filtered_groups": len(chk.filtered),
         "reward_errors": int(traj["has_error"].sum()),
+        **episode_figures(traj, chk.matched, stale),
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": weight_figures(tsteps, all_tsteps, ops),
         "fenced": fenced(ops),

@@ -22,6 +22,11 @@ def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
             ("migrations", "migrations"), ("re-prefilled tokens", "reprefill_tokens"),
             ("dropped groups", "dropped_groups"), ("filtered groups (equal rewards)", "filtered_groups"),
             ("reward errors", "reward_errors"),
+            ("episode turns, mean / max", lambda r: f"{r['turns']['mean']:.2f} / {r['turns']['max']}"),
+            ("environment time fraction (of episode time)", lambda r: f"{r['env_time_fraction']:.3f}"),
+            ("environment errors: raised / timed out / worker died",
+             lambda r: " / ".join(str(v) for v in r["env_errors_by_kind"].values())),
+            ("episodes spanning versions (partial)", "multi_version_episodes"),
             ("fenced rollout ranks (hung or dead; work started again elsewhere)",
              lambda r: ", ".join(f"r{f['rank']} ({f['cause']}, {f['started_again']} trajectories)"
                                  for f in r["fenced"]) or "-"),
