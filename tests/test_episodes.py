@@ -1,0 +1,83 @@
+"""Multi-turn episodes in real runs (env.name): mpiexec with 5 ranks on the tiny model, checked from the
+HDF5 logs alone."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from dora_hpc.analysis.basic import analyze
+from dora_hpc.store.shards import read_table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(run_dir, *sets, steps=6, env=None):
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
+           "--set", f"train.max_steps={steps}", "--set", "batch.tbs=4", "--set", "batch.rbs=6",
+           *[x for s in sets for x in ("--set", s)]]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
+
+
+def trajectories(run_dir) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for path in sorted(Path(run_dir).glob("traj-r*.h5")):
+        with h5py.File(path, "r") as f:
+            for c, v in f["trajectories"].items():
+                out.setdefault(c, []).extend(v[()].tolist())
+    return out
+
+
+def assert_invariants(a):
+    inv = a["invariants"]
+    assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"],
+            inv["mixed_version_trajectories"]) == (0, 0, 0, 0, 0), inv
+
+
+def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_waiting_ones_with_their_kv(tmp_path):
+    """K=3, 3 rollout instances, tool latency with a long tail: episodes wait on their environment while the
+    planner moves instances between versions, so some migrate while waiting, with their KV."""
+    p = run(tmp_path / "run", "env.name=toy_turns", "env.max_turns=4",
+            "env.args={latency_s: 0.15, latency_sigma: 1.0, stop_prob: 0.2}", "dora.k=3", "train.lr=1e-3", steps=8)
+    a = analyze(tmp_path / "run")
+    assert_invariants(a)
+    assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4 and a["env_errors"] == 0
+    assert a["turns"]["max"] == 4 and 1 < a["turns"]["mean"] < 4  # stop_prob ends some episodes early
+    assert 0 < a["env_time_fraction"] < 1 and a["multi_version_episodes"] == 0
+    assert a["logprob_gap"]["max"] < 1e-4  # the later turns too: environment tokens in context
+    assert "episodes: " in p.stdout
+    t = trajectories(tmp_path / "run")
+    assert all(len(set(s)) == 1 for s in t["segment_versions"])  # no episode spans two versions
+    for resp, spans, turns, env_pre in zip(t["response"], t["env_spans"], t["turns"], t["env_prefill_tokens"],
+                                           strict=True):
+        assert len(spans) == 2 * (turns - 1) and env_pre == sum(spans[1::2]) - sum(spans[::2]) == 4 * (turns - 1)
+    assert sum(t["reprefill_tokens"]) == 0 and a["reprefill_tokens"] == 0  # environment prefill is not re-prefill
+    ops = read_table(tmp_path / "run", "events", "ops")
+    waiting = [(d, b) for k, d, b in zip(ops["kind"], ops["detail"], ops["bytes"], strict=True)
+               if k == "migration_in" and "waiting_env" in str(d)]
+    assert waiting and all("reprefill=False" in str(d) and b > 0 for d, b in waiting), a["migrations"]
+    assert sum(t["env_reruns"]) == len(waiting)  # each waiting one ran its step again where it landed
+    assert a["staleness_by_turns"] and sum(v["n"] for v in a["staleness_by_turns"].values()) == a["consumed"]
+
+
+@pytest.mark.slow
+def test_an_environment_that_raises_hangs_or_kills_its_worker_ends_only_its_episode(tmp_path):
+    run(tmp_path / "run", "env.name=faulty_env:FaultyEnv", "env.max_turns=3", "env.timeout_s=2", "dora.k=2",
+        steps=6, env={"PYTHONPATH": str(REPO / "tests")})
+    a = analyze(tmp_path / "run")
+    assert_invariants(a)
+    assert a["steps"] == 6 and a["consumed"] == 6 * 4 * 4
+    kinds = a["env_errors_by_kind"]
+    assert kinds["raised"] > 0 and kinds["timed_out"] > 0 and kinds["worker_died"] > 0, kinds
+    t = trajectories(tmp_path / "run")
+    group, err, reward = np.array(t["group_id"]), [e.decode() for e in t["env_error"]], np.array(t["reward"])
+    failing = np.isin(group % 8, [1, 2, 3])
+    assert all(bool(e) == f for e, f in zip(err, failing, strict=True))  # exactly the planted failures
+    assert (reward[failing] == 0).all() and (np.array(t["turns"])[failing] == 2).all()
+    assert any("RuntimeError: the tool crashed" in e for e in err) and any("exit code 7" in e for e in err)
