@@ -13,7 +13,10 @@ Invariants:
 * generation uses the built-in engine: greedy decoding (temperature 0) is deterministic, sampled
   decoding's noise depends only on (eval seed, request, position), so an eval is reproducible;
 * the scores are the task's own reward (the reward shaping of ``reward.*`` is left out), and
-  ``pass@1`` is the share of responses scoring 1 (a fully correct answer).
+  ``pass@1`` is the share of responses scoring 1 (a fully correct answer);
+* with ``env.name`` set each prompt is a multi-turn episode, run as the rollout ranks run it
+  (runtime/episodes.py: its environment's steps in worker processes, its KV kept between turns); its score is
+  its environment's summed reward, and ``pass@1`` the share scoring 1 (retry: right at the first attempt).
 """
 
 from __future__ import annotations
@@ -140,6 +143,64 @@ def generate(engine, task, prompts, temperature: float, top_p: float, samples: i
     return out
 
 
+class _EvalEpisodes:
+    """What runtime/episodes.py drives on a rollout rank, for eval: the engine, the task, the requests' info;
+    a finished episode is kept as (reward, turns, environment error, tokens after the prompt)."""
+
+    def __init__(self, cfg: RunConfig, engine, task, model_dir: Path) -> None:
+        from .runtime.episodes import Episodes
+
+        self.cfg, self.engine, self.task, self.info, self.done = cfg, engine, task, {}, {}
+        self.episodes = Episodes(self, model_dir)
+
+    def finish(self, f, kv_frac: float) -> None:
+        info = self.info.pop(f.req_id)
+        reward = 0.0 if info["env_error"] else sum(info["env_rewards"])
+        self.done[f.req_id] = (reward, info["turns"], info["env_error"], len(f.response))
+
+    def generate(self, prompts, temperature: float, top_p: float, samples: int, seed_base: int, on_done) -> dict:
+        """{(group id, sample): (reward, turns, error, length)} of one episode per prompt and sample."""
+        from .engine.sampling import SamplingParams
+
+        keys = {}
+        for i, (g, p) in enumerate(prompts):
+            for s in range(samples):
+                req = seed_base + i * samples + s
+                budget = max(1, min(self.task.max_tokens(req), self.cfg.env.max_episode_tokens - len(p)))
+                self.engine.add(req, p, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=budget,
+                                                       ignore_eos=self.task.ignore_eos), self.engine.version, hold=True)
+                self.info[req] = {}
+                self.episodes.start(req, self.info[req], g)
+                keys[req] = (g, s)
+        reported = 0
+        while self.info:
+            self.episodes.poll(0.0)
+            if self.engine.has_work():
+                for f in self.engine.step():
+                    self.episodes.turn_ended(f, self.info[f.req_id], 0.0)
+            else:
+                time.sleep(0.002)  # every episode waits on its environment
+            for _ in range(len(self.done) - reported):
+                on_done()
+            reported = len(self.done)
+        out = {keys[r]: d for r, d in self.done.items() if r in keys}
+        self.done.clear()
+        return out
+
+    def close(self) -> None:
+        self.episodes.close()
+
+
+def score_episodes(outputs: dict) -> dict:
+    rewards = [r for r, *_ in outputs.values()]
+    return {"mean_reward": statistics.fmean(rewards), "pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "turns": {"mean": statistics.fmean(t for _, t, _, _ in outputs.values()),
+                      "max": max(t for _, t, _, _ in outputs.values())},
+            "response_len": {"mean": statistics.fmean(n for *_, n in outputs.values()),
+                             "max": max(n for *_, n in outputs.values())},
+            "env_errors": sum(bool(e) for _, _, e, _ in outputs.values()), "responses": len(rewards)}
+
+
 def score(task, outputs: dict) -> dict:
     rewards, lengths, errors = [], [], 0
     for (g, _s), output in sorted(outputs.items()):
@@ -170,17 +231,28 @@ def evaluate(target: Target, n: int = 200, samples: int = 4, train_prompts: int 
         engine.load_weights(target.weights, version=target.step or 0)
     t0 = time.perf_counter()
     temp = cfg.sampling.temperature or 1.0
-    with Progress(console=console, transient=True) as bar:
-        job = bar.add_task(f"eval {target.label}", total=len(prompts) * (1 + samples))
-        greedy = generate(engine, task, prompts, 0.0, 1.0, 1, 0, lambda: bar.advance(job))
-        sampled = generate(engine, task, prompts, temp, cfg.sampling.top_p, samples, 10**9,
-                           lambda: bar.advance(job)) if samples else {}
+    episodes = _EvalEpisodes(task.cfg, engine, task, target.model_dir) if cfg.env.multi_turn else None
+
+    def run(*args) -> dict:
+        return episodes.generate(*args) if episodes else generate(engine, task, *args)
+
+    def scored(outputs: dict) -> dict:
+        return score_episodes(outputs) if episodes else score(task, outputs)
+
+    try:
+        with Progress(console=console, transient=True) as bar:
+            job = bar.add_task(f"eval {target.label}", total=len(prompts) * (1 + samples))
+            greedy = run(prompts, 0.0, 1.0, 1, 0, lambda: bar.advance(job))
+            sampled = run(prompts, temp, cfg.sampling.top_p, samples, 10**9,
+                          lambda: bar.advance(job)) if samples else {}
+    finally:
+        if episodes:
+            episodes.close()
     out = {"target": target.label, "step": target.step, "model_dir": str(target.model_dir),
-           "task": cfg.task.model_dump(), "eval_seed": seed, "n": len(prompts),
-           "skipped_training_prompts": skipped, "greedy": score(task, greedy),
-           "seconds": None}
+           "task": cfg.task.model_dump(), "env": cfg.env.model_dump(), "eval_seed": seed, "n": len(prompts),
+           "skipped_training_prompts": skipped, "greedy": scored(greedy), "seconds": None}
     if samples:
-        out["sampled"] = {"samples_per_prompt": samples, "temperature": temp, **score(task, sampled)}
+        out["sampled"] = {"samples_per_prompt": samples, "temperature": temp, **scored(sampled)}
     out["seconds"] = time.perf_counter() - t0
     return out
 

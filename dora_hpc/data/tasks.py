@@ -23,7 +23,7 @@ class EvenTokensTask:
     ignore_eos = True
 
     def __init__(self, cfg: RunConfig, vocab_size: int) -> None:
-        self.seed, self.vocab = cfg.seed, vocab_size
+        self.cfg, self.seed, self.vocab = cfg, cfg.seed, vocab_size
         self.vocab_size = vocab_size
         self.prompt_dist, self.resp_dist = cfg.workload.prompt_len, cfg.workload.response_len
         self.user_reward = load_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None

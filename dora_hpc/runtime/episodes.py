@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 
 class Episodes:
+    """Driven by a rollout rank (or by ``dora-hpc eval``): ``rank`` has ``cfg``, ``task``, ``engine``, the
+    requests' ``info`` and ``finish(finished, kv_frac)``."""
+
     def __init__(self, rank: RolloutRank, model_dir) -> None:
         self.rank, self.env_cfg = rank, rank.cfg.env
         bind_task(rank.task)  # the rank's scorers (an env's init may score) use its own task
