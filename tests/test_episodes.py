@@ -54,7 +54,7 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
     assert "episodes: " in p.stdout
     t = trajectories(tmp_path / "run")
     assert all(len(set(s)) == 1 for s in t["segment_versions"])  # no episode spans two versions
-    for resp, spans, turns, env_pre in zip(t["response"], t["env_spans"], t["turns"], t["env_prefill_tokens"],
+    for spans, turns, env_pre in zip(t["env_spans"], t["turns"], t["env_prefill_tokens"],
                                            strict=True):
         assert len(spans) == 2 * (turns - 1) and env_pre == sum(spans[1::2]) - sum(spans[::2]) == 4 * (turns - 1)
     assert sum(t["reprefill_tokens"]) == 0 and a["reprefill_tokens"] == 0  # environment prefill is not re-prefill

@@ -20,6 +20,8 @@ class EnvConfig(Section):
                          "there, so decoding goes on while tools run)")
     max_episode_tokens: int = Field(2048, ge=2, description="prompt + every turn's model and environment "
                                     "tokens; an episode that reaches it ends (finish_reason episode_cap)")
+    network: bool = Field(False, description="environment workers (and every tool they start) may reach the "
+                          "network; false: each worker runs in a network namespace of its own, with none")
     args: dict[str, Any] = Field(default_factory=dict, description="passed to the environment's constructor")
 
     @property

@@ -56,6 +56,9 @@ class EvenTokensTask:
         """The environment's messages as tokens: the numbers in their contents (mod the vocabulary)."""
         return [int(t) % self.vocab for m in messages for t in m["content"].split() if t.lstrip("-").isdigit()]
 
+    def ground_truth(self, group_id: int) -> None:
+        return None
+
     def score_text(self, group_id: int, text: str) -> float:
         return self.reward(group_id, [int(t) for t in text.split() if t.lstrip("-").isdigit()])
 

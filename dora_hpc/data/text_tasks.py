@@ -127,6 +127,9 @@ class ReasoningGymTask(TextTask):
     def question(self, group_id: int) -> str:
         return self.ds[group_id % len(self.ds)]["question"]
 
+    def ground_truth(self, group_id: int) -> str:
+        return str(self.ds[group_id % len(self.ds)]["answer"])
+
     def score(self, group_id: int, text: str) -> float:
         entry = self.ds[group_id % len(self.ds)]
         return float(self.ds.score_answer(answer=extract_answer(text, self.cfg.task.answer_from), entry=entry))
@@ -180,6 +183,9 @@ class JsonlTask(TextTask):
 
     def question(self, group_id: int) -> str:
         return self.rows[group_id % len(self.rows)][0]
+
+    def ground_truth(self, group_id: int) -> str:
+        return self.rows[group_id % len(self.rows)][1]
 
     def score(self, group_id: int, text: str) -> float:
         from math_verify import parse, verify

@@ -68,3 +68,9 @@ class Scorer:
         if not _TASK:
             raise RuntimeError("no task is bound in this process (envs.base.bind_task)")
         return float(_TASK[0].score_text(self.group_id, text))
+
+    def ground_truth(self) -> str | None:
+        """The task's answer to the group's question (None for a task without one: the toy)."""
+        if not _TASK:
+            raise RuntimeError("no task is bound in this process (envs.base.bind_task)")
+        return _TASK[0].ground_truth(self.group_id)

@@ -68,6 +68,7 @@ class EnvPool:
         self.queue: deque[tuple[int, bytes]] = deque()
         self.cancelled: set[int] = set()
         self.replaced = 0
+        self.warnings: list[str] = []
         self._next = 0
 
     def submit(self, env: Any, action: str) -> int:
@@ -93,10 +94,21 @@ class EnvPool:
                 try:
                     msg = w.conn.recv_bytes()
                 except (EOFError, OSError):
-                    out.append(self._replace(i, f"environment worker died (exit code {w.proc.poll()})"))
+                    if not w.ready:  # it could not even start: every replacement would die the same way
+                        raise RuntimeError(f"environment worker failed to start (exit code {w.proc.wait()}); "
+                                           "its error is above") from None
+                    try:
+                        code = w.proc.wait(timeout=5)  # its socket closed: it is exiting
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    out.append(self._replace(i, f"environment worker died (exit code {code})"))
                     continue
-                if not w.ready:  # its boot message
+                if not w.ready:  # its boot message: "" or a warning
                     w.ready = True
+                    warning = pickle.loads(msg)
+                    if warning and warning not in self.warnings:
+                        self.warnings.append(warning)
+                        print(f"dora-hpc: environment workers: {warning}", file=sys.stderr, flush=True)
                     continue
                 job, _ = w.job or (-1, 0.0)
                 w.job = None

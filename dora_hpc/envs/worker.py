@@ -1,7 +1,7 @@
 """An environment worker process (envs/pool.py starts it): it builds the run's task once, so scorers score
 here as on the rollout rank, then runs one environment step per request until its parent goes away.
 
-Protocol on the socket (fd argv[1]): the boot dict (pickled) in, b"ready" out; then per step
+Protocol on the socket (fd argv[1]): the boot dict (pickled) in, a warning or "" out (ready); then per step
 (env, action) in, ("ok" | "error", env after the step, output, error text, seconds) out."""
 
 from __future__ import annotations
@@ -13,19 +13,23 @@ import traceback
 from multiprocessing.connection import Connection
 
 
-def boot(cfg_json: str, vocab_size: int, model_dir: str | None) -> None:
-    """Bind the run's task (its scorer of final answers) in this process."""
+def boot(cfg_json: str, vocab_size: int, model_dir: str | None, network: bool = False) -> str:
+    """Bind the run's task (its scorer of final answers) in this process and, unless ``network``, cut this
+    process (and every tool it starts) off the network. Returns "" or why the network stays reachable."""
     from ..config import RunConfig
     from ..data.tasks import make_task
     from .base import bind_task
+    from .sandbox import CLONE_NEWNET, CLONE_NEWUSER, _unshare
 
     bind_task(make_task(RunConfig.model_validate_json(cfg_json), vocab_size, model_dir))
+    if network or _unshare(CLONE_NEWNET) or _unshare(CLONE_NEWUSER | CLONE_NEWNET):
+        return ""
+    return "no network namespace here (needs root or user namespaces): environment steps can reach the network"
 
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    boot(**pickle.loads(conn.recv_bytes()))
-    conn.send_bytes(b"ready")
+    conn.send_bytes(pickle.dumps(boot(**pickle.loads(conn.recv_bytes()))))  # ready: "" or a warning
     while True:
         try:
             env, action = pickle.loads(conn.recv_bytes())

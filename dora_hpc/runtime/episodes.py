@@ -36,7 +36,8 @@ class Episodes:
         self.rank, self.env_cfg = rank, rank.cfg.env
         bind_task(rank.task)  # the rank's scorers (an env's init may score) use its own task
         self.pool = EnvPool(self.env_cfg.workers, self.env_cfg.timeout_s, {
-            "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir)})
+            "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
+            "network": self.env_cfg.network})
         self.jobs: dict[int, int] = {}  # pool job -> traj id
 
     def start(self, traj_id: int, info: dict, group_id: int) -> None:
