@@ -31,6 +31,16 @@ def test_the_panel_fits_a_small_terminal_and_names_every_figure():
     assert "step 7/40" in line(STATUS) and "reward 0.512" in line(STATUS)
 
 
+def test_a_multi_turn_run_shows_the_episodes_waiting_on_their_environment():
+    s = {**STATUS, "instances": STATUS["instances"][:8], "env_waiting": [3, 0, 5, 1, 0, 0, 2, 9]}
+    console = Console(width=80, record=True, color_system=None)
+    console.print(panel(s))
+    text = console.export_text()
+    assert len(text.rstrip("\n").split("\n")) <= 10 and "(N env) waiting on" in text
+    assert "0:v7·12(3 env)" in text and "7:v6·12(9 env)" in text.replace("\n", "")
+    assert "v7·12(3 env) v6·11 v5…·10(5 env)" in line(s)
+
+
 class Tmux:
     def __init__(self, width: int, height: int, command: str) -> None:
         self.name = f"dora-test-{uuid.uuid4().hex[:8]}"

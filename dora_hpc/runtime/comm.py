@@ -170,6 +170,12 @@ class Flushed:            # rollout -> orchestrator
 
 
 @dataclass(frozen=True)
+class EnvWaiting:         # rollout -> orchestrator: its episodes waiting on their environment (dashboard only)
+    instance: int
+    waiting: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:          # any rank -> orchestrator, when it has sent rank 0 nothing for heartbeat_s
     rank: int
 

@@ -33,6 +33,8 @@ def status(orch) -> dict:
             "t": t, "tok_s": orch.finished_tokens / max(t, 1e-9),
             "reward": orch.rewards[-1] if orch.rewards else None,
             "instances": [[x.target, x.loading is not None, len(x.active)] for x in orch.policy.view.instances],
+            "env_waiting": [orch.env_waiting.get(i, 0) for i in range(len(orch.policy.view.instances))]
+            if orch.cfg.env.multi_turn else None,
             "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced),
             "queued": {str(v): len(q) for v, q in sorted(orch.policy.view.queues.items()) if q},
             "stale": {str(s): n for s, n in sorted(orch.stale.items())}}
@@ -42,9 +44,15 @@ def _label(target: int | None, loading: bool, active: int) -> str:
     return "-" if target is None else f"v{target}{'…' if loading else ''}·{active}"
 
 
+def _env(s: dict, i: int) -> str:
+    """An instance's episodes waiting on their environment (multi-turn runs)."""
+    waiting = s.get("env_waiting")
+    return f"({waiting[i]} env)" if waiting and waiting[i] else ""
+
+
 def line(s: dict) -> str:
     """One plain status line (logs, Slurm)."""
-    inst = " ".join(_label(*x) for x in s["instances"])
+    inst = " ".join(_label(*x) + _env(s, i) for i, x in enumerate(s["instances"]))
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
             f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} | reward {reward}")
@@ -60,12 +68,14 @@ def panel(s: dict):
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=max(s["max_steps"], 1), completed=s["step"], width=40),
                 f"{100 * s['step'] / max(s['max_steps'], 1):.0f}%")
-    inst = Text("instances (version·live requests, … loading): ", style="dim")
+    inst = Text("instances (version·live requests, … loading" + (", (N env) waiting on their environment"
+                if s.get("env_waiting") else "") + "): ", style="dim")
     for i, (target, loading, active) in enumerate(s["instances"]):
         gone = i in s["fenced"]
         inst.append(f"{i}:", style="dim")
         inst.append("fenced" if gone else _label(target, loading, active),
                     style="red strike" if gone else ("dim" if target is None else COLORS[target % len(COLORS)]))
+        inst.append("" if gone else _env(s, i), style="dim")
         inst.append("  ")
     queued = "  ".join(f"v{v}: {n}" for v, n in s["queued"].items()) or "-"
     stale = "  ".join(f"{k}: {n}" for k, n in s["stale"].items()) or "-"

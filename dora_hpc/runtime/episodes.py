@@ -18,11 +18,13 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..envs import Scorer, bind_task, make_env
 from ..envs.pool import EnvPool
+from .comm import EnvWaiting
 
 if TYPE_CHECKING:
     from .rollout import RolloutRank
@@ -39,6 +41,7 @@ class Episodes:
             "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
             "network": self.env_cfg.network})
         self.jobs: dict[int, int] = {}  # pool job -> traj id
+        self.told = (0, 0.0)  # episodes waiting on their environment last told rank 0, and when
 
     def start(self, traj_id: int, info: dict, group_id: int) -> None:
         """A new episode's bookkeeping and environment (its first turn is already on the engine)."""
@@ -76,8 +79,16 @@ class Episodes:
             info["env_reruns"] += 1
             self.submit(traj_id, info, info["pending"])
 
+    def tell(self) -> None:
+        """Rank 0's dashboard: how many episodes wait on their environment here (on change, at most 4/s)."""
+        now = time.monotonic()
+        if len(self.jobs) != self.told[0] and now - self.told[1] > 0.25 and hasattr(self.rank, "comm"):
+            self.told = (len(self.jobs), now)
+            self.rank.comm.send(EnvWaiting(self.rank.instance, len(self.jobs)), 0)
+
     def poll(self, kv_frac: float) -> None:
         """Apply the environment steps that finished: the next turn goes on the engine, or the episode ends."""
+        self.tell()
         for r in self.pool.poll():
             tid = self.jobs.pop(r.job, None)
             info = self.rank.info.get(tid) if tid is not None else None

@@ -59,6 +59,7 @@ from .comm import (
     Checkpointed,
     Comm,
     Done,
+    EnvWaiting,
     Flushed,
     Forget,
     Generate,
@@ -95,6 +96,7 @@ class Orchestrator(OpLog):
         self.steps_done = 0
         self.finished_tokens = 0
         self.stale = Counter()
+        self.env_waiting: dict[int, int] = {}  # instance -> its episodes waiting on their environment
         self.rewards: list[float] = []
         self.dashboard = Dashboard(os.environ.get("DORA_HPC_TTY") == "1")  # the launcher draws it
         self.stop = stop or threading.Event()  # set by a signal handler: checkpoint, then end the run
@@ -182,6 +184,8 @@ class Orchestrator(OpLog):
         match msg:
             case Heartbeat():
                 pass
+            case EnvWaiting():
+                self.env_waiting[msg.instance] = msg.waiting
             case Flushed() | Checkpointed():
                 self.checkpoints.on_progress(msg, self.live_instance_ranks)
             case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
