@@ -44,7 +44,8 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
     """K=3, 3 rollout instances, tool latency with a long tail: episodes wait on their environment while the
     planner moves instances between versions, so some migrate while waiting, with their KV."""
     p = run(tmp_path / "run", "env.name=toy_turns", "env.max_turns=4",
-            "env.args={latency_s: 0.15, latency_sigma: 1.0, stop_prob: 0.2}", "dora.k=3", "train.lr=1e-3", steps=8)
+            "env.args={latency_s: 0.15, latency_sigma: 1.0, stop_prob: 0.2}", "dora.k=3", "train.lr=1e-3",
+            "metrics.tensorboard=true", steps=8)
     a = analyze(tmp_path / "run")
     assert_invariants(a)
     assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4 and a["env_errors"] == 0
@@ -64,6 +65,11 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
     assert waiting and all("reprefill=False" in str(d) and b > 0 for d, b in waiting), a["migrations"]
     assert sum(t["env_reruns"]) == len(waiting)  # each waiting one ran its step again where it landed
     assert a["staleness_by_turns"] and sum(v["n"] for v in a["staleness_by_turns"].values()) == a["consumed"]
+    from test_metrics import scalars
+
+    tb = scalars(tmp_path / "run")  # TensorBoard has the episodes' figures, step by step
+    assert all(1 <= v <= 4 for _, v in tb["episodes/turns_mean"]) and len(tb["episodes/turns_mean"]) == 8
+    assert all(0 < v < 1 for _, v in tb["episodes/env_time_fraction"]) and "episodes/waiting_on_env" in tb
 
 
 @pytest.mark.slow

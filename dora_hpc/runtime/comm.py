@@ -132,6 +132,10 @@ class Done:               # rollout -> orchestrator: a trajectory finished
     kv_used_fraction: float
     epoch: int = 1        # its Generate's: a Done of an earlier dispatch is stale
     kv_transfer_s: float = 0.0  # time its migrations spent exporting, sending and importing KV
+    turns: int = 1        # a multi-turn episode's model turns
+    env_s: float = 0.0    # seconds its environment steps took
+    episode_s: float = 0.0  # dispatch to finish on its rollout ranks (the share env_s is of it)
+    env_error: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,10 @@ class StepFigures:
     """What rank 0 sees of the rollout side between two published steps, as the step record's
     ``rollout/`` and ``staleness/`` figures."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, episodes: bool = False) -> None:
         self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
+        self.episodes = episodes  # a multi-turn run: the episodes/ figures
+        self.ep = [0, 0, 0.0, 0.0, 0]  # episodes finished, their turns, env seconds, episode seconds, env errors
         self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
         self.waits = dict.fromkeys(TRAIN_WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
         self.wait, self.t_wait = None, now       # what it waits for since t_wait (None: it trains)
@@ -62,15 +64,19 @@ class StepFigures:
         self.wait, self.t_wait, self.t_counted = wait, now, now
         return ended
 
-    def on_done(self, response_len: int, kv_transfer_s: float) -> None:
+    def on_done(self, response_len: int, kv_transfer_s: float, done=None) -> None:
         self.tokens += response_len
         self.kv_s += kv_transfer_s
+        if done is not None:
+            self.ep = [self.ep[0] + 1, self.ep[1] + done.turns, self.ep[2] + done.env_s, self.ep[3] + done.episode_s,
+                       self.ep[4] + done.env_error]
 
     def on_train(self, step: int, staleness: list[int]) -> None:
         self.staleness[step] = staleness
 
-    def take(self, step: int, now: float, instances, queued: int, latest: int) -> dict[str, float]:
-        """The figures of train step ``step`` (published at ``now``); the counters start again."""
+    def take(self, step: int, now: float, instances, env_waiting: int, queued: int, latest: int) -> dict[str, float]:
+        """The figures of train step ``step`` (published at ``now``); the counters start again.
+        ``env_waiting``: the episodes waiting on their environment now (a multi-turn run)."""
         interval = max(now - self.t_last, 1e-9)
         stale = self.staleness.pop(step, [])
         targets = [x.target for x in instances if x.target is not None]
@@ -88,6 +94,12 @@ class StepFigures:
         out |= {f"instances_behind_{d}": targets.count(v) for d, v in
                 ((latest - v, v) for v in sorted(set(targets), reverse=True))}
         out |= {f"staleness/groups_at_{s}": stale.count(s) for s in sorted(set(stale))}
+        if self.episodes:
+            n, turns, env_s, ep_s, errors = self.ep
+            out |= {"episodes/turns_mean": turns / n if n else math.nan,
+                    "episodes/env_time_fraction": env_s / ep_s if ep_s else math.nan,
+                    "episodes/env_errors": errors, "episodes/waiting_on_env": env_waiting}
+        self.ep = [0, 0, 0.0, 0.0, 0]
         self.t_last, self.tokens, self.kv_s, self.migrations, self.loads = now, 0, 0.0, 0, []
         return out
 

@@ -116,7 +116,7 @@ class Orchestrator(OpLog):
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
             self.op("start", version=0, detail="fresh")
-        self.figures = StepFigures(self.now())
+        self.figures = StepFigures(self.now(), episodes=cfg.env.multi_turn)
         self.sinks = Sinks(cfg, run_dir, self.steps_done, run_id)  # TensorBoard / W&B, from this step on
 
     def restore(self, ckpt: StoredCheckpoint) -> None:
@@ -212,7 +212,7 @@ class Orchestrator(OpLog):
         self.moved_from.pop(msg.traj_id, None)
         self.checkpoints.done(src, msg.traj_id)
         self.finished_tokens += msg.response_len
-        self.figures.on_done(msg.response_len, msg.kv_transfer_s)
+        self.figures.on_done(msg.response_len, msg.kv_transfer_s, msg)
         self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
         if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
             self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
@@ -315,7 +315,7 @@ class Orchestrator(OpLog):
         """The step's reward for the summary and its record for the metric sinks."""
         self.rewards.append(msg.metrics.get("reward_mean", float("nan")))
         view = self.policy.view
-        rollout = self.figures.take(msg.version - 1, self.now(), view.instances,
+        rollout = self.figures.take(msg.version - 1, self.now(), view.instances, sum(self.env_waiting.values()),
                                     sum(len(q) for q in view.queues.values()), msg.version)
         self.sinks.log(msg.version - 1, step_record(msg.metrics, rollout))
 
