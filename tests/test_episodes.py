@@ -30,7 +30,7 @@ def trajectories(run_dir) -> dict[str, list]:
     for path in sorted(Path(run_dir).glob("traj-r*.h5")):
         with h5py.File(path, "r") as f:
             for c, v in f["trajectories"].items():
-                out.setdefault(c, []).extend(v[()].tolist())
+                out.setdefault(c, []).extend(x.tolist() if isinstance(x, np.ndarray) else x for x in v[()])
     return out
 
 
@@ -87,3 +87,19 @@ def test_an_environment_that_raises_hangs_or_kills_its_worker_ends_only_its_epis
     assert all(bool(e) == f for e, f in zip(err, failing, strict=True))  # exactly the planted failures
     assert (reward[failing] == 0).all() and (np.array(t["turns"])[failing] == 2).all()
     assert any("RuntimeError: the tool crashed" in e for e in err) and any("exit code 7" in e for e in err)
+
+
+@pytest.mark.slow
+def test_partial_rollout_switches_episodes_between_versions_and_records_where(tmp_path):
+    run(tmp_path / "run", "mode=partial", "env.name=toy_turns", "env.max_turns=4",
+        "env.args={latency_s: 0.1, latency_sigma: 1.0}", steps=5)
+    a = analyze(tmp_path / "run")
+    inv = a["invariants"]
+    assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"]) == (0, 0, 0)
+    assert a["multi_version_episodes"] > 0 and a["reprefill_tokens"] > 0  # a switch re-prefills under new weights
+    t = trajectories(tmp_path / "run")
+    switched = [(v, turns) for v, turns in zip(t["segment_versions"], t["segment_turns"], strict=True) if len(v) > 1]
+    assert len(switched) >= a["multi_version_episodes"]
+    assert all(len(v) == len(turns) and turns[0] == 0 and turns == sorted(turns) and max(turns) <= 3
+               for v, turns in switched)
+    assert any(turns[-1] > 0 for _, turns in switched)  # some switched after their first turn
