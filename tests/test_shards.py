@@ -95,3 +95,41 @@ def test_older_trajectory_shards_read_their_columns_under_the_new_names(tmp_path
     t = read_table(tmp_path, "traj", "trajectories")
     assert t["dispatch_version"].tolist() == [1, 0] and "prompt_id" not in t and "t_first_token" not in t
     assert [x.tolist() for x in t["response"]] == [[5, 6], [7]] and "tokens" not in t
+
+
+def test_episode_rows_come_back_on_resume_with_their_environment_spans_and_older_rows_without(tmp_path):
+    """Schema 8: a multi-turn episode's row keeps where its environment tokens are; resume rebuilds the
+    trainer's sample with them (masked out of the loss). A schema-7 row (single turn) reads as one turn
+    with no environment tokens, in resume and in analyze's reader."""
+    from dora_hpc.analysis.invariants import read_trajectories
+    from dora_hpc.core.ledger import Ledger
+    from dora_hpc.store.resume import stored_groups
+    from dora_hpc.store.shards import scan
+
+    ledger = Ledger(group_size=2)
+    for _ in range(2):
+        g = ledger.new_group(0)
+        for t in ledger.traj_ids(g):
+            ledger.finish(t)
+    w = ShardWriter(tmp_path, "traj", rank=2, role="rollout", run_id="r1")
+    for t, spans in ((0, [3, 5]), (1, [2, 4, 6, 7])):  # group 0: episodes
+        w.append("trajectories", {"traj_id": t, "group_id": 0, "version": 0, "response": list(range(9)),
+                                  "logprobs": [-1.0] * 9, "reward": 0.5, "turns": len(spans) // 2 + 1,
+                                  "env_spans": spans, "env_s": 0.25, "env_error": "", "segment_versions": [0]})
+    w.flush()
+    w.append("trajectories", {"traj_id": 2, "group_id": 1, "version": 0, "response": [4, 5], "logprobs": [-1.0] * 2,
+                              "reward": 1.0, "segment_versions": [0]})
+    w.append("trajectories", {"traj_id": 3, "group_id": 1, "version": 0, "response": [6], "logprobs": [-1.0],
+                              "reward": 0.0, "segment_versions": [0]})
+    p7 = w.flush()
+    with h5py.File(p7, "a") as f:  # as schema 7 wrote it: no episode columns
+        f.attrs["schema_version"] = 7
+        for c in ("turns", "env_spans", "env_s", "env_error", "env_prefill_tokens", "env_reruns", "segment_turns"):
+            del f["trajectories"][c]
+    got = stored_groups(tmp_path, ledger, max_attempt=0)
+    assert [s.env_spans for s in got[0]] == [((3, 5),), ((2, 4), (6, 7))]
+    assert got[0][1].model_tokens == 9 - 3 and got[0][1].model_mask()[2:4] == [0.0, 0.0]
+    assert [s.env_spans for s in got[1]] == [(), ()]
+    t = read_trajectories(scan(tmp_path, "traj"))
+    assert t["turns"].tolist() == [2, 3, 1, 1] and t["env_s"].tolist() == [0.25, 0.25, 0.0, 0.0]
+    assert t["env_error"].tolist() == [0, 0, 0, 0]
