@@ -103,3 +103,16 @@ def test_partial_rollout_switches_episodes_between_versions_and_records_where(tm
     assert all(len(v) == len(turns) and turns[0] == 0 and turns == sorted(turns) and max(turns) <= 3
                for v, turns in switched)
     assert any(turns[-1] > 0 for _, turns in switched)  # some switched after their first turn
+
+
+@pytest.mark.slow
+def test_a_skyrl_gym_environment_runs_unchanged_in_a_run(tmp_path):
+    pytest.importorskip("skyrl_gym")
+    run(tmp_path / "run", "env.name=skyrl:gsm8k_multi_turn", "env.max_turns=2", "task.name=reasoning_gym",
+        "task.dataset_args={max_terms: 2, max_digits: 1}", "sampling.max_tokens=12", "env.max_episode_tokens=256",
+        steps=3)
+    a = analyze(tmp_path / "run")
+    assert_invariants(a)
+    assert a["steps"] == 3 and a["env_errors"] == 0 and a["turns"]["max"] == 2  # its own "#### ANSWER" prompt
+    t = trajectories(tmp_path / "run")
+    assert all(len(s) == 2 * (n - 1) for s, n in zip(t["env_spans"], t["turns"], strict=True))
