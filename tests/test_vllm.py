@@ -349,3 +349,34 @@ def test_a_sleepable_engine_frees_its_kv_cache_and_new_weights_wake_it(tiny_dir,
     got = run_all(e)[3]
     assert (torch.tensor(got.logprobs) - hf_logprobs(hf_model, p, got.response)).abs().max() <= 1e-4
     e.close()
+
+
+def test_an_episode_keeps_its_kv_across_turns_and_migrates_while_held(engines, hf_model):
+    """Multi-turn on vLLM: a turn ends at the engine (not in vLLM, which would free the KV), its KV waits in
+    whole blocks, and the next turn computes only the environment's tokens and the tail past the last block;
+    every model token's logprob is the model's with the environment's tokens in context. A held episode
+    migrates with that KV and continues on the other engine."""
+    a, b = engines
+    prompt, env_tokens = prompts(3, seed=7)[2], [11, 12, 13, 14, 15]
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    before = {k: a.stats()[k] for k in ("recompute_tokens", "reprefill_tokens", "env_prefill_tokens")}
+    a.add(900, prompt, params, 0, hold=True)
+    (f1,) = run_all(a).values()
+    assert len(f1.response) == 8 and a.has_request(900) and not a.has_work() and a.stats()["held"] == 1
+    meta, kv = a.export(900)  # migrate the held episode, KV in whole blocks
+    assert meta["held"] and kv is not None and meta["n_cached"] == 32  # 40 + 8 - 1 computed: one block of 32
+    b.import_(meta, kv)
+    b_before = {k: b.stats()[k] for k in ("recompute_tokens", "reprefill_tokens", "env_prefill_tokens")}
+    b.extend(900, env_tokens, 6)
+    (f2,) = run_all(b).values()
+    b.abort(900)
+    assert f2.response[:8] == f1.response and f2.response[8:13] == env_tokens and len(f2.response) == 19
+    assert f2.logprobs[8:13] == [0.0] * 5
+    after = b.stats()
+    assert after["env_prefill_tokens"] - b_before["env_prefill_tokens"] == 5
+    assert after["reprefill_tokens"] == b_before["reprefill_tokens"]  # nothing re-prefilled
+    assert after["recompute_tokens"] - b_before["recompute_tokens"] == 40 + 8 - 32  # the tail past the block
+    model = [i for i in range(19) if not 8 <= i < 13]
+    ref = hf_logprobs(hf_model, prompt, f2.response)
+    assert torch.allclose(torch.tensor(f2.logprobs)[model], ref[model], atol=1e-3)
+    assert {k: a.stats()[k] for k in before} == before

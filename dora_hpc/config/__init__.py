@@ -308,9 +308,6 @@ class RunConfig(Section):
         if self.train.mini_batches > self.batch.tbs:
             raise ValueError(f"train.mini_batches ({self.train.mini_batches}) must be <= batch.tbs "
                              f"({self.batch.tbs}): each mini-batch holds whole groups")
-        if self.env.multi_turn and self.engine.backend != "builtin":
-            raise ValueError(f"env.name={self.env.name}: multi-turn episodes run on engine.backend=builtin (the vllm "
-                             f"backend does not keep an episode's KV across turns yet)")
         kv_tokens = self.engine.kv_blocks * self.engine.block_size
         if self.env.multi_turn and self.env.max_episode_tokens > kv_tokens:
             raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) exceeds an instance's KV pool "

@@ -18,6 +18,11 @@ Invariants (those of the built-in engine, where vLLM allows them):
 * logprobs are vLLM's ``processed_logprobs`` of the sampled token: under the temperature-scaled
   distribution, as the trainer computes them;
 * a bad request (unknown version, too long for the KV pool) raises RequestError before touching state;
+* a multi-turn episode (``add(hold=True)``) ends its turns here, not in vLLM (vLLM would free its KV):
+  vLLM samples past stop tokens and one token past the turn's budget, and at the step that reaches either
+  the episode is withdrawn with its KV in whole blocks to host memory (held, like an offloaded request);
+  ``extend`` gives that KV back through the connector, so only the environment's tokens
+  (``env_prefill_tokens``) and the tail past the last whole block (``recompute_tokens``) are computed;
 * a borrowed instance (``sleepable``, cluster.elastic) sleeps only when it holds no request, and a
   slept engine steps nothing until ``load_weights`` wakes it. Where vLLM has a sleep mode (CUDA) it
   discards weights and KV (level 2: the trainer holds the weights, and the wake loads new ones);
@@ -52,6 +57,9 @@ class _Live:
     parked: bool = False                                  # offloaded: not in vLLM until restore()
     host_kv: tuple[torch.Tensor, int] | None = None       # offloaded KV blocks and the tokens they hold
     kv_tokens: int = 0                                    # tokens whose KV the connector loads (not prefilled)
+    hold: bool = False                                    # a multi-turn episode: turns end here, KV kept
+    held: bool = False                                    # between turns (parked, with its KV)
+    turn_start: int = 0                                   # where the current turn begins in ``response``
 
     @property
     def response(self) -> list[int]:
@@ -163,21 +171,46 @@ class VllmEngine:
         from safetensors.torch import load_file
 
         self.state = {k: v for f in sorted(self.model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+        eos = _config(self.model_dir).get("eos_token_id")
+        self.eos: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.reqs: dict[int, _Live] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
-        if hold:  # the config refuses env.name with engine.backend=vllm; this guards direct use
-            raise RequestError(f"request {req_id}: the vllm backend does not keep an episode's KV between turns")
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
-        self.reqs[req_id] = live = _Live(version, list(prompt), params)
+        self.reqs[req_id] = live = _Live(version, list(prompt), params, hold=hold)
         self._submit(req_id, live)
 
     def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
-        raise RequestError(f"request {req_id}: the vllm backend holds no episode between turns")
+        """A held episode's next turn: the environment's tokens (logprob 0) join its context; its KV comes
+        back through the connector, the environment's tokens and the tail past the last whole block are
+        computed."""
+        live = self._get(req_id)
+        if not live.held:
+            raise RequestError(f"request {req_id} is not between turns")
+        n = len(live.prompt) + len(live.carried) + len(tokens) + max_tokens
+        if n > self.max_len:
+            raise RequestError(f"request {req_id} may reach {n} tokens; the KV pool holds {self.max_len}")
+        live.carried, live.carried_lp = live.carried + list(tokens), live.carried_lp + [0.0] * len(tokens)
+        live.turn_start, live.held, live.parked = len(live.carried), False, False
+        live.params = SamplingParams(**{**live.params.__dict__, "max_tokens": max_tokens})
+        kv, live.host_kv = live.host_kv, None
+        computed = self._give_kv(req_id, live, kv) - len(tokens)
+        self.counts["env_prefill_tokens"] += len(tokens)
+        self.counts["recompute_tokens" if kv is not None else "reprefill_tokens"] += computed
+
+    def _turn_over(self, live: _Live) -> int | None:
+        """How many of a held-mode request's tokens its turn keeps (up to a stop token or the turn's budget),
+        or None while the turn goes on."""
+        p, turn = live.params, live.response[live.turn_start:]
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+        for i, tok in enumerate(turn[: p.max_tokens]):
+            if tok in stops:
+                return i + 1
+        return p.max_tokens if len(turn) >= p.max_tokens else None
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
         check_new(self.version, self.reqs, req_id, version, max_len, self.max_len)
@@ -188,8 +221,11 @@ class VllmEngine:
 
         p = live.params
         done = len(live.carried)
-        vp = VParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens - done, logprobs=0,
-                     ignore_eos=p.ignore_eos, stop_token_ids=list(p.stop_token_ids),
+        in_turn = done - live.turn_start
+        # an episode's turn ends here (step), one token before vLLM would end it and free its KV
+        vp = VParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens - in_turn + live.hold,
+                     logprobs=0, ignore_eos=p.ignore_eos or live.hold,
+                     stop_token_ids=[] if live.hold else list(p.stop_token_ids),
                      seed=_splitmix64((self.seed << 40) ^ (req_id << 12) ^ done) & 0x7FFFFFFF)
         self.llm.add_request(str(req_id), {"prompt_token_ids": live.prompt + live.carried}, vp)
 
@@ -268,16 +304,21 @@ class VllmEngine:
         del self.reqs[req_id]
         blocks, tokens = kv if kv else (None, 0)
         meta = {"req_id": req_id, "version": live.version, "prompt": live.prompt, "response": live.carried,
-                "logprobs": live.carried_lp, "n_cached": tokens, "params": live.params.__dict__}
+                "logprobs": live.carried_lp, "n_cached": tokens, "params": live.params.__dict__,
+                "hold": live.hold, "held": live.held, "turn_start": live.turn_start}
         return meta, blocks
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
         params = SamplingParams(**meta["params"])
         self._check_new(meta["req_id"], meta["version"], len(meta["prompt"]) + params.max_tokens)
-        live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["response"]), list(meta["logprobs"]))
+        live = _Live(meta["version"], list(meta["prompt"]), params, list(meta["response"]), list(meta["logprobs"]),
+                     hold=meta.get("hold", False), turn_start=meta.get("turn_start", 0))
         carried = (torch.as_tensor(kv), int(meta["n_cached"])) if kv is not None and kv.numel() else None
-        # validates before the request becomes live here
-        self.counts["reprefill_tokens"] += self._give_kv(meta["req_id"], live, carried)
+        if meta.get("held"):  # between turns: its KV waits in host memory for the next turn
+            live.held = live.parked = True
+            live.host_kv = carried
+        else:  # validates before the request becomes live here
+            self.counts["reprefill_tokens"] += self._give_kv(meta["req_id"], live, carried)
         self.reqs[meta["req_id"]] = live
 
     def offload(self, req_id: int) -> None:
@@ -289,7 +330,7 @@ class VllmEngine:
 
     def restore(self, req_id: int) -> None:
         live = self._get(req_id)
-        if live.parked:
+        if live.parked and not live.held:  # a held episode comes back with its next turn (extend)
             kv, live.parked, live.host_kv = live.host_kv, False, None
             # what did not fit in whole blocks is recomputed: a restore's cost, not migration re-prefill
             self.counts["recompute_tokens"] += self._give_kv(req_id, live, kv)
@@ -369,6 +410,18 @@ class VllmEngine:
             self.counts["decode_tokens"] += len(fresh)
             live.new += fresh
             live.logprobs += lps
+            keep = self._turn_over(live) if live.hold else None
+            if keep is not None:  # an episode's turn ended: out of vLLM, its KV to host memory, held
+                cut = len(live.response) - (live.turn_start + keep)
+                if cut:
+                    live.new, live.logprobs = live.new[:-cut], live.logprobs[:-cut]
+                kv = self._take_kv(req_id, live)
+                self._withdraw(req_id, live)
+                live.parked, live.held, live.host_kv = True, True, kv
+                stop = live.response[-1] in set(live.params.stop_token_ids) | self.eos
+                finished.append(Finished(req_id, live.version, list(live.prompt), list(live.response),
+                                         list(live.carried_lp), "stop" if stop else "length"))
+                continue
             if out.finished:
                 del self.reqs[req_id]
                 reason = "length" if c.finish_reason == "length" else "stop"
@@ -382,7 +435,9 @@ class VllmEngine:
     def stats(self) -> dict:
         running = sum(1 for live in self.reqs.values() if not live.parked)
         usage = self._kv_usage()
-        return {"version": self.version, "running": running, "waiting": 0, "offloaded": len(self.reqs) - running,
+        held = sum(1 for live in self.reqs.values() if live.held)
+        return {"version": self.version, "running": running, "waiting": 0, "held": held,
+                "offloaded": len(self.reqs) - running - held,
                 "kv_blocks_used": -1, "kv_blocks_free": -1, "kv_used_fraction": usage, **self.counts}
 
     def close(self) -> None:
