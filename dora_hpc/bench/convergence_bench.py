@@ -8,6 +8,11 @@ of sync's own final reward across seeds (max - min). With ``eval_n`` > 0 each ru
 and each seed's initial model once, are also scored on held-out prompts (``dora-hpc eval``), and the
 same verdict is given on the held-out greedy mean reward.
 
+Each run's ``analyze`` figures that say what the rollout did are kept beside its curve (``rollout``): versions
+live at once, migrations, and for multi-turn runs (``env.name``) turns per episode, the environment's share of
+episode time, environment errors, episodes that spanned versions (partial) and the share of episodes tagged
+v0 that took at least 2 turns.
+
 Invariant: every curve is a real run's log (``run_case``); runs of one seed are back to back.
 """
 
@@ -24,6 +29,7 @@ CASES: dict[str, list[str]] = {
     "dora-k1": ["mode=dora", "dora.k=1"],
     "dora-k2": ["mode=dora", "dora.k=2"],
     "dora-k3": ["mode=dora", "dora.k=3"],
+    "partial": ["mode=partial"],
 }
 DEFAULT_CASES = ["sync", "dora-k1", "dora-k3"]
 LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/training.md)
@@ -78,7 +84,7 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
 
     found = {}
     for case in cases(losses or ["ppo_clip"], which):
-        curves, times, clip, weight, held = {}, {}, [], [], {}
+        curves, times, clip, weight, held, rollout = {}, {}, [], [], {}, {}
         for seed in seeds:
             t = read_table(run_dir(out, case, seed), "train", "steps",
                            ["step", "t_end", "reward_mean", "clip_frac", "is_weight_mean"])
@@ -87,6 +93,7 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
             times[str(seed)] = t["t_end"][order].tolist()
             clip.append(float(np.nanmean(t["clip_frac"])))
             weight.append(float(np.nanmean(t["is_weight_mean"])))
+            rollout[str(seed)] = rollout_figures(run_dir(out, case, seed))
             if heldout_path(out, case, seed).is_file():
                 held[str(seed)] = json.loads(heldout_path(out, case, seed).read_text())["greedy"]["mean_reward"]
         n = min(len(c) for c in curves.values())
@@ -97,7 +104,7 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
                        "clip_frac": statistics.fmean(clip), "is_weight_mean": statistics.fmean(weight),
                        "seconds_per_step": statistics.median(
                            (ts[-1] - ts[0]) / max(len(ts) - 1, 1) for ts in times.values()),
-                       "seconds": statistics.median(ts[-1] for ts in times.values())}
+                       "seconds": statistics.median(ts[-1] for ts in times.values()), "rollout": rollout}
         if len(held) == len(seeds):
             found[case]["heldout_final_by_seed"] = held
             found[case]["heldout_final"] = statistics.fmean(held.values())
@@ -118,6 +125,23 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
     if "heldout_final" in found[base]:
         summary["heldout"] = heldout_verdict(found, base, out, seeds)
     return summary
+
+
+def rollout_figures(run: Path) -> dict:
+    """What the rollout of one run did (its analyze figures; see the module docstring)."""
+    import numpy as np
+
+    from ..analysis.basic import analyze
+    from ..store.shards import read_table
+
+    a = analyze(run)
+    t = read_table(run, "traj", "trajectories", ["dispatch_version", "turns"])
+    v0 = np.maximum(t["turns"][t["dispatch_version"] == 0], 1)
+    return {"max_live_versions": a["max_live_versions"], "migrations": a["migrations"], "turns": a["turns"],
+            "env_time_fraction": a["env_time_fraction"], "env_errors": a["env_errors"],
+            "multi_version_episodes": a["multi_version_episodes"],
+            "two_turn_share_v0": float((v0 >= 2).mean()) if len(v0) else 0.0,
+            "invariants": {k: v for k, v in a["invariants"].items() if k != "offenders"}}
 
 
 def heldout_verdict(found: dict, base: str, out: Path, seeds: list[int]) -> dict:
