@@ -380,3 +380,25 @@ def test_an_episode_keeps_its_kv_across_turns_and_migrates_while_held(engines, h
     ref = hf_logprobs(hf_model, prompt, f2.response)
     assert torch.allclose(torch.tensor(f2.logprobs)[model], ref[model], atol=1e-3)
     assert {k: a.stats()[k] for k in before} == before
+
+
+def test_a_multi_turn_run_on_the_vllm_backend_keeps_every_invariant(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dora_hpc.analysis.basic import analyze
+
+    run_dir = tmp_path / "turns"
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm",
+           "--set", "env.name=toy_turns", "--set", "env.max_turns=3", "--set", "env.args={latency_s: 0.1}",
+           "--set", "dora.k=3", "--set", "train.max_steps=4", "--set", "cluster.rollout_instances=2",
+           "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
+    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run_dir)
+    inv = {k: v for k, v in a["invariants"].items() if k != "offenders"}
+    assert a["steps"] == 4 and a["consumed"] == 4 * 4 * 4 and not any(inv.values()), inv
+    assert a["turns"]["max"] == 3 and a["env_errors"] == 0 and a["multi_version_episodes"] == 0
+    assert a["logprob_gap"]["tokens"] > 0 and a["logprob_gap"]["max"] < 1e-3, a["logprob_gap"]  # later turns too
+    assert a["reprefill_tokens"] <= 32 * a["migrations"]  # a migration recomputes at most its tail block
