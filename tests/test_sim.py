@@ -187,3 +187,78 @@ def test_elastic_borrows_the_trainers_accelerators_and_drains_them_before_each_s
 def test_elastic_needs_dora_disaggregated():
     with pytest.raises(Exception, match="cluster.elastic"):
         load_config(SMALL, ["cluster.elastic=true", "mode=sync"])
+
+
+# -- multi-turn episodes (workload.turns) ------------------------------------------------------------------
+def test_single_turn_workloads_give_exactly_the_figures_of_before_episodes(small_runs):
+    """tests/data/sim-small-single-turn.json: every mode on configs/sim/small.yaml (and DORA elastic) as the
+    simulator gave them at commit dfd7fa5, before it knew episodes. turns.max 1 must change nothing."""
+    import json
+    from pathlib import Path
+
+    gold = json.loads((Path(__file__).parent / "data" / "sim-small-single-turn.json").read_text())
+    elastic = summarize(Simulator(load_config(SMALL, ["cluster.elastic=true"]), "dora").run())
+    for mode, s in {**small_runs, "dora-elastic": elastic}.items():
+        got = json.loads(json.dumps(s, sort_keys=True))
+        assert {k: got[k] for k in gold[mode]} == gold[mode], mode
+        assert "episodes" not in got
+
+
+AGENTIC = ["workload.turns={median: 4, sigma: 0.7, max: 20}",
+           "workload.response_len={median: 250, sigma: 1.0, max: 8192, min: 16}",
+           "workload.env_tokens={median: 300, sigma: 1.0, max: 4096}",
+           "workload.env_latency_s={median: 2, sigma: 1.3, max: 300}", "workload.max_episode_tokens=32768"]
+
+
+def test_an_episode_is_its_turns_cut_at_the_episode_cap():
+    from dora_hpc.sim.workload import Workload
+
+    cfg = load_config(SMALL, [*AGENTIC[:-1], "workload.max_episode_tokens=2000"])
+    w = Workload(cfg.workload, 0)
+    eps = [w.episode(t, 100) for t in range(300)]
+    assert max(len(e) for e in eps) > 4 and min(len(e) for e in eps) >= 1
+    for t, e in enumerate(eps):
+        assert 100 + sum(x.tokens + x.env_tokens for x in e) <= 2000
+        assert e[0].tokens == min(w.response_len(t), 1900)  # the first turn is the single-turn draw
+        assert e[-1].env_tokens == 0 and e[-1].env_s == 0 and all(x.env_tokens > 0 for x in e[:-1])
+    assert w.episode(7, 100) == eps[7]  # a pure function of (seed, trajectory)
+
+
+@pytest.fixture(scope="module")
+def agentic_runs():
+    cfg = load_config(SMALL, AGENTIC)
+    return {m: summarize(Simulator(cfg, m).run()) for m in MODES}
+
+
+def test_every_mode_runs_multi_turn_episodes_and_keeps_the_invariants(agentic_runs):
+    for mode, s in agentic_runs.items():
+        assert (s["lost_groups"], s["duplicate_groups"], s["split_groups"]) == (0, 0, 0), mode
+        assert 3 < s["episodes"]["turns_mean"] < 8 and s["episodes"]["env_s_mean"] > 0, mode
+        assert s["episodes"]["env_prefill_tokens"] > 0, mode
+    dora, partial = agentic_runs["dora"], agentic_runs["partial"]
+    assert dora["mixed_version_trajectories"] == 0 and dora["episodes"]["multi_version_episodes"] == 0
+    assert dora["max_staleness"] <= 2 and dora["reprefill_tokens"] == 0
+    assert dora["episodes"]["waiting_migrations"] > 0  # episodes moved with their KV while their tool ran
+    assert partial["episodes"]["multi_version_episodes"] > 0 and partial["reprefill_tokens"] > 0
+    assert dora["throughput_tokens_per_s"] > agentic_runs["sync"]["throughput_tokens_per_s"]
+
+
+def test_a_held_episode_keeps_its_kv_without_compute_and_leaves_first_under_pressure():
+    c = cost(kv_capacity_tokens=2000, prefill_per_token=1e-3, host_link=1e6)
+    inst = Instance(0, c, kv_offload=True)
+    inst.admit(Req(0, prompt=500, target=100))
+    inst.t_run = 0.0
+    inst.advance(-inst.offset + c.decode_time(100, 1, inst.batch_kv()))
+    (r,) = inst.pop_finished()
+    r.waiting_env = True
+    inst.hold(r)
+    assert inst.kv_tokens() == 600 and inst.batch_kv() == 0 and not inst.reqs and inst.has_work()
+    inst.admit(Req(1, prompt=1500, target=10))  # needs the room: the held episode goes to host memory
+    assert 1 in inst.reqs and inst.held[0].owes == "host" and inst.held_kv == 0 and inst.ops["offload"] > 0
+    r = inst.unhold(0)
+    r.gen_at_join, r.env_owed, r.target, r.waiting_env = 100 + 50, 50, 200, False
+    before = inst.offset
+    inst.remove(1)
+    inst.admit(r)  # back from host, then only the environment's 50 tokens are prefilled
+    assert inst.counts["env_prefill_tokens"] == 50
+    assert before - inst.offset == pytest.approx(c.host_copy_time(600) + c.prefill_time(650) - c.prefill_time(600))

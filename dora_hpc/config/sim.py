@@ -23,9 +23,32 @@ class LengthDist(Section):
         return self
 
 
+class SecondsDist(Section):
+    """Lognormal durations: median * exp(sigma * N(0,1)), capped at max."""
+
+    median: float = Field(ge=0)
+    sigma: float = Field(0.0, ge=0)
+    max: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SecondsDist:
+        if self.median > self.max:
+            raise ValueError(f"need median <= max, got {self.median}, {self.max}")
+        return self
+
+
 class WorkloadConfig(Section):
+    """What one trajectory is. A multi-turn episode (``turns.max`` > 1) has a number of turns, each of
+    ``response_len`` model tokens followed, except the last, by an environment step of ``env_latency_s``
+    seconds that adds ``env_tokens`` tokens to the context; prompt + every turn's tokens stop at
+    ``max_episode_tokens``. ``turns.max: 1`` (the default) is single-turn: prompt -> response."""
+
     prompt_len: LengthDist = LengthDist(median=128, sigma=0.3, max=512)
     response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
+    turns: LengthDist = LengthDist(median=1, sigma=0.0, max=1)
+    env_latency_s: SecondsDist = SecondsDist(median=0.0, max=1.0)
+    env_tokens: LengthDist = LengthDist(median=1, sigma=0.0, max=1)
+    max_episode_tokens: int = Field(1 << 20, ge=2, description="prompt + every turn's model and environment tokens")
 
 
 class ModelSpec(Section):

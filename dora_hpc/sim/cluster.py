@@ -10,6 +10,10 @@ Invariants:
   resident state leaves; a StartTrain waits until each is drained (its KV migrated or offloaded, at link
   speed, one transfer after another) and asleep (``engine_sleep_s``); waking costs ``engine_wake_s``
   plus the weight load;
+* a multi-turn episode (``workload.turns``) is one trajectory to the policy: between its turns it is held
+  on its instance (KV resident, no compute) while its environment step runs (an ``env`` event); it migrates,
+  is offloaded and restored like any request, waiting or decoding, and its next turn starts where it is
+  when the step ends (in transit: on arrival). The policy hears of it once, when its last turn ends;
 * simulated time only; nothing here reads a clock.
 """
 
@@ -55,6 +59,9 @@ class TrajRecord:
     migrations: int = 0
     reprefill: int = 0
     finished: bool = False
+    turn: int = 0          # the turn under way (a multi-turn episode)
+    aborted: bool = False
+    env_s: float = 0.0     # its environment steps' seconds
 
 
 class Simulator:
@@ -84,6 +91,7 @@ class Simulator:
         self.timeline: list[tuple[int, float, float, str, int | None, int]] = []
         # the simulator's own record
         self.trajs: dict[int, TrajRecord] = {}
+        self.episodes: dict[int, list] = {}  # traj -> its turns (workload.Turn)
         self.in_transit: dict[int, list] = {}
         self.consumed: Counter[int] = Counter()
         self.dropped: set[int] = set()
@@ -142,13 +150,50 @@ class Simulator:
         if epoch != inst.epoch:
             return
         self._stop(inst)
-        done = inst.pop_finished()
-        for t in done:
-            self.trajs[t].finished = True
+        done = []
+        for r in inst.pop_finished():
+            rec = self.trajs[r.traj]
+            turns = self.episodes[r.traj]
+            if rec.turn < len(turns) - 1:  # a turn ended: held while its environment step runs
+                r.waiting_env = True
+                inst.hold(r)
+                self._at(self.now + turns[rec.turn].env_s, "env", r.traj, rec.turn)
+                continue
+            rec.finished = True
+            done.append(r.traj)
         self._start(inst)
         for t in done:
             self._feed(RequestFinished(t, i))
         self._check_kv(inst)
+
+    def _ev_env(self, t: int, turn: int) -> None:
+        """Trajectory ``t``'s environment step after ``turn`` ended: its next turn starts where it is."""
+        rec = self.trajs[t]
+        if rec.aborted:
+            return
+        if turn != rec.turn or rec.finished:
+            raise SimError(f"environment step {turn} of trajectory {t} ended twice")
+        where = self.in_transit.get(t) or self.parked.get(t)
+        if where is not None:  # moving, or parked in host memory: its next turn starts where it lands
+            self._next_turn(where[1])
+            return
+        inst = next(x for x in self.inst if t in x.held)
+        self._stop(inst)
+        r = inst.unhold(t)
+        self._next_turn(r)
+        inst.admit(r, front=True)
+        self._start(inst)
+        self._check_kv(inst)
+
+    def _next_turn(self, r) -> None:
+        rec = self.trajs[r.traj]
+        done, nxt = self.episodes[r.traj][rec.turn], self.episodes[r.traj][rec.turn + 1]
+        rec.turn += 1
+        rec.env_s += done.env_s
+        r.gen_at_join += done.env_tokens
+        r.env_owed += done.env_tokens
+        r.target = r.gen_at_join + nxt.tokens
+        r.waiting_env = False
 
     def _ev_arrive(self, t: int, seq: int) -> None:
         if self.in_transit.get(t, [None, None, None])[2] != seq:
@@ -158,8 +203,13 @@ class Simulator:
         if inst.version != self.trajs[t].segments[-1] or inst.loading:
             raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
         self._stop(inst)
-        inst.admit(req, front=True)
+        if req.waiting_env:  # its environment step is still under way: held here
+            inst.hold(req)
+        else:
+            inst.admit(req, front=True)
         self._start(inst)
+        if req.waiting_env:
+            self._check_kv(inst)
 
     def _ev_trained(self, step: int) -> None:
         self._mark()
@@ -242,7 +292,7 @@ class Simulator:
                     tokens = r.prompt + r.gen_at_join
                     self.trajs[r.traj].reprefill += tokens
                     self.counts["reprefill_tokens"] += tokens
-                for r in list(inst.reqs.values()) + list(inst.waiting):
+                for r in list(inst.reqs.values()) + list(inst.waiting) + list(inst.held.values()):
                     self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
                 load_s = self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0.0)
                 inst.loading, inst.version, inst.asleep = True, None, False
@@ -257,7 +307,9 @@ class Simulator:
                 if t in self.trajs:
                     raise SimError(f"trajectory {t} dispatched twice")
                 self.trajs[t] = TrajRecord(g, [v])
-                self._stopped(i).admit(Req(t, self.work.prompt_len(g), self.work.response_len(t)))
+                prompt = self.work.prompt_len(g)
+                self.episodes[t] = self.work.episode(t, prompt)
+                self._stopped(i).admit(Req(t, prompt, self.episodes[t][0].tokens))
                 self._start(inst)
                 self._check_kv(inst)
             case Migrate(t, _, _, _) | Offload(t, _) | Restore(t, _) if self.trajs[t].finished:
@@ -265,6 +317,7 @@ class Simulator:
             case Migrate(t, src, dst, carry_kv):
                 self._migrate(t, src, dst, carry_kv)
             case Abort(t, i):
+                self.trajs[t].aborted = True
                 self._stopped(i).remove(t)
                 self._start(self.inst[i])
             case Drop(g, _):
@@ -331,6 +384,8 @@ class Simulator:
         rec = self.trajs[t]
         rec.migrations += 1
         self.counts["migrations"] += 1
+        if req.waiting_env:
+            self.counts["waiting_migrations"] += 1
         dt = 0.0
         if req.owes == OWES_HOST or req.owes == OWES_NOTHING:  # it has KV somewhere
             if carry_kv:
@@ -368,7 +423,7 @@ class Simulator:
                 if not rec.finished:
                     raise SimError(f"step {step} consumes unfinished trajectory {t}")
                 versions.update(rec.segments)
-                tokens += self.work.prompt_len(g) + self.work.response_len(t)
+                tokens += self.work.prompt_len(g) + sum(x.tokens + x.env_tokens for x in self.episodes[t])
             stale.append(step - min(versions))
         self._mark()
         self.trainer_busy = True

@@ -9,7 +9,11 @@ Invariants:
   paying what it owes first: a prompt prefill, a recompute/re-prefill of prompt + generated tokens,
   or a host->device copy;
 * time advances by the closed form of CostModel.decode_time between batch changes, so the cost of a
-  simulation is O(batch changes), not O(decode steps).
+  simulation is O(batch changes), not O(decode steps);
+* a multi-turn episode between turns is **held**: out of the batch (no compute; its KV is not read by
+  decode steps) but its KV stays resident and counts against the capacity. Under KV pressure, and when a
+  waiting request needs the room, held episodes leave first (to host memory with ``kv_offload``, else their
+  KV is dropped and recomputed). Its next turn first prefills the environment's tokens (``env_owed``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Req:
     gen_at_join: int = 0
     join_step: int = 0
     owes: str = OWES_PROMPT
+    env_owed: int = 0          # environment tokens at the end of its context without KV yet
+    waiting_env: bool = False  # a multi-turn episode whose environment step is under way
 
     @property
     def finish_step(self) -> int:
@@ -49,6 +55,8 @@ class Instance:
     asleep: bool = False            # a borrowed instance while the trainer trains (cluster.elastic)
     load_epoch: int = 0             # a weight load in flight that a Sleep cancelled is ignored
     reqs: dict[int, Req] = field(default_factory=dict)      # running, in join order
+    held: dict[int, Req] = field(default_factory=dict)      # episodes between turns (KV resident unless owed)
+    held_kv: float = 0.0                                     # their resident KV tokens
     waiting: deque[Req] = field(default_factory=deque)
     heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj), lazily cleaned
     steps: int = 0
@@ -67,8 +75,13 @@ class Instance:
     def generated(self, r: Req) -> int:
         return r.gen_at_join + self.steps - r.join_step if r.traj in self.reqs else r.gen_at_join
 
-    def kv_tokens(self) -> float:
+    def batch_kv(self) -> float:
+        """KV tokens of the running batch (what a decode step reads)."""
         return self.kv_base + len(self.reqs) * self.steps
+
+    def kv_tokens(self) -> float:
+        """Resident KV tokens: the running batch's and the held episodes'."""
+        return self.batch_kv() + self.held_kv
 
     def peek(self) -> tuple[int, int] | None:
         """The next (finish step, traj) of a running request, dropping stale heap entries."""
@@ -81,7 +94,8 @@ class Instance:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.reqs or self.waiting)
+        """Live requests: running, waiting, or held between turns."""
+        return bool(self.reqs or self.waiting or self.held)
 
     # -- time --------------------------------------------------------------------------------------
     def advance(self, now: float) -> None:
@@ -90,7 +104,7 @@ class Instance:
         avail = self.offset + dt
         n = len(self.reqs)
         if avail > 0 and n:
-            kv0 = self.kv_tokens()
+            kv0 = self.batch_kv()
             k = self.cost.decode_steps_within(avail, n, kv0)
             self.offset = avail - self.cost.decode_time(k, n, kv0)
             self.steps += k
@@ -108,7 +122,7 @@ class Instance:
         room = self.cost.kv_capacity_tokens - self.kv_tokens()
         if n > 1 and room < k * n:
             k = max(1, int(room // n))
-        return max(self.cost.decode_time(k, n, self.kv_tokens()) - self.offset, 0.0)
+        return max(self.cost.decode_time(k, n, self.batch_kv()) - self.offset, 0.0)
 
     # -- batch changes (the instance is stopped: t_run is None) ------------------------------------
     def admit(self, r: Req, front: bool = False) -> None:
@@ -117,12 +131,42 @@ class Instance:
         self.fill()
 
     def fill(self) -> None:
-        while self.waiting and self._fits(self.waiting[0]):
-            self._run(self.waiting.popleft())
+        while self.waiting and (self._fits(self.waiting[0]) or self._evict_held()):
+            if self._fits(self.waiting[0]):
+                self._run(self.waiting.popleft())
+
+    def hold(self, r: Req) -> None:
+        """An episode between turns: its KV stays (unless it owes it), it leaves the batch."""
+        self.held[r.traj] = r
+        if r.owes == OWES_NOTHING:
+            self.held_kv += r.prompt + r.gen_at_join - r.env_owed
+
+    def unhold(self, t: int) -> Req:
+        r = self.held.pop(t)
+        if r.owes == OWES_NOTHING:
+            self.held_kv -= r.prompt + r.gen_at_join - r.env_owed
+        return r
+
+    def _evict_held(self) -> bool:
+        """Make room by moving one held episode's KV out (to host, or dropped); False if none holds any."""
+        r = next((x for x in self.held.values() if x.owes == OWES_NOTHING), None)
+        if r is None:
+            return False
+        ctx = r.prompt + r.gen_at_join - r.env_owed
+        self.held_kv -= ctx
+        self.counts["preemptions"] += 1
+        if self.kv_offload:
+            r.owes = OWES_HOST
+            self.offset -= self.cost.host_copy_time(ctx)
+            self.ops["offload"] += self.cost.host_copy_time(ctx)
+        else:
+            r.owes = OWES_RECOMPUTE
+        return True
 
     def _fits(self, r: Req) -> bool:
         need = r.prompt + r.gen_at_join + 1
-        return not self.reqs or self.kv_tokens() + need + len(self.reqs) <= self.cost.kv_capacity_tokens
+        empty = not self.reqs and not self.held_kv  # an empty instance always takes one
+        return empty or self.kv_tokens() + need + len(self.reqs) <= self.cost.kv_capacity_tokens
 
     def _run(self, r: Req) -> None:
         ctx = r.prompt + r.gen_at_join
@@ -133,9 +177,14 @@ class Instance:
             self.ops[r.owes] += self.cost.prefill_time(ctx)
             if r.owes == OWES_RECOMPUTE:
                 self.counts["preempt_recompute_tokens"] += ctx
+            r.env_owed = 0  # rebuilt with the rest
         elif r.owes == OWES_HOST:
-            self.offset -= self.cost.host_copy_time(ctx)
-            self.ops["offload"] += self.cost.host_copy_time(ctx)
+            self.offset -= self.cost.host_copy_time(ctx - r.env_owed)
+            self.ops["offload"] += self.cost.host_copy_time(ctx - r.env_owed)
+        if r.env_owed:  # the environment's tokens after a KV that is there: only they are prefilled
+            self.offset -= self.cost.prefill_time(ctx) - self.cost.prefill_time(ctx - r.env_owed)
+            self.counts["env_prefill_tokens"] += r.env_owed
+            r.env_owed = 0
         r.owes = OWES_NOTHING
         r.join_step = self.steps
         self.reqs[r.traj] = r
@@ -143,7 +192,9 @@ class Instance:
         heapq.heappush(self.heap, (r.finish_step, r.traj))
 
     def remove(self, t: int) -> Req:
-        """Take a request off the instance, running or waiting; its heap entry goes stale."""
+        """Take a request off the instance, running, waiting or held; its heap entry goes stale."""
+        if t in self.held:
+            return self.unhold(t)
         r = self.reqs.pop(t, None)
         if r is None:
             r = next(x for x in self.waiting if x.traj == t)
@@ -153,16 +204,19 @@ class Instance:
         self.kv_base -= r.prompt + r.gen_at_join - self.steps
         return r
 
-    def pop_finished(self) -> list[int]:
+    def pop_finished(self) -> list[Req]:
+        """The requests whose turn (the whole trajectory, single-turn) ended, off the batch."""
         done = []
         while (top := self.peek()) is not None and top[0] <= self.steps:
             heapq.heappop(self.heap)
-            done.append(top[1])
-            self.remove(top[1])
+            done.append(self.remove(top[1]))
         return done
 
     def preempt(self) -> None:
-        """Preempt the newest running requests until the next decode step fits in KV."""
+        """Move held episodes' KV out, then preempt the newest running requests, until the next decode step
+        fits in KV."""
+        while self.kv_tokens() + len(self.reqs) > self.cost.kv_capacity_tokens and self._evict_held():
+            pass
         while len(self.reqs) > 1 and self.kv_tokens() + len(self.reqs) > self.cost.kv_capacity_tokens:
             r = self.remove(next(reversed(self.reqs)))
             ctx = r.prompt + r.gen_at_join
@@ -180,7 +234,10 @@ class Instance:
         and must be re-prefilled; returns the requests that now owe a re-prefill."""
         running = [self.remove(t) for t in list(self.reqs)]
         parked = [r for r in self.waiting if r.owes in (OWES_HOST, OWES_RECOMPUTE)]
-        for r in running + parked:
-            r.owes = OWES_REPREFILL
+        held = [self.unhold(t) for t in list(self.held)]
+        for r in running + parked + held:
+            r.owes, r.env_owed = OWES_REPREFILL, 0
+        for r in held:
+            self.hold(r)
         self.waiting.extendleft(reversed(running))
-        return running + parked
+        return running + parked + held

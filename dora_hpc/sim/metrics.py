@@ -74,6 +74,21 @@ def lost_groups(sim: Simulator) -> int:
     return lost
 
 
+def episode_figures(sim: Simulator, counts) -> dict:
+    """A multi-turn workload's figures (none for a single-turn one): turns per finished episode, the
+    environment's share of their rollout time, the environment tokens prefilled, episodes that migrated
+    while waiting on their environment, and episodes whose turns ran under more than one version."""
+    if sim.cfg.workload.turns.max == 1:
+        return {}
+    done = [r for r in sim.trajs.values() if r.finished]
+    return {"episodes": {
+        "turns_mean": sum(r.turn + 1 for r in done) / max(len(done), 1),
+        "env_s_mean": sum(r.env_s for r in done) / max(len(done), 1),
+        "env_prefill_tokens": int(counts["env_prefill_tokens"]),
+        "waiting_migrations": int(counts["waiting_migrations"]),
+        "multi_version_episodes": sum(1 for r in done if len(set(r.segments)) > 1)}}
+
+
 def summarize(sim: Simulator) -> dict:
     cfg = sim.cfg
     w = cfg.sim.warmup_steps
@@ -91,7 +106,7 @@ def summarize(sim: Simulator) -> dict:
     lost = lost_groups(sim)
     wall = t1
     counts, ops = total(sim, "counts"), total(sim, "ops")
-    return {
+    return episode_figures(sim, counts) | {
         "throughput_tokens_per_s": tokens / span,
         "mean_step_time_s": span / (len(sim.steps) - w),
         "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,

@@ -1,10 +1,16 @@
-"""Synthetic long-tailed workload: prompt and response lengths, a pure function of (seed, id).
+"""Synthetic long-tailed workload: prompt and response lengths, and a multi-turn episode's turns, environment
+latencies and environment tokens, a pure function of (seed, id).
 
-Invariant: every policy simulated with the same seed sees the same lengths for the same prompt group
-and trajectory ids, so modes are compared on identical work.
+Invariants:
+* every policy simulated with the same seed sees the same lengths for the same prompt group and trajectory
+  ids, so modes are compared on identical work;
+* a single-turn workload (``turns.max: 1``) draws exactly what it drew before episodes existed: the first
+  turn's length is ``response_len(traj)``, later turns and environment steps use streams of their own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,6 +22,13 @@ _BLOCK = 4096
 def sample_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
     x = dist.median * np.exp(dist.sigma * rng.standard_normal(n))
     return np.clip(np.rint(x), dist.min, dist.max).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Turn:
+    tokens: int          # model tokens of the turn
+    env_tokens: int      # the environment's tokens after it (0 after the last turn)
+    env_s: float         # the environment step's latency after it (0 after the last turn)
 
 
 class Workload:
@@ -36,6 +49,34 @@ class Workload:
 
     def response_len(self, traj_id: int) -> int:
         return self._value("response", self.cfg.response_len, traj_id)
+
+    def _draw(self, kind: int, idx: int, median: float, sigma: float, lo: float, hi: float) -> float:
+        rng = np.random.default_rng([self.seed, kind, idx])
+        return float(np.clip(median * np.exp(sigma * rng.standard_normal()), lo, hi))
+
+    def episode(self, traj_id: int, prompt_len: int) -> list[Turn]:
+        """The turns of trajectory ``traj_id``: one for a single-turn workload, else ``turns`` of them, cut
+        where prompt + tokens would pass ``max_episode_tokens`` (the cut turn is the last)."""
+        c = self.cfg
+        first = self.response_len(traj_id)
+        if c.turns.max == 1:
+            return [Turn(first, 0, 0.0)]
+        n = int(round(self._draw(3, traj_id, c.turns.median, c.turns.sigma, c.turns.min, c.turns.max)))
+        room, turns = c.max_episode_tokens - prompt_len, []
+        for k in range(n):
+            d = c.response_len
+            tokens = first if k == 0 else int(round(self._draw(4, traj_id * 4096 + k, d.median, d.sigma, d.min,
+                                                                  d.max)))
+            tokens = min(tokens, room)
+            room -= tokens
+            e, lat = c.env_tokens, c.env_latency_s
+            env = int(round(self._draw(5, traj_id * 4096 + k, e.median, e.sigma, e.min, e.max)))
+            if k == n - 1 or room - env < 1 or tokens < 1:  # the last turn: no environment step after it
+                turns.append(Turn(max(tokens, 1), 0, 0.0))
+                break
+            room -= env
+            turns.append(Turn(tokens, env, self._draw(6, traj_id * 4096 + k, lat.median, lat.sigma, 0.0, lat.max)))
+        return turns
 
     def moments(self, n: int = 200_000) -> dict[str, float]:
         """Monte-Carlo moments used by the zero-bubble limit: E[P], E[L], E[L^2], E[P L], p50/p99 of L."""
