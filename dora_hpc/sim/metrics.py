@@ -17,7 +17,9 @@ Definitions (also in results/sim/README.md):
 * inter_instance_bubble: the same formula over instances, L_i = busy time of instance i between
   consecutive train-step starts (an instance with one straggler counts as busy), averaged over steps;
 * limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
-  full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices.
+  full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices. With
+  multi-turn episodes a slot is also held while its episode's environment step runs: an instance then
+  finishes at most max_num_seqs / (decode seconds + environment seconds) episodes a second.
 """
 
 from __future__ import annotations
@@ -153,7 +155,11 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
     slots = cfg.cluster.max_num_seqs
     mean_kv = (m["PL"] + m["L2"] / 2) / m["L"]           # KV context seen by an average decode step
     step = cost.a + cost.b * slots * mean_kv             # one full-batch step
-    per_traj = m["L"] * step / slots + cost.prefill_time(m["P"])  # instance-seconds per trajectory
+    decoded, env_tokens = m.get("model", m["L"]), m.get("env_tokens", 0.0)
+    env_prefill = cost.prefill_time(m["P"] + env_tokens) - cost.prefill_time(m["P"]) if env_tokens else 0.0
+    per_traj = decoded * step / slots + cost.prefill_time(m["P"]) + env_prefill  # instance-seconds per trajectory
+    if m.get("env_s"):  # a slot is held through the environment's steps: at most slots per (decode + env) time
+        per_traj = max(per_traj, (decoded * step + m["env_s"]) / slots)
     tokens_per_traj = m["P"] + m["L"]
     rollout_rate = n_inst * tokens_per_traj / per_traj
     train_rate = tokens_per_traj / cost.train_time(tokens_per_traj, train_accels)

@@ -40,6 +40,8 @@ def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: boo
     limits = {p: zero_bubble_limit(cfg, p, moments) for p in ("colocated", "disaggregated")}
     summary: dict = {"modes": {}, "workload": {"response_p50": moments["p50"], "response_p99": moments["p99"],
                                                 "response_mean": moments["L"], "prompt_mean": moments["P"]}}
+    if "turns" in moments:  # a multi-turn workload: per episode
+        summary["workload"] |= {k: moments[k] for k in ("turns", "model", "env_tokens", "env_s")}
     sims: dict[str, Simulator] = {}
     with Progress(console=console or Console(stderr=True), transient=True) as progress:
         task = progress.add_task("simulating", total=len(modes))

@@ -79,9 +79,24 @@ class Workload:
         return turns
 
     def moments(self, n: int = 200_000) -> dict[str, float]:
-        """Monte-Carlo moments used by the zero-bubble limit: E[P], E[L], E[L^2], E[P L], p50/p99 of L."""
+        """Monte-Carlo moments used by the zero-bubble limit: E[P], E[L], E[L^2], E[P L], p50/p99 of L (L: the
+        tokens after the prompt); for a multi-turn workload also, per episode, ``model`` (decoded tokens),
+        ``env_tokens`` and ``env_s`` (from 20,000 episodes)."""
+        if self.cfg.turns.max > 1:
+            return self._episode_moments(20_000)
         rng = np.random.default_rng([self.seed, 2])
         p = sample_lengths(self.cfg.prompt_len, rng, n).astype(float)
         r = sample_lengths(self.cfg.response_len, rng, n).astype(float)
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
                 "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99))}
+
+    def _episode_moments(self, n: int) -> dict[str, float]:
+        p = np.array([self.prompt_len(g) for g in range(n)], float)
+        eps = [self.episode(t, int(p[t])) for t in range(n)]
+        model = np.array([sum(x.tokens for x in e) for e in eps], float)
+        env = np.array([sum(x.env_tokens for x in e) for e in eps], float)
+        r = model + env
+        return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
+                "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)), "model": model.mean(),
+                "env_tokens": env.mean(), "env_s": float(np.mean([sum(x.env_s for x in e) for e in eps])),
+                "turns": float(np.mean([len(e) for e in eps]))}
