@@ -22,6 +22,6 @@ def episode_figures(traj: dict[str, np.ndarray], matched: np.ndarray, stale: np.
         "env_time_fraction": float(traj["env_s"].sum() / life) if life > 0 else 0.0,
         "env_errors": int((err > 0).sum()),
         "env_errors_by_kind": {kind: int((err == i).sum()) for i, kind in enumerate(ENV_ERRORS) if i},
-        "multi_version_episodes": int((traj["switched"] & (turns > 1)).sum()),
+        "multi_version_episodes": int(traj["switched"].sum()),  # partial rollout: within or between turns
         "staleness_by_turns": by_turns,
     }

@@ -84,8 +84,20 @@ class EnvPool:
     def busy(self) -> int:
         return len(self.queue) + sum(w.job is not None for w in self.workers)
 
-    def poll(self, timeout: float = 0.0) -> list[StepResult]:
-        """Results that came in (waiting up to ``timeout`` s for one), after starting queued steps on free workers."""
+    def poll(self, timeout: float = 0.0, budget_s: float = 0.005) -> list[StepResult]:
+        """Results that came in (waiting up to ``timeout`` s for the first), after starting queued steps on free
+        workers. While steps finish and more are queued it keeps feeding the workers, for up to ``budget_s``:
+        fast steps (a scorer) then take one call, not one call each."""
+        out = self._poll(timeout)
+        end = time.monotonic() + budget_s
+        while out and self.queue and (left := end - time.monotonic()) > 0:
+            more = self._poll(left)
+            if not more:
+                break
+            out += more
+        return out
+
+    def _poll(self, timeout: float) -> list[StepResult]:
         self._dispatch()
         out: list[StepResult] = []
         ready = wait([w.conn for w in self.workers], timeout) if self.workers else []
