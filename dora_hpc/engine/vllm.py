@@ -32,7 +32,6 @@ Invariants (those of the built-in engine, where vLLM allows them):
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -43,6 +42,7 @@ import torch
 
 from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
+from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, refresh_lm_head
 
 
 @dataclass
@@ -66,58 +66,6 @@ class _Live:
         return self.carried + self.new
 
 
-def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
-    """KV bytes one token takes in the whole instance (all TP workers together)."""
-    c = _config(model_dir)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
-    return 2 * c["num_hidden_layers"] * kv_heads * head_dim * getattr(torch, dtype).itemsize
-
-
-def refresh_lm_head(worker) -> None:
-    """Run on every worker after a weight reload. vLLM's CPU build packs the LM head's weight for its
-    GEMM when the model loads; a reload refreshes the layers it loads, but a tied LM head loads nothing
-    (it shares the embedding), so its packed copy kept the first weights. Packing it again fixes that
-    (GPUs read the shared weight directly and have nothing to refresh)."""
-    from vllm.platforms import current_platform
-
-    head = getattr(worker.model_runner.get_model(), "lm_head", None)
-    if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
-
-
-def _kv_storages(worker) -> list[torch.UntypedStorage]:
-    """The backing buffers of a worker's paged KV cache (each layer's cache is a view of one)."""
-    from .vllm_kv import layer_caches
-
-    seen: dict[int, torch.UntypedStorage] = {}
-    for cache in layer_caches(worker.vllm_config.compilation_config.static_forward_context):
-        st = cache.untyped_storage()
-        seen.setdefault(st.data_ptr(), st)
-    return list(seen.values())
-
-
-def free_kv_cache(worker) -> int:
-    """Run on every worker by ``collective_rpc`` where vLLM has no sleep mode: release the KV cache's
-    memory (the views keep their shapes; nothing may read them until ``allocate_kv_cache``)."""
-    worker.dora_kv_sizes = [(st, st.nbytes()) for st in _kv_storages(worker)]
-    for st, _ in worker.dora_kv_sizes:
-        st.resize_(0)
-    return sum(n for _, n in worker.dora_kv_sizes)
-
-
-def allocate_kv_cache(worker) -> None:
-    """Undo ``free_kv_cache``: the same buffers, re-allocated and zeroed (as vLLM allocates them)."""
-    for st, n in worker.dora_kv_sizes:
-        st.resize_(n)
-        st.fill_(0)
-    worker.dora_kv_sizes = []
-
-
-def _config(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
 class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
@@ -138,7 +86,7 @@ class VllmEngine:
                                f" ({e})") from None
         self.model_dir = Path(model_dir)
         pool = kv_blocks * block_size
-        self.max_len = min(pool, _config(self.model_dir).get("max_position_embeddings", pool))  # one request
+        self.max_len = min(pool, hf_config(self.model_dir).get("max_position_embeddings", pool))  # one request
         # the same token capacity as the built-in pool, plus room for vLLM's own (larger) block rounding;
         # vLLM takes this much on each TP worker, which holds 1/tp of the KV heads
         kv_bytes = int(1.25 * pool * kv_bytes_per_token(self.model_dir, dtype) / tensor_parallel) + (1 << 20)
@@ -171,7 +119,7 @@ class VllmEngine:
         from safetensors.torch import load_file
 
         self.state = {k: v for f in sorted(self.model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-        eos = _config(self.model_dir).get("eos_token_id")
+        eos = hf_config(self.model_dir).get("eos_token_id")
         self.eos: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.reqs: dict[int, _Live] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)

@@ -20,21 +20,29 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..envs import Scorer, bind_task, make_env
 from ..envs.pool import EnvPool
 from .comm import EnvWaiting
 
-if TYPE_CHECKING:
-    from .rollout import RolloutRank
+
+class Host(Protocol):
+    """What drives the episodes: a rollout rank (runtime/rollout.py) or ``dora-hpc eval``."""
+
+    cfg: Any
+    task: Any
+    engine: Any
+    info: dict[int, dict]
+
+    def finish(self, f, kv_frac: float) -> None: ...
 
 
 class Episodes:
     """Driven by a rollout rank (or by ``dora-hpc eval``): ``rank`` has ``cfg``, ``task``, ``engine``, the
     requests' ``info`` and ``finish(finished, kv_frac)``."""
 
-    def __init__(self, rank: RolloutRank, model_dir) -> None:
+    def __init__(self, rank: Host, model_dir) -> None:
         self.rank, self.env_cfg = rank, rank.cfg.env
         bind_task(rank.task)  # the rank's scorers (an env's init may score) use its own task
         self.pool = EnvPool(self.env_cfg.workers, self.env_cfg.timeout_s, {

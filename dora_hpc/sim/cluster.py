@@ -43,13 +43,11 @@ from ..core.events import (
     VersionPublished,
 )
 from ..core.policies import make_policy, traits_of
+from .borrowed import Borrowing
 from .costs import CostModel
-from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req
+from .episodes import EpisodeSteps
+from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req, SimError
 from .workload import Workload
-
-
-class SimError(RuntimeError):
-    """The policy asked for something physically impossible (a policy bug)."""
 
 
 @dataclass
@@ -64,7 +62,7 @@ class TrajRecord:
     env_s: float = 0.0     # its environment steps' seconds
 
 
-class Simulator:
+class Simulator(Borrowing, EpisodeSteps):
     def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None) -> None:
         """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``."""
         self.cfg, self.mode = cfg, mode
@@ -165,35 +163,6 @@ class Simulator:
         for t in done:
             self._feed(RequestFinished(t, i))
         self._check_kv(inst)
-
-    def _ev_env(self, t: int, turn: int) -> None:
-        """Trajectory ``t``'s environment step after ``turn`` ended: its next turn starts where it is."""
-        rec = self.trajs[t]
-        if rec.aborted:
-            return
-        if turn != rec.turn or rec.finished:
-            raise SimError(f"environment step {turn} of trajectory {t} ended twice")
-        where = self.in_transit.get(t) or self.parked.get(t)
-        if where is not None:  # moving, or parked in host memory: its next turn starts where it lands
-            self._next_turn(where[1])
-            return
-        inst = next(x for x in self.inst if t in x.held)
-        self._stop(inst)
-        r = inst.unhold(t)
-        self._next_turn(r)
-        inst.admit(r, front=True)
-        self._start(inst)
-        self._check_kv(inst)
-
-    def _next_turn(self, r) -> None:
-        rec = self.trajs[r.traj]
-        done, nxt = self.episodes[r.traj][rec.turn], self.episodes[r.traj][rec.turn + 1]
-        rec.turn += 1
-        rec.env_s += done.env_s
-        r.gen_at_join += done.env_tokens
-        r.env_owed += done.env_tokens
-        r.target = r.gen_at_join + nxt.tokens
-        r.waiting_env = False
 
     def _ev_arrive(self, t: int, seq: int) -> None:
         if self.in_transit.get(t, [None, None, None])[2] != seq:
@@ -330,45 +299,6 @@ class Simulator:
                 self._sleep(i)
             case _:
                 raise SimError(f"unknown command {cmd!r}")
-
-    # -- borrowed instances (cluster.elastic) ------------------------------------------------------
-    def _offload(self, t: int, i: int) -> None:
-        if t in self.in_transit:  # still on its way to i (a migration or a restore): it lands in i's host memory
-            _, req, _ = self.in_transit.pop(t)
-        else:
-            req = self._stopped(i).remove(t)
-            self._start(self.inst[i])
-        dt = self.inst[i].cost.host_copy_time(req.prompt + req.gen_at_join)
-        self.ops["offload"] += dt
-        self.counts["drain_offloads"] += 1
-        req.owes = OWES_HOST
-        self.parked[t] = (i, req)
-        self._drain(i, dt)
-
-    def _restore(self, t: int, i: int) -> None:
-        src, req = self.parked.pop(t)
-        inst = self.inst[i]
-        if inst.loading or inst.version != self.trajs[t].segments[-1]:
-            raise SimError(f"Restore({t}, {i}): instance {i} does not host the trajectory's version")
-        # from that node's host memory over the network (if another node's), then the host->device copy
-        # it pays when it runs (OWES_HOST)
-        dt = 0.0 if src == i else inst.cost.kv_transfer_time(req.prompt + req.gen_at_join)
-        self.ops["migration"] += dt
-        self.counts["restores"] += 1
-        self._send(t, i, req, dt)
-
-    def _sleep(self, i: int) -> None:
-        inst = self._stopped(i)
-        if inst.has_work():
-            raise SimError(f"Sleep({i}) on an instance with live requests")
-        inst.asleep, inst.loading, inst.version = True, False, None
-        inst.load_epoch += 1
-        self._start(inst)
-        self._drain(i, self.cfg.sim.hardware.engine_sleep_s)
-
-    def _drain(self, i: int, seconds: float) -> None:
-        """Borrowed instance ``i`` needs ``seconds`` more, after what it already does, before training."""
-        self.drain_end[i] = max(self.drain_end.get(i, self.now), self.now) + seconds
 
     def _stopped(self, i: int) -> Instance:
         self._stop(self.inst[i])

@@ -28,6 +28,10 @@ from .costs import CostModel
 OWES_PROMPT, OWES_RECOMPUTE, OWES_REPREFILL, OWES_HOST, OWES_NOTHING = "prompt", "recompute", "reprefill", "host", ""
 
 
+class SimError(RuntimeError):
+    """The policy asked for something physically impossible (a policy bug)."""
+
+
 @dataclass(eq=False)
 class Req:
     traj: int

@@ -1,0 +1,62 @@
+"""What the vLLM backend (engine/vllm.py) runs on each of an instance's vLLM workers through
+``collective_rpc`` (refreshing the LM head after a reload, freeing and re-allocating the KV cache of a borrowed
+instance), and the model-config figures it sizes the KV cache with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    """KV bytes one token takes in the whole instance (all TP workers together)."""
+    c = hf_config(model_dir)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def refresh_lm_head(worker) -> None:
+    """Run on every worker after a weight reload. vLLM's CPU build packs the LM head's weight for its
+    GEMM when the model loads; a reload refreshes the layers it loads, but a tied LM head loads nothing
+    (it shares the embedding), so its packed copy kept the first weights. Packing it again fixes that
+    (GPUs read the shared weight directly and have nothing to refresh)."""
+    from vllm.platforms import current_platform
+
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _kv_storages(worker) -> list[torch.UntypedStorage]:
+    """The backing buffers of a worker's paged KV cache (each layer's cache is a view of one)."""
+    from .vllm_kv import layer_caches
+
+    seen: dict[int, torch.UntypedStorage] = {}
+    for cache in layer_caches(worker.vllm_config.compilation_config.static_forward_context):
+        st = cache.untyped_storage()
+        seen.setdefault(st.data_ptr(), st)
+    return list(seen.values())
+
+
+def free_kv_cache(worker) -> int:
+    """Run on every worker by ``collective_rpc`` where vLLM has no sleep mode: release the KV cache's
+    memory (the views keep their shapes; nothing may read them until ``allocate_kv_cache``)."""
+    worker.dora_kv_sizes = [(st, st.nbytes()) for st in _kv_storages(worker)]
+    for st, _ in worker.dora_kv_sizes:
+        st.resize_(0)
+    return sum(n for _, n in worker.dora_kv_sizes)
+
+
+def allocate_kv_cache(worker) -> None:
+    """Undo ``free_kv_cache``: the same buffers, re-allocated and zeroed (as vLLM allocates them)."""
+    for st, n in worker.dora_kv_sizes:
+        st.resize_(n)
+        st.fill_(0)
+    worker.dora_kv_sizes = []
+
+
+def hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
