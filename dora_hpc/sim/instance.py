@@ -158,6 +158,11 @@ class Instance:
             return False
         ctx = r.prompt + r.gen_at_join - r.env_owed
         self.held_kv -= ctx
+        self._evict(r, ctx)
+        return True
+
+    def _evict(self, r: Req, ctx: int) -> None:
+        """A preempted request's KV (``ctx`` tokens) goes to host memory (kv_offload) or is dropped."""
         self.counts["preemptions"] += 1
         if self.kv_offload:
             r.owes = OWES_HOST
@@ -165,7 +170,6 @@ class Instance:
             self.ops["offload"] += self.cost.host_copy_time(ctx)
         else:
             r.owes = OWES_RECOMPUTE
-        return True
 
     def _fits(self, r: Req) -> bool:
         need = r.prompt + r.gen_at_join + 1
@@ -223,14 +227,7 @@ class Instance:
             pass
         while len(self.reqs) > 1 and self.kv_tokens() + len(self.reqs) > self.cost.kv_capacity_tokens:
             r = self.remove(next(reversed(self.reqs)))
-            ctx = r.prompt + r.gen_at_join
-            self.counts["preemptions"] += 1
-            if self.kv_offload:
-                r.owes = OWES_HOST
-                self.offset -= self.cost.host_copy_time(ctx)
-                self.ops["offload"] += self.cost.host_copy_time(ctx)
-            else:
-                r.owes = OWES_RECOMPUTE
+            self._evict(r, r.prompt + r.gen_at_join)
             self.waiting.appendleft(r)
 
     def invalidate_kv(self) -> list[Req]:
