@@ -332,7 +332,8 @@ def test_a_sleepable_engine_frees_its_kv_cache_and_new_weights_wake_it(tiny_dir,
     logprobs match transformers, so the re-allocated cache is clean."""
     from safetensors.torch import load_file
 
-    from dora_hpc.engine.vllm import VllmEngine, _kv_storages
+    from dora_hpc.engine.vllm import VllmEngine
+    from dora_hpc.engine.vllm_workers import _kv_storages
 
     e = VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, sleepable=True)
     p = prompts(3, seed=11)[1]
