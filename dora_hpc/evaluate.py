@@ -174,10 +174,10 @@ class _EvalEpisodes:
                 keys[req] = (g, s)
         reported = 0
         while self.info:
-            self.episodes.poll(0.0)
+            self.episodes.poll()
             if self.engine.has_work():
                 for f in self.engine.step():
-                    self.episodes.turn_ended(f, self.info[f.req_id], 0.0)
+                    self.episodes.turn_ended(f, self.info[f.req_id])
             else:
                 time.sleep(0.002)  # every episode waits on its environment
             for _ in range(len(self.done) - reported):

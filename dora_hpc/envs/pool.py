@@ -45,7 +45,6 @@ class _Worker:
                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         theirs.close()
-        self.sock = ours
         self.conn = Connection(ours.detach())
         self.conn.send_bytes(boot)
         self.ready = False
@@ -80,9 +79,6 @@ class EnvPool:
     def cancel(self, job: int) -> None:
         """Its result, whenever it comes, is dropped (the episode moved on or ended)."""
         self.cancelled.add(job)
-
-    def busy(self) -> int:
-        return len(self.queue) + sum(w.job is not None for w in self.workers)
 
     def poll(self, timeout: float = 0.0, budget_s: float = 0.005) -> list[StepResult]:
         """Results that came in (waiting up to ``timeout`` s for the first), after starting queued steps on free

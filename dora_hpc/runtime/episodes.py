@@ -62,11 +62,11 @@ class Episodes:
         except Exception as e:  # noqa: BLE001 - a user's environment may raise anything: the episode records it
             info["env"], info["env_error"] = None, f"init: {type(e).__name__}: {e}"
 
-    def turn_ended(self, f, info: dict, kv_frac: float) -> None:
+    def turn_ended(self, f, info: dict) -> None:
         """The engine finished a model turn: its text goes to the environment (or the episode ends)."""
         info["last"], info["turns"] = f, info["turns"] + 1
         if info["env"] is None:  # its environment failed to start
-            self.end(f.req_id, info, kv_frac)
+            self.end(f.req_id, info)
             return
         self.submit(f.req_id, info, self.rank.task.decode_turn(f.response[info["turn_start"]:]))
 
@@ -94,7 +94,7 @@ class Episodes:
             self.told = (len(self.jobs), now)
             self.rank.comm.send(EnvWaiting(self.rank.instance, len(self.jobs)), 0)
 
-    def poll(self, kv_frac: float) -> None:
+    def poll(self) -> None:
         """Apply the environment steps that finished: the next turn goes on the engine, or the episode ends."""
         self.tell()
         for r in self.pool.poll():
@@ -106,22 +106,22 @@ class Episodes:
             info["env_s"] += r.seconds
             if r.error:
                 info["env_error"] = r.error
-                self.end(tid, info, kv_frac)
+                self.end(tid, info)
                 continue
             info["env"], out = r.env, r.output
             info["env_rewards"].append(float(out["reward"]))
             if out["done"] or info["turns"] >= self.env_cfg.max_turns:
-                self.end(tid, info, kv_frac)
+                self.end(tid, info)
                 continue
-            self.next_turn(tid, info, out["observations"], kv_frac)
+            self.next_turn(tid, info, out["observations"])
 
-    def next_turn(self, tid: int, info: dict, observations: list, kv_frac: float) -> None:
+    def next_turn(self, tid: int, info: dict, observations: list) -> None:
         last, task = info["last"], self.rank.task
         tokens = task.render_env(observations, last.response[-1])
         room = self.env_cfg.max_episode_tokens - (len(last.prompt) + len(last.response) + len(tokens))
         budget = min(task.max_tokens(tid, info["turns"]), room)
         if budget < 1:
-            self.end(tid, info, kv_frac, "episode_cap")
+            self.end(tid, info, "episode_cap")
             return
         start = len(last.response)
         self.rank.engine.extend(tid, tokens, budget)
@@ -130,13 +130,13 @@ class Episodes:
             info["env_prefill"] += len(tokens)
         info["turn_start"] = start + len(tokens)
 
-    def end(self, tid: int, info: dict, kv_frac: float, reason: str | None = None) -> None:
+    def end(self, tid: int, info: dict, reason: str | None = None) -> None:
         if self.rank.engine.has_request(tid):
             self.rank.engine.abort(tid)  # frees the KV it kept between turns
         if info["env"] is not None:
             with contextlib.suppress(Exception):
                 info["env"].close()
-        f = info["last"]
+        f, kv_frac = info["last"], self.rank.engine.stats()["kv_used_fraction"]  # read once, as it ends
         self.rank.finish(replace(f, finish_reason=reason or ("env_error" if info["env_error"] else f.finish_reason)),
                          kv_frac)
 

@@ -95,7 +95,7 @@ class RolloutRank(OpLog):
             if not self.running:
                 break
             if self.episodes:  # environment steps that finished: next turns, or ends of episodes
-                self.episodes.poll(self.engine.stats()["kv_used_fraction"])
+                self.episodes.poll()
             if self.engine.has_work() and not self.paused:
                 self.step()
             else:
@@ -124,7 +124,7 @@ class RolloutRank(OpLog):
                            f"{st['offloaded_tokens'] - before['offloaded_tokens']}")
         for f in finished:
             if self.episodes and self.info[f.req_id].get("episode"):
-                self.episodes.turn_ended(f, self.info[f.req_id], st["kv_used_fraction"])
+                self.episodes.turn_ended(f, self.info[f.req_id])
             else:
                 self.finish(f, st["kv_used_fraction"])
 
