@@ -47,6 +47,23 @@ def hf_logprobs(hf, prompt, output):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
+def vllm_run(run_dir, *sets):
+    """A 4-step run of the tiny default on the vLLM backend with 2 instances (plus ``sets``), analysed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dora_hpc.analysis.basic import analyze
+
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir)]
+    for x in ("engine.backend=vllm", "train.max_steps=4", "cluster.rollout_instances=2", "batch.tbs=4",
+              "batch.rbs=6", *sets):
+        cmd += ["--set", x]
+    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return analyze(run_dir)
+
+
 def greedy_reference_and_midway(eng, req_id, prompt, max_tokens, version, midway):
     """A greedy request run to its end on ``eng`` (the reference), then the same request added again as
     ``req_id + 1`` and stepped until ``midway`` tokens are out; returns (reference, its params)."""
@@ -169,19 +186,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engines):
 
 @pytest.mark.parametrize("mode", ["dora", "partial", "sync"])
 def test_a_real_run_on_the_vllm_backend_keeps_every_invariant(tmp_path, mode):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from dora_hpc.analysis.basic import analyze
-
-    run_dir = tmp_path / mode
-    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm",
-           "--set", f"mode={mode}", "--set", "train.max_steps=4", "--set", "cluster.rollout_instances=2",
-           "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
-    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    a = analyze(run_dir)
+    a = vllm_run(tmp_path / mode, f"mode={mode}")
     inv = {k: v for k, v in a["invariants"].items() if k != "offenders"}
     assert a["steps"] == 4 and a["consumed"] == 4 * 4 * 4 and not any(inv.values()), inv
     assert a["weights"]["mismatched_loads"] == 0 and a["weights"]["loads"] >= 4
@@ -384,20 +389,7 @@ def test_an_episode_keeps_its_kv_across_turns_and_migrates_while_held(engines, h
 
 
 def test_a_multi_turn_run_on_the_vllm_backend_keeps_every_invariant(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from dora_hpc.analysis.basic import analyze
-
-    run_dir = tmp_path / "turns"
-    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--set", "engine.backend=vllm",
-           "--set", "env.name=toy_turns", "--set", "env.max_turns=3", "--set", "env.args={latency_s: 0.1}",
-           "--set", "dora.k=3", "--set", "train.max_steps=4", "--set", "cluster.rollout_instances=2",
-           "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--run-dir", str(run_dir)]
-    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    a = analyze(run_dir)
+    a = vllm_run(tmp_path / "turns", "env.name=toy_turns", "env.max_turns=3", "env.args={latency_s: 0.1}", "dora.k=3")
     inv = {k: v for k, v in a["invariants"].items() if k != "offenders"}
     assert a["steps"] == 4 and a["consumed"] == 4 * 4 * 4 and not any(inv.values()), inv
     assert a["turns"]["max"] == 3 and a["env_errors"] == 0 and a["multi_version_episodes"] == 0
