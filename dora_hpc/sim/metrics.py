@@ -19,7 +19,9 @@ Definitions (also in results/sim/README.md):
 * limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
   full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices. With
   multi-turn episodes a slot is also held while its episode's environment step runs: an instance then
-  finishes at most max_num_seqs / (decode seconds + environment seconds) episodes a second.
+  finishes at most max_num_seqs / (decode seconds + environment seconds) episodes a second. It is also
+  bounded by KV memory: an instance finishes at most as many trajectories a second as its KV pool holds
+  their KV token-seconds (kv_bound_rate).
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
     per_traj = decoded * step / slots + cost.prefill_time(m["P"]) + env_prefill  # instance-seconds per trajectory
     if m.get("env_s"):  # a slot is held through the environment's steps: at most slots per (decode + env) time
         per_traj = max(per_traj, (decoded * step + m["env_s"]) / slots)
+    per_traj = max(per_traj, 1.0 / kv_bound_rate(cost, m, per_traj - decoded * step / slots))
     tokens_per_traj = m["P"] + m["L"]
     rollout_rate = n_inst * tokens_per_traj / per_traj
     train_rate = tokens_per_traj / cost.train_time(tokens_per_traj, train_accels)
@@ -167,3 +170,27 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
         return 1.0 / (1.0 / rollout_rate + 1.0 / train_rate)
     lent = borrowed * tokens_per_traj / per_traj
     return min((rollout_rate + lent) / (1.0 + lent / train_rate), train_rate)
+
+
+def kv_bound_rate(cost: CostModel, m: dict, prefill_s: float) -> float:
+    """Trajectories per second one instance can finish before its KV memory binds, with every token of the
+    pool in use: a trajectory occupies ``kv_steps`` KV tokens x decode-step seconds while it decodes and
+    ``kv_env_s`` token-seconds through its environment steps (Little's law). A decode step reading u KV
+    tokens takes a + b u, and the instance decodes only outside its ``prefill_s`` per trajectory; the rate
+    is the largest that fits, found by bisection (the KV held grows with the rate)."""
+    cap, ks, ke = cost.kv_capacity_tokens, m["kv_steps"], m.get("kv_env_s", 0.0)
+
+    def held(rate: float) -> float:  # KV tokens resident on average at this rate; inf past what decode allows
+        decoding = 1.0 - rate * prefill_s
+        if decoding <= 0 or cost.b * rate * ks >= decoding:
+            return float("inf")
+        step = cost.a / (1.0 - cost.b * rate * ks / decoding)  # u = rate * ks * step / decoding; step = a + b u
+        return rate * ks * step / decoding + rate * ke
+
+    lo, hi = 0.0, 1.0
+    while held(hi) < cap:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if held(mid) < cap else (lo, mid)
+    return lo

@@ -80,15 +80,17 @@ class Workload:
 
     def moments(self, n: int = 200_000) -> dict[str, float]:
         """Monte-Carlo moments used by the zero-bubble limit: E[P], E[L], E[L^2], E[P L], p50/p99 of L (L: the
-        tokens after the prompt); for a multi-turn workload also, per episode, ``model`` (decoded tokens),
-        ``env_tokens`` and ``env_s`` (from 20,000 episodes)."""
+        tokens after the prompt), the KV a trajectory occupies (``kv_steps``, ``kv_env_s``: see episode_kv);
+        for a multi-turn workload also, per episode, ``model`` (decoded tokens), ``env_tokens`` and ``env_s``
+        (from 20,000 episodes)."""
         if self.cfg.turns.max > 1:
             return self._episode_moments(20_000)
         rng = np.random.default_rng([self.seed, 2])
         p = sample_lengths(self.cfg.prompt_len, rng, n).astype(float)
         r = sample_lengths(self.cfg.response_len, rng, n).astype(float)
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
-                "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99))}
+                "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)),
+                "kv_steps": float((p * r + r * (r - 1) / 2).mean()), "kv_env_s": 0.0}
 
     def _episode_moments(self, n: int) -> dict[str, float]:
         p = np.array([self.prompt_len(g) for g in range(n)], float)
@@ -96,7 +98,22 @@ class Workload:
         model = np.array([sum(x.tokens for x in e) for e in eps], float)
         env = np.array([sum(x.env_tokens for x in e) for e in eps], float)
         r = model + env
+        kv_steps, kv_env_s = zip(*(episode_kv(int(p[t]), e) for t, e in enumerate(eps)), strict=True)
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
                 "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)), "model": model.mean(),
                 "env_tokens": env.mean(), "env_s": float(np.mean([sum(x.env_s for x in e) for e in eps])),
-                "turns": float(np.mean([len(e) for e in eps]))}
+                "turns": float(np.mean([len(e) for e in eps])), "kv_steps": float(np.mean(kv_steps)),
+                "kv_env_s": float(np.mean(kv_env_s))}
+
+
+def episode_kv(prompt: int, turns: list[Turn]) -> tuple[float, float]:
+    """(KV tokens summed over the episode's decode steps, KV token-seconds it holds through its environment
+    steps): a decode step of a sequence with context c reads c tokens of KV; between turns the episode keeps
+    its context resident (the environment's tokens join it at the next turn's prefill)."""
+    ctx, steps, held = float(prompt), 0.0, 0.0
+    for x in turns:
+        steps += x.tokens * ctx + x.tokens * (x.tokens - 1) / 2
+        ctx += x.tokens
+        held += ctx * x.env_s
+        ctx += x.env_tokens
+    return steps, held
