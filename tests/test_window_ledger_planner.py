@@ -83,6 +83,20 @@ def test_target_counts_proportional_with_bounds():
     assert t[0] >= 1 and t[1] >= 1 and sum(t.values()) == 3
 
 
+def test_target_counts_oldest_first_serves_the_oldest_versions_pending_work_first():
+    """The straggler-aware planner: the work the next train steps consume (the oldest version's) gets every
+    instance its requests can fill; newer versions keep their lower bound and share what is left."""
+    loads = {0: VersionLoad(active=4, queued=20), 1: VersionLoad(active=4, queued=4), 2: VersionLoad(0, 60)}
+    assert target_counts(n=8, slots=4, loads=loads, latest=2) == {0: 2, 1: 1, 2: 5}  # proportional
+    assert target_counts(n=8, slots=4, loads=loads, latest=2, oldest_first=True) == {0: 6, 1: 1, 2: 1}
+    view, gid = _view_with([0, 1, 2, 2], [4, 4, 1, 0])
+    for g in range(gid, gid + 8):
+        view.enqueue_group(g, 0)
+    cmds = plan(view, latest=2, oldest_first=True)  # v2's free instance goes to v0, v2's request stays
+    assert [(c.instance, c.version) for c in cmds if isinstance(c, AssignVersion)] == [(3, 0)]
+    assert not [c for c in cmds if isinstance(c, Migrate)]
+
+
 def _view_with(versions, active_per_instance, slots=4):
     view = ClusterView(len(versions), slots, group_size=1)
     for i, v in enumerate(versions):

@@ -158,7 +158,7 @@ class Dora(Policy):
         return out
 
     def _rebalance(self) -> list[Command]:
-        return planner.plan(self.view, self.latest, self.cfg.carry_kv)
+        return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first)
 
     def train_wait(self) -> str | None:
         """As Policy's, and ``"window"`` when the gate needs older groups; that wait counts as

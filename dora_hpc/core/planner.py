@@ -4,6 +4,10 @@ Invariants:
 * ``target_counts`` gives every version with live requests at least one instance and never fewer
   than its active requests need (``ceil(active / slots)``), so consolidation always fits; it never
   gives a legacy version more instances than its requests could fill; leftovers go to the latest.
+  Proportional (the paper's §3.3): the rest is shared in proportion to pending work. Oldest first (the
+  straggler-aware planner): versions are served oldest first up to what their requests can fill, since
+  a train step consumes the oldest complete groups and the window waits for the oldest version; the
+  latest keeps its lower bound and takes what is left.
 * ``plan`` is minimal: an instance is reassigned only when its version has a surplus *and* another
   version is starved (queued requests beyond its free slots). Requests on a released instance
   migrate to kept instances of the same version (best fit: the fullest peer with room, so legacy
@@ -38,8 +42,10 @@ def version_loads(view: ClusterView, latest: int) -> dict[int, VersionLoad]:
     return {v: VersionLoad(view.active_count(v), view.queued_count(v)) for v in versions}
 
 
-def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int) -> dict[int, int]:
-    """Instances per version, proportional to load (D'Hondt apportionment) within [lower, upper]."""
+def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int,
+                  oldest_first: bool = False) -> dict[int, int]:
+    """Instances per version within [lower, upper]: proportional to load (D'Hondt apportionment), or
+    (``oldest_first``) filled oldest version first."""
     lower = {v: math.ceil(ld.active / slots) or (1 if ld.queued else 0) for v, ld in loads.items()}
     upper = {v: n if v == latest else math.ceil(ld.total / slots) for v, ld in loads.items()}
     # Too many versions for too few instances: queued-only versions wait, newest first.
@@ -49,6 +55,9 @@ def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int
         if loads[v].active == 0:
             lower[v] = 0
     target = dict(lower)
+    if oldest_first:
+        for v in sorted(loads):
+            target[v] += max(0, min(upper[v] - target[v], n - sum(target.values())))
     for _ in range(n - sum(target.values())):
         open_ = [v for v in target if target[v] < upper[v]] or [latest]
         best = max(open_, key=lambda v: (loads[v].total / (target[v] + 1), v == latest, v))
@@ -56,10 +65,11 @@ def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int
     return target
 
 
-def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]:
-    """The AssignVersion + Migrate commands that move today's partition toward ``target_counts``."""
+def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bool = False) -> list[Command]:
+    """The AssignVersion + Migrate commands that move today's partition toward ``target_counts``; freed
+    instances go to starved versions latest first, or (``oldest_first``) oldest first."""
     loads = version_loads(view, latest)
-    target = target_counts(len(view.live), view.instances[0].slots, loads, latest)
+    target = target_counts(len(view.live), view.instances[0].slots, loads, latest, oldest_first)
     current = {v: len(view.hosts(v)) for v in target}
     starved = {v: target[v] - current[v] for v in target
                if target[v] > current[v] and loads[v].queued > view.free_slots(v)}
@@ -94,7 +104,7 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True) -> list[Command]
                 if room_j > 1:
                     heapq.heappush(kept, (room_j - 1, j))
         donors += released
-    for v in sorted(starved, reverse=True):  # latest first
+    for v in sorted(starved, reverse=not oldest_first):
         for _ in range(starved[v]):
             if not donors:
                 break

@@ -65,6 +65,7 @@ class PolicyConfig:
     kv_threshold: float = 0.9     # Dora: rebalance when an instance's KV use exceeds this
     rebalance_every: int = 1      # Dora: rebalance every N Ticks
     carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
+    oldest_first: bool = False    # Dora: the planner serves the oldest version's pending work first (straggler)
     legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
     borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
