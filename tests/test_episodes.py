@@ -107,7 +107,7 @@ def test_a_skyrl_gym_environment_runs_unchanged_in_a_run(tmp_path):
     pytest.importorskip("skyrl_gym")
     run(tmp_path / "run", "env.name=skyrl:gsm8k_multi_turn", "env.max_turns=2", "task.name=reasoning_gym",
         "task.dataset_args={max_terms: 2, max_digits: 1}", "sampling.max_tokens=12", "env.max_episode_tokens=256",
-        steps=3)
+        "env.workers=1", steps=3)  # one worker per rank: each boots skyrl-gym (the pool is tested in test_envs.py)
     a = analyze(tmp_path / "run")
     assert_invariants(a)
     assert a["steps"] == 3 and a["env_errors"] == 0 and a["turns"]["max"] == 2  # its own "#### ANSWER" prompt
