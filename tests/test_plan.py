@@ -1,6 +1,6 @@
 """dora-hpc plan on a real local run: the simulator fitted to the run's own logs reproduces its measured
 train-step interval within 15%, and the plan names a split and elastic setting for the next submission,
-keeping the run's K unless asked to vary it (--vary k)."""
+keeping the run's K unless asked to vary it (--vary k); a multi-turn run's episodes are fitted too."""
 
 import json
 import subprocess
@@ -70,3 +70,28 @@ def test_plan_varies_k_only_when_asked_and_says_what_the_recommendation_does_to_
     p = subprocess.run(CLI + ["plan", str(run_dir), "--out", str(tmp_path / "plan"), "--vary", "split"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--vary: unknown ['split']" in p.stderr
+
+
+@pytest.mark.slow
+def test_plan_fits_a_multi_turn_runs_episodes_and_checks_the_fit_on_them(tmp_path):
+    """A toy_turns DORA run (tool latency 0.1 s median, sigma 0.8; 4 environment tokens a step): plan fits
+    turns, model tokens per turn, environment tokens and latency per step from the trajectory rows, and
+    re-simulates the run with them for the fit check."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run(CLI + ["run", "configs/bench-modes.yaml", "--run-dir", str(run_dir), "--set",
+                              "train.max_steps=8", "--set", "env.name=toy_turns", "--set", "env.max_turns=4", "--set",
+                              "env.args={latency_s: 0.1, latency_sigma: 0.8, stop_prob: 0.2}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run(CLI + ["plan", str(run_dir), "--out", str(tmp_path / "plan")], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    f, check = result["fitted"], result["fit_check"]
+    assert 1 == f["turns"]["min"] < f["turns"]["median"] < f["turns"]["max"] <= 4
+    assert f["env_tokens"]["min"] == f["env_tokens"]["max"] == 4  # toy_turns replies with 4 tokens
+    assert f["response_len"]["max"] <= 160 and f["max_episode_tokens"] == 2048  # per turn: under the run's cap
+    # the worker pool's round trip adds to the tool's own latency, never takes from it
+    assert 0.1 <= f["env_latency_s"]["median"] < 0.3 and f["env_latency_s"]["sigma"] > 0.3
+    assert f"{check['relative_error']:+.1%}" in p.stdout
+    assert abs(check["relative_error"]) <= 0.15, check

@@ -201,7 +201,7 @@ def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: 
 
 def _mode_ratios(rows: list[dict]) -> dict:
     out = {}
-    for dora in ("dora-k1", "dora-k2", "dora-k3"):
+    for dora in ("dora-k1", "dora-k2", "dora-k3", "dora-k2-auto", "dora-elastic"):
         for base in ("sync", "one_step", "partial", "oversample"):
             v = ratio(rows, dora, base)
             if v is not None:

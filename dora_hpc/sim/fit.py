@@ -6,6 +6,9 @@ Invariants:
   prompt lengths (log-normal, by maximum likelihood on the logs), the engine's step time (its median,
   and its growth with the batch's KV, by least squares), weight-load and KV-transfer times from the ops,
   and the trainer's seconds per trained token;
+* a multi-turn run (``env.name``) also fits its episodes from the trajectory rows: turns, model tokens per
+  turn and environment tokens per step (log-normal, as above), and the environment's latency per step
+  (``episode_fit``);
 * the fit is checked before anything is recommended: the logged run re-simulated with the fitted model
   must give its measured train-step interval (the mean after the first step, as the simulator
   measures it) within FIT_TOLERANCE; the relative error is reported either way;
@@ -44,8 +47,9 @@ class Fit:
 def _lognormal(x: np.ndarray) -> dict:
     x = np.maximum(np.asarray(x, dtype=float), 1.0)
     logs = np.log(x)
-    return {"median": float(np.exp(logs.mean())), "sigma": float(max(logs.std(), 1e-3)),
-            "min": int(x.min()), "max": int(x.max())}
+    lo, hi = int(x.min()), int(x.max())
+    return {"median": float(np.clip(np.exp(logs.mean()), lo, hi)),  # a constant length: exp(log) may round off
+            "sigma": float(max(logs.std(), 1e-3)), "min": lo, "max": hi}
 
 
 def _durations(ops: dict, kind: str) -> np.ndarray:
@@ -69,6 +73,14 @@ def fit_run(run_dir: Path) -> Fit:
         raise ValueError(f"{run_dir}: too few logged train steps, trajectories or engine steps to fit (need 3 steps)")
     prompt = _lognormal(trajs["prompt_len"])
     response = _lognormal(trajs["response_len"])
+    episodes = {}
+    if run.env.multi_turn:
+        rows = read_table(run_dir, "traj", "trajectories", ["turns", "env_spans", "env_s", "response_len", "attempt"])
+        episodes = episode_fit(*(rows[c][rows["attempt"] == newest] for c in ("turns", "env_spans", "env_s",
+                                                                               "response_len")),
+                               run.env.timeout_s)
+        episodes["max_episode_tokens"] = run.env.max_episode_tokens
+        response = episodes.pop("response_len")
 
     a, b = _engine_step(steps, run.engine.block_size)
     tokens_by_step = _trained_tokens(trajs, consumed)
@@ -93,6 +105,7 @@ def fit_run(run_dir: Path) -> Fit:
     n = len(train["step"])
     sim_cfg = with_overrides(run, {
         "workload.prompt_len": prompt, "workload.response_len": response,
+        **{f"workload.{k}": v for k, v in episodes.items()},
         "cluster.accelerators": run.cluster.trainer_ranks + run.cluster.rollout_instances,
         "cluster.accelerators_per_instance": 1, "sim.steps": n, "sim.warmup_steps": 1,
         "sim.tick_s": run.runtime.tick_s, f"cluster.placement.{run.mode}": "disaggregated",  # ranks never share
@@ -103,11 +116,46 @@ def fit_run(run_dir: Path) -> Fit:
     trained = sum(tokens_by_step.get(k, 0) for k in step_ids.tolist()[1:])
     fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
               "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
-              "response_len_trend_per_step": _trend(trajs, consumed)}
+              "response_len_trend_per_step": _trend(trajs, consumed)} | episodes
     waits = None
     if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
         waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
+
+
+def episode_fit(turns: np.ndarray, spans: np.ndarray, env_s: np.ndarray, response_len: np.ndarray,
+                timeout_s: float) -> dict:
+    """The workload keys of a multi-turn run's episodes: ``turns``; ``response_len``, the model's tokens per
+    turn (the response cut at its environment spans); ``env_tokens`` per environment span; ``env_latency_s``
+    per step. Only each episode's total environment seconds is logged, so the step latency is fitted by
+    moments: for n independent log-normal steps the total has mean n m and variance n v, which give m and v,
+    then sigma^2 = ln(1 + v / m^2) and median = m exp(-sigma^2 / 2). The runtime also steps the environment
+    after the last turn (it says done) and the simulator does not, so an episode's seconds are spread over
+    its turns - 1 gaps: the total is kept."""
+    model, env = [], []
+    for n_resp, flat in zip(response_len.tolist(), spans, strict=True):
+        cuts = [int(x) for x in flat]
+        prev = 0
+        for start, end in zip(cuts[::2], cuts[1::2], strict=True):
+            model.append(start - prev)
+            env.append(end - start)
+            prev = end
+        model.append(int(n_resp) - prev)
+    gaps = np.maximum(turns.astype(float) - 1, 0)
+    keep = gaps > 0
+    n, total = gaps[keep], env_s.astype(float)[keep]
+    out = {"turns": _lognormal(turns), "response_len": _lognormal(np.array(model, dtype=float))}
+    out["env_tokens"] = (_lognormal(np.array(env, dtype=float)) if env
+                         else {"median": 1, "sigma": 0.0, "min": 1, "max": 1})
+    if keep.any() and total.sum() > 0:
+        m = float(total.sum() / n.sum())
+        v = float(((total - n * m) ** 2).sum() / n.sum())
+        sigma2 = float(np.log1p(v / (m * m)))
+        out["env_latency_s"] = {"median": m * float(np.exp(-sigma2 / 2)), "sigma": float(np.sqrt(sigma2)),
+                                "max": float(min(total.max(), timeout_s))}
+    else:
+        out["env_latency_s"] = {"median": 0.0, "sigma": 0.0, "max": 1.0}
+    return out
 
 
 def _engine_step(steps: dict, block_size: int) -> tuple[float, float]:
