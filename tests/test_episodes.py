@@ -73,6 +73,20 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
 
 
 @pytest.mark.slow
+def test_a_trainer_ranks_borrowed_instance_runs_episodes_through_their_environment_steps(tmp_path):
+    """cluster.elastic: the trainer rank hosts a borrowed instance; the episodes it serves wait on their
+    environment there (its own worker pool), are drained with it before each train step, and finish."""
+    p = run(tmp_path / "run", "env.name=toy_turns", "env.max_turns=4", "cluster.elastic=true",
+            "env.args={latency_s: 0.1, latency_sigma: 1.0, latency_max_s: 1.0, stop_prob: 0.2}", steps=5)
+    a = analyze(tmp_path / "run")
+    assert_invariants(a)
+    assert a["steps"] == 5 and a["consumed"] == 5 * 4 * 4 and a["env_errors"] == 0, p.stdout[-2000:]
+    t = read_table(tmp_path / "run", "traj", "trajectories", ["turns", "env_s"], with_rank=True)
+    borrowed = t["rank"] == 1  # the trainer rank wrote the rows of the episodes that ended on it
+    assert borrowed.any() and (t["turns"][borrowed] > 1).any() and (t["env_s"][borrowed] > 0).all()
+
+
+@pytest.mark.slow
 def test_faulty_environments_end_only_their_episode_and_partial_rollout_records_its_version_switches(tmp_path):
     """One partial-rollout run whose environment raises, hangs or kills its worker on planted groups: the run
     finishes its steps, exactly those episodes end with reward 0 and their error, nothing is lost or counted

@@ -94,12 +94,22 @@ class RolloutRank(OpLog):
                 self.handle(*msg)
             if not self.running:
                 break
-            if self.episodes:  # environment steps that finished: next turns, or ends of episodes
-                self.episodes.poll()
-            if self.engine.has_work() and not self.paused:
-                self.step()
-            else:
+            if not self.work():
                 time.sleep(0.001)
+        self.close()
+
+    def work(self) -> bool:
+        """Between messages: apply the environment steps that finished (next turns, or ends of episodes),
+        then one engine step if there is work; False if there was none. A trainer rank hosting a borrowed
+        instance calls it while it waits for a Train."""
+        if self.episodes:
+            self.episodes.poll()
+        if self.engine.has_work() and not self.paused:
+            self.step()
+            return True
+        return False
+
+    def close(self) -> None:
         for msg, src in self.deferred:  # set aside while loading weights; the run ended first
             self.comm.discard(msg, src)
         if self.episodes:

@@ -115,17 +115,12 @@ class TrainerRank(RankClock):
         while self.running:
             got = self.next_message()
             if got is None:
-                if self.rollout is not None and self.rollout.engine.has_work():
-                    self.rollout.step()
-                else:
+                if self.rollout is None or not self.rollout.work():
                     time.sleep(0.001)
                 continue
             self.route(*got)
         if self.rollout is not None:
-            for msg, src in self.rollout.deferred:
-                self.comm.discard(msg, src)
-            self.rollout.traj_log.flush()
-            self.rollout.log.flush()
+            self.rollout.close()
             self.rollout.engine.close()
         self.log.flush()
         self.dp.close()
