@@ -95,5 +95,6 @@ def test_plan_fits_a_multi_turn_runs_episodes_and_checks_the_fit_on_them(tmp_pat
     assert 0.1 <= f["env_latency_s"]["median"] < 0.3 and f["env_latency_s"]["sigma"] > 0.3
     assert f"{check['relative_error']:+.1%}" in p.stdout
     # measured -15% to -17% (3 runs): the fit is short by the time steps queue for the rank's 2 workers, which
-    # the logged env_s (a step's seconds in its worker) leaves out; a sanity bound, not the single-turn 15%
+    # the logged env_s (a step's seconds in its worker) leaves out -- with env.workers=8 the same run fitted to
+    # -4.3%; so a sanity bound here, not the single-turn 15%
     assert abs(check["relative_error"]) <= 0.3, check
