@@ -73,14 +73,8 @@ def fit_run(run_dir: Path) -> Fit:
         raise ValueError(f"{run_dir}: too few logged train steps, trajectories or engine steps to fit (need 3 steps)")
     prompt = _lognormal(trajs["prompt_len"])
     response = _lognormal(trajs["response_len"])
-    episodes = {}
-    if run.env.multi_turn:
-        rows = read_table(run_dir, "traj", "trajectories", ["turns", "env_spans", "env_s", "response_len", "attempt"])
-        episodes = episode_fit(*(rows[c][rows["attempt"] == newest] for c in ("turns", "env_spans", "env_s",
-                                                                               "response_len")),
-                               run.env.timeout_s)
-        episodes["max_episode_tokens"] = run.env.max_episode_tokens
-        response = episodes.pop("response_len")
+    episodes = _episodes(run_dir, run, newest) if run.env.multi_turn else {}
+    response = episodes.pop("response_len", response)
 
     a, b = _engine_step(steps, run.engine.block_size)
     tokens_by_step = _trained_tokens(trajs, consumed)
@@ -121,6 +115,14 @@ def fit_run(run_dir: Path) -> Fit:
     if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
         waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
+
+
+def _episodes(run_dir: Path, run: RunConfig, attempt: int) -> dict:
+    """A multi-turn run's workload keys from the trajectory rows of one launch (``episode_fit``)."""
+    rows = read_table(run_dir, "traj", "trajectories", ["turns", "env_spans", "env_s", "response_len", "attempt"])
+    mine = rows["attempt"] == attempt
+    out = episode_fit(*(rows[c][mine] for c in ("turns", "env_spans", "env_s", "response_len")), run.env.timeout_s)
+    return out | {"max_episode_tokens": run.env.max_episode_tokens}
 
 
 def episode_fit(turns: np.ndarray, spans: np.ndarray, env_s: np.ndarray, response_len: np.ndarray,
