@@ -60,10 +60,12 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
         assert len(spans) == 2 * (turns - 1) and env_pre == sum(spans[1::2]) - sum(spans[::2]) == 4 * (turns - 1)
     assert sum(t["reprefill_tokens"]) == 0 and a["reprefill_tokens"] == 0  # environment prefill is not re-prefill
     ops = read_table(tmp_path / "run", "events", "ops")
-    waiting = [(d, b) for k, d, b in zip(ops["kind"], ops["detail"], ops["bytes"], strict=True)
+    waiting = [(d, b, i) for k, d, b, i in zip(ops["kind"], ops["detail"], ops["bytes"], ops["traj_id"], strict=True)
                if k == "migration_in" and "waiting_env" in str(d)]
-    assert waiting and all("reprefill=False" in str(d) and b > 0 for d, b in waiting), a["migrations"]
-    assert sum(t["env_reruns"]) == len(waiting)  # each waiting one ran its step again where it landed
+    assert waiting and all("reprefill=False" in str(d) and b > 0 for d, b, _ in waiting), a["migrations"]
+    # each waiting one ran its step again where it landed (counted on the episodes that ended before the run did)
+    ended = set(t["traj_id"])
+    assert sum(t["env_reruns"]) == sum(i in ended for *_, i in waiting)
     assert a["staleness_by_turns"] and sum(v["n"] for v in a["staleness_by_turns"].values()) == a["consumed"]
     from test_metrics import scalars
 
