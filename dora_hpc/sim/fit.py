@@ -61,7 +61,8 @@ def fit_run(run_dir: Path) -> Fit:
     from ..launch.local import saved_config
 
     run = validate(saved_config(run_dir), saved=True)
-    tables = {"trajs": ("traj", "trajectories", ["traj_id", "group_id", "prompt_len", "response_len"]),
+    episode_cols = ["turns", "env_spans", "env_s"] if run.env.multi_turn else []
+    tables = {"trajs": ("traj", "trajectories", ["traj_id", "group_id", "prompt_len", "response_len", *episode_cols]),
               "steps": ("events", "steps", ["t_start", "t_end", "batch_size", "kv_blocks_used"]),
               "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes", "detail"]),
               "train": ("train", "steps", ["step", "t_start", "t_end"]),
@@ -73,7 +74,7 @@ def fit_run(run_dir: Path) -> Fit:
         raise ValueError(f"{run_dir}: too few logged train steps, trajectories or engine steps to fit (need 3 steps)")
     prompt = _lognormal(trajs["prompt_len"])
     response = _lognormal(trajs["response_len"])
-    episodes = _episodes(run_dir, run, newest) if run.env.multi_turn else {}
+    episodes = _episodes(trajs, run) if run.env.multi_turn else {}
     response = episodes.pop("response_len", response)
 
     a, b = _engine_step(steps, run.engine.block_size)
@@ -117,11 +118,9 @@ def fit_run(run_dir: Path) -> Fit:
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
 
 
-def _episodes(run_dir: Path, run: RunConfig, attempt: int) -> dict:
-    """A multi-turn run's workload keys from the trajectory rows of one launch (``episode_fit``)."""
-    rows = read_table(run_dir, "traj", "trajectories", ["turns", "env_spans", "env_s", "response_len", "attempt"])
-    mine = rows["attempt"] == attempt
-    out = episode_fit(*(rows[c][mine] for c in ("turns", "env_spans", "env_s", "response_len")), run.env.timeout_s)
+def _episodes(trajs: dict, run: RunConfig) -> dict:
+    """A multi-turn run's workload keys from its trajectory rows (``episode_fit``) and its episode cap."""
+    out = episode_fit(*(trajs[c] for c in ("turns", "env_spans", "env_s", "response_len")), run.env.timeout_s)
     return out | {"max_episode_tokens": run.env.max_episode_tokens}
 
 
