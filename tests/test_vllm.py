@@ -357,6 +357,28 @@ def test_a_sleepable_engine_frees_its_kv_cache_and_new_weights_wake_it(tiny_dir,
     e.close()
 
 
+def test_closing_an_engine_leaves_the_other_engines_in_the_process_working(engines, tiny_dir):
+    """vLLM's parallel groups and worker-side KV connector are process-wide: closing one in-process engine, or
+    collecting an unclosed one, leaves the others stepping, and a migration between them still loads its KV
+    (a greedy continuation is token-identical, with the model's logprobs)."""
+    import gc
+
+    from dora_hpc.engine.vllm import VllmEngine
+
+    VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0).close()
+    VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0)
+    gc.collect()
+    a, b = engines
+    p = prompts(3, seed=5)[2]
+    ref, _ = greedy_reference_and_midway(a, 700, p, 48, 0, midway=40)
+    meta, kv = a.export(701)
+    assert kv is not None
+    b.import_(meta, kv)
+    got = run_all(b)[701]
+    assert got.response == ref.response
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+
+
 def test_an_episode_keeps_its_kv_across_turns_and_migrates_while_held(engines, hf_model):
     """Multi-turn on vLLM: a turn ends at the engine (not in vLLM, which would free the KV), its KV waits in
     whole blocks, and the next turn computes only the environment's tokens and the tail past the last block;

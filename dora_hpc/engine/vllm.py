@@ -42,7 +42,7 @@ import torch
 
 from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
-from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, refresh_lm_head
+from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, own_shutdown, refresh_lm_head
 
 
 @dataclass
@@ -114,6 +114,7 @@ class VllmEngine:
                 kv_connector="DoraKVConnector", kv_connector_module_path="dora_hpc.engine.vllm_kv",
                 kv_role="kv_both", engine_id=self.engine_id)))
         self.scheduler = self.llm.engine_core.engine_core.scheduler  # in-process: block tables for export
+        self._shutdown = own_shutdown(self.llm.engine_core)
         self.max_num_seqs, self.seed, self.version = max_num_seqs, seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
         from safetensors.torch import load_file
@@ -389,8 +390,8 @@ class VllmEngine:
                 "kv_blocks_used": -1, "kv_blocks_free": -1, "kv_used_fraction": usage, **self.counts}
 
     def close(self) -> None:
-        """Stop vLLM's engine core and its worker processes (a tensor-parallel instance has some)."""
-        self.llm.engine_core.shutdown()
+        """Stop vLLM's engine core and its worker processes; this process's other vLLM engines keep working."""
+        self._shutdown()
 
     def _kv_usage(self) -> float:
         try:  # in-process engine core; a private path, so a missing attribute only costs the figure

@@ -1,10 +1,13 @@
 """What the vLLM backend (engine/vllm.py) runs on each of an instance's vLLM workers through
 ``collective_rpc`` (refreshing the LM head after a reload, freeing and re-allocating the KV cache of a borrowed
-instance), and the model-config figures it sizes the KV cache with."""
+instance), the model-config figures it sizes the KV cache with, and the shutdown of an in-process engine core
+that leaves this process's other engine cores working."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -60,3 +63,38 @@ def allocate_kv_cache(worker) -> None:
 
 def hf_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+_open_cores = 0  # in-process vLLM engine cores open in this process
+
+
+def own_shutdown(client) -> weakref.finalize:
+    """Take over the shutdown of an in-process engine client (``LLMEngine.engine_core``); returns the finalizer
+    that shuts it down, once, when called or when the client is collected.
+
+    vLLM keeps two things process-wide that every in-process engine core here uses: the parallel groups, which
+    ``EngineCore.shutdown`` destroys, and the worker-side KV connector, which an in-process worker's shutdown
+    ends. Closing (or collecting) one instance with vLLM's own shutdown broke every other: the next step failed
+    ("pipeline model parallel group is not initialized"), or migrated KV silently never loaded. Here only the
+    process's last open core shuts down as vLLM does; an earlier one stops its scheduler and any worker
+    processes of its own (a tensor-parallel instance's) and leaves the in-process worker to the collector."""
+    global _open_cores
+    _open_cores += 1
+    client._finalizer.detach()
+    client._finalizer = weakref.finalize(client, _shutdown, client.engine_core)
+    return client._finalizer
+
+
+def _shutdown(core) -> None:
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    global _open_cores
+    _open_cores -= 1
+    if _open_cores == 0:
+        core.shutdown()
+        return
+    core.structured_output_manager.clear_backend()
+    if not isinstance(core.model_executor, UniProcExecutor):
+        core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    gc.unfreeze()
