@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from dora_hpc.runtime.comm import TAG_KV, Comm, MigrateIn
+from dora_hpc.runtime.comm import TAG_KV, Comm
+from dora_hpc.runtime.messages import MigrateIn
 
 comm = Comm(trainers=1, data_plane=sys.argv[1], weight_bucket_mb=1)
 if comm.rank == 2:

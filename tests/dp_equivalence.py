@@ -22,8 +22,9 @@ from mpi4py import MPI
 
 from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.train.dp import DataParallel
-from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer, weights_checksum
+from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
 from dora_hpc.train.losses import LossConfig
+from dora_hpc.train.publish import checksum_of
 
 
 def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Trajectory]:
@@ -66,7 +67,7 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         samples = batch(step, n_groups=5 if step != 1 else 1)  # step 1: one group, so a rank gets none
         mine = [s for s in samples if s.group_id % dp.size == dp.rank]
         m = replica.train_step(mine, list(dict.fromkeys(s.group_id for s in samples)))
-        dp.check_replicas(weights_checksum(replica.state_dict()), step)
+        dp.check_replicas(checksum_of(replica.state_dict(), 1, torch.float32), step)
         if single is not None:
             metrics.append((m, single.train_step(samples)))
     weights, rest = replica.checkpoint_state()  # a collective for fsdp

@@ -108,20 +108,24 @@ def engine_steps_during_training(run_dir, grace_s=0.05):
     "megatron", "mpi", marks=pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                                 reason="megatron-core not installed"))])
 def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_path, backend, plane):
-    """2 trainer ranks (gloo; replicated, FSDP2-sharded or megatron TP=2) + 2 rollout ranks, stopped by
-    SIGTERM at a checkpoint and resumed: each group is streamed to its owner, both trainers serve weights
-    (over MPI, or over the torch.distributed data plane), and the run keeps every invariant (trainers whose
-    weights diverge -- e.g. one not resumed -- fail it; weights corrupted in transit fail the checksums)."""
+    """2 trainer ranks (gloo; replicated, FSDP2-sharded or megatron TP=2) + 3 rollout ranks, DORA K=3, stopped
+    by SIGTERM at a checkpoint and resumed: each group is streamed to its owner, every instance that loads
+    from the trainers gets both ranks' shards (over MPI, or over the torch.distributed data plane), and the
+    run keeps every invariant. Each load is checked against the published checksum: weights corrupted in
+    transit, a delta applied to the wrong base and trainers whose weights diverge (one not resumed) fail it.
+    Under fsdp the versions are published in bfloat16, where most pieces go as deltas; a resumed run has no
+    base, so its first load on each instance comes whole."""
     import collections
 
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "dp"
+    dtype = "bfloat16" if backend == "fsdp" else "auto"
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "train.max_steps=6", "--set", "batch.tbs=4",
                  "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2", "--set", "cluster.trainer_ranks=2",
-                 "--set", "cluster.rollout_instances=2", "--set", f"train.backend={backend}",
+                 "--set", "cluster.rollout_instances=3", "--set", "dora.k=3", "--set", f"train.backend={backend}",
                  "--set", f"runtime.data_plane={plane}", "--set", "runtime.weight_bucket_mb=0.25",  # ~7 buckets
-                 "--set", "train.mini_batches=2", "--run-dir", str(run_dir)]
+                 "--set", f"train.publish_dtype={dtype}", "--set", "train.mini_batches=2", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while not (run_dir / "checkpoints" / "step-2").exists():
@@ -141,9 +145,14 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
     c = read_table(run_dir, "train", "consumed", with_rank=True)
     owners = collections.Counter(zip(c["rank"].tolist(), (c["group_id"] % 2).tolist(), strict=True))
     assert set(owners) == {(1, 0), (2, 1)}, owners  # rank 1 trains the even groups, rank 2 the odd ones
-    ops = read_table(run_dir, "events", "ops")
-    sources = {int(peer) for kind, peer in zip(ops["kind"], ops["peer"], strict=True) if kind == "weight_load"}
-    assert {1, 2} <= sources, sources
+    ops = read_table(run_dir, "events", "ops", with_rank=True)
+    loads = [(int(a), int(r), int(peer), str(d)) for kind, a, r, peer, d in
+             zip(ops["kind"], ops["attempt"], ops["rank"], ops["peer"], ops["detail"], strict=True)
+             if kind == "weight_load"]
+    deltas = [int(d.split("delta_pieces=")[1].split("/")[0]) for *_, peer, d in loads if peer == -1]
+    assert deltas and (max(deltas) > 0 or dtype != "bfloat16"), loads
+    first_resumed = {r: d for a, r, peer, d in reversed(loads) if a == 1 and peer == -1}
+    assert first_resumed and all("delta_pieces=0/" in d for d in first_resumed.values()), first_resumed
     # the backend's final checkpoint is what `dora-hpc eval` scores by default
     p = subprocess.run(CLI + ["eval", str(run_dir), "--n", "3", "--samples", "0", "--json", str(tmp_path / "e.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)

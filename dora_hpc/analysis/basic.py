@@ -176,7 +176,7 @@ def weight_figures(tsteps: dict, all_tsteps: dict, ops: dict) -> dict:
     published = {int(st) + 1: str(c) for st, c in zip(tsteps["step"], tsteps["weights_checksum"], strict=True)}
     by_attempt = {(int(a), int(st) + 1): str(c) for a, st, c in
                   zip(all_tsteps["attempt"], all_tsteps["step"], all_tsteps["weights_checksum"], strict=True)}
-    loads = [(int(v), str(d), by_attempt.get((int(a), int(v)), published.get(int(v))))
+    loads = [(int(v), str(d).split()[0], by_attempt.get((int(a), int(v)), published.get(int(v))))
              for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
              if kind == "weight_load"]
     return {"published": len(published), "loads": len(loads),

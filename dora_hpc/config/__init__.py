@@ -110,6 +110,11 @@ class TrainConfig(Section):
                                            "(memory for long responses; the same gradient, ~1/3 more compute)")
     mixed_precision: Literal["no", "bf16"] = Field("no", description="bf16: float32 master weights and "
                                                    "optimizer, bfloat16 compute (torch and fsdp backends)")
+    publish_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the dtype versions are kept in (each trainer rank its shard) and sent to the "
+        "instances in; auto: engine.dtype")
+    publish_delta: bool = Field(True, description="send a version as the values that changed since the "
+                                "version the instance holds, where that is smaller (lossless: checksums match)")
     max_steps: int = Field(20, ge=1)
     checkpoint_every: int = Field(10, ge=0)  # steps between checkpoints (and the last step); 0: only on signals
     keep_checkpoints: int = Field(3, ge=1)
@@ -316,6 +321,9 @@ class RunConfig(Section):
         if self.env.multi_turn and self.env.max_episode_tokens > kv_tokens:
             raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) exceeds an instance's KV pool "
                              f"(engine.kv_blocks x engine.block_size = {kv_tokens} tokens)")
+        if self.train.publish_dtype == "float32" and self.engine.dtype != "float32":
+            raise ValueError(f"train.publish_dtype=float32 needs engine.dtype=float32: an engine in "
+                             f"{self.engine.dtype} cannot hold float32 weights, so their checksum cannot hold")
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")

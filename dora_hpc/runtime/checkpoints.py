@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .comm import Checkpoint, Checkpointed, Comm, Commit, Flush, Flushed
+from .comm import Comm
+from .messages import Checkpoint, Checkpointed, Commit, Flush, Flushed
 
 
 class Checkpointer:

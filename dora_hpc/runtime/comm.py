@@ -1,4 +1,4 @@
-"""MPI roles, the control-plane messages and the data plane, over one MPI_COMM_WORLD.
+"""The transport over one MPI_COMM_WORLD: roles, control messages (messages.py) and the data plane.
 
 Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
@@ -16,188 +16,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..train.dp import buckets
+from ..train.publish import Delta, wire, wire_bytes
 from .data_plane import make_plane
+from .messages import Fenced, Heartbeat, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced notices, read even mid-send
-
-
-# ---------------------------------------------------------------- control messages (pickled, small)
-@dataclass(frozen=True)
-class Generate:           # orchestrator -> rollout
-    traj_id: int
-    group_id: int
-    sample_idx: int
-    version: int
-    prompt: list[int]
-    max_tokens: int
-    epoch: int = 1        # which dispatch of this trajectory (one lost with its instance is dispatched again)
-
-
-@dataclass(frozen=True)
-class Park:               # orchestrator -> a borrowed instance: export this request's KV and keep it in host memory
-    traj_id: int          # (a MigrateOut later sends it on, or imports it back here)
-
-
-@dataclass(frozen=True)
-class SleepEngine:        # orchestrator -> a borrowed instance: it runs nothing until its next LoadVersion
-    pass
-
-
-@dataclass(frozen=True)
-class LoadVersion:        # orchestrator -> rollout: weights of `version` come from `source` (a rank)
-    version: int
-    source: int
-    keep_requests: bool
-
-
-@dataclass(frozen=True)
-class SendWeights:        # orchestrator -> trainer or rollout: send `version` to rank `dst`
-    version: int
-    dst: int
-
-
-@dataclass(frozen=True)
-class WeightsHeader:      # sender -> receiver, right before the buckets on TAG_WEIGHTS
-    version: int
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    checksum: str
-    buckets: list[int]    # tensors per bucket, in name order: one flat float32 buffer per bucket
-
-
-@dataclass(frozen=True)
-class MigrateOut:         # orchestrator -> source rollout rank
-    traj_id: int
-    dst: int
-    carry_kv: bool
-
-
-@dataclass(frozen=True)
-class MigrateIn:          # source rollout -> destination rollout; KV buffer follows on TAG_KV if any
-    meta: dict
-    kv_shape: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
-class Pause:              # orchestrator -> rollout, colocated placement: the trainer has the devices
-    step: int
-
-
-@dataclass(frozen=True)
-class Resume:             # orchestrator -> rollout, colocated placement: train step done, weights sent
-    step: int
-
-
-@dataclass(frozen=True)
-class AbortTraj:          # orchestrator -> rollout
-    traj_id: int
-
-
-@dataclass(frozen=True)
-class Train:              # orchestrator -> trainers
-    step: int
-    group_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Forget:             # orchestrator -> the trainer owning the group: it is never trained on (drop, filter)
-    group_id: int
-
-
-# rollout -> lead trainer: core/trajectory.py's Trajectory, the record itself
-
-
-@dataclass(frozen=True)
-class Ready:              # rollout -> orchestrator: loaded `version`
-    instance: int
-    version: int
-    checksum: str
-    load_s: float = 0.0   # from its LoadVersion to the weights in the engine (waiting for them included)
-
-
-@dataclass(frozen=True)
-class Done:               # rollout -> orchestrator: a trajectory finished
-    traj_id: int
-    instance: int
-    response_len: int
-    reward: float
-    kv_used_fraction: float
-    epoch: int = 1        # its Generate's: a Done of an earlier dispatch is stale
-    kv_transfer_s: float = 0.0  # time its migrations spent exporting, sending and importing KV
-    turns: int = 1        # a multi-turn episode's model turns
-    env_s: float = 0.0    # seconds its environment steps took
-    episode_s: float = 0.0  # dispatch to finish on its rollout ranks (the share env_s is of it)
-    env_error: bool = False
-
-
-@dataclass(frozen=True)
-class Published:          # lead trainer -> orchestrator: step version-1 finished
-    version: int
-    checksum: str
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Checkpoint:         # orchestrator -> every trainer: the lead writes step-{version}.tmp with this state
-    version: int
-    state: dict | None    # None for the other trainer ranks (they only join the backend's gathers)
-
-
-@dataclass(frozen=True)
-class Commit:             # orchestrator -> lead trainer: every rollout rank flushed; rename it
-    version: int
-
-
-@dataclass(frozen=True)
-class Checkpointed:       # lead trainer -> orchestrator
-    version: int
-    path: str
-
-
-@dataclass(frozen=True)
-class Flush:              # orchestrator -> rollout: put every trajectory row so far into a complete shard
-    version: int
-
-
-@dataclass(frozen=True)
-class Flushed:            # rollout -> orchestrator
-    instance: int
-    version: int
-
-
-@dataclass(frozen=True)
-class EnvWaiting:         # rollout -> orchestrator: its episodes waiting on their environment (dashboard only)
-    instance: int
-    waiting: int
-
-
-@dataclass(frozen=True)
-class Heartbeat:          # any rank -> orchestrator, when it has sent rank 0 nothing for heartbeat_s
-    rank: int
-
-
-@dataclass(frozen=True)
-class Fenced:             # orchestrator -> every live rank, on TAG_FENCE: rank 0 gave up on ``rank``
-    rank: int
-
-
-@dataclass(frozen=True)
-class StopRequest:        # any rank -> orchestrator: a signal asked this rank to stop
-    rank: int
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    reason: str = ""
-    fenced: tuple[int, ...] = ()  # ranks rank 0 gave up on: the others close without them
 
 
 # ---------------------------------------------------------------- transport
@@ -340,28 +170,41 @@ class Comm:
             time.sleep(0.0002)
         return handle.result()
 
-    # -- weights: flat float32 buckets announced by a WeightsHeader ------------------------------------
-    def send_weights(self, state: dict[str, torch.Tensor], version: int, checksum: str, dst: int) -> None:
-        """Bucketed: no message exceeds ``weight_bucket_bytes`` unless one tensor does (MPI counts are
-        32-bit: one flat buffer of a 7B model would not even be sendable), and the receiver unpacks
-        bucket by bucket."""
-        names = sorted(state)
-        groups = buckets(names, lambda n: state[n].numel() * 4, self.weight_bucket_bytes)  # sent as float32
-        self.send(WeightsHeader(version, names, [tuple(state[n].shape) for n in names], checksum,
-                                [len(b) for b in groups]), dst)
+    # -- weights: byte buckets announced by a WeightsHeader -------------------------------------------
+    def send_weights(self, pieces: dict[str, torch.Tensor | Delta], version: int, checksum: str, dst: int, *,
+                     shard: int = 0, shards: int = 1, base: int = -1) -> int:
+        """A version's pieces (whole, or deltas against ``base``) in the publish dtype; returns the bytes sent.
+        Bucketed: no message exceeds ``weight_bucket_bytes`` unless one piece does (MPI counts are 32-bit:
+        one flat buffer of a 7B model would not even be sendable), and the receiver unpacks bucket by
+        bucket."""
+        names = sorted(pieces)
+        dtype = next(((p.values if isinstance(p, Delta) else p).dtype for p in pieces.values()), torch.float32)
+        changed = [pieces[n].values.numel() if isinstance(pieces[n], Delta) else -1 for n in names]
+        shapes = [tuple(pieces[n].shape) for n in names]
+        size = {n: wire_bytes(s, c, dtype.itemsize) for n, s, c in zip(names, shapes, changed, strict=True)}
+        groups = buckets(names, size.__getitem__, self.weight_bucket_bytes) if names else []
+        self.send(WeightsHeader(version, names, shapes, checksum, [len(b) for b in groups],
+                                str(dtype).removeprefix("torch."), shard, shards, base, changed), dst)
         for bucket in groups:
-            flat = torch.cat([state[n].detach().float().reshape(-1) for n in bucket])
-            self.send_array(flat.cpu().numpy(), dst, TAG_WEIGHTS)  # an engine on a GPU serves GPU tensors
+            self.send_array(np.concatenate([wire(pieces[n]) for n in bucket]), dst, TAG_WEIGHTS)
+        return sum(size.values())
 
-    def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor | Delta]:
+        dtype = getattr(torch, header.dtype)
+        changed = header.changed or [-1] * len(header.names)
+        out: dict[str, torch.Tensor | Delta] = {}
         first = 0
         for count in header.buckets:
-            names, shapes = header.names[first:first + count], header.shapes[first:first + count]
-            sizes = [int(np.prod(s)) for s in shapes]
-            flat = torch.from_numpy(self.recv_array((sum(sizes),), np.float32, src, TAG_WEIGHTS))
-            for name, shape, part in zip(names, shapes, flat.split(sizes), strict=True):
-                out[name] = part.view(shape).clone()
+            at = slice(first, first + count)
+            names, shapes, counts = header.names[at], header.shapes[at], changed[at]
+            sizes = [wire_bytes(s, c, dtype.itemsize) for s, c in zip(shapes, counts, strict=True)]
+            flat = torch.from_numpy(self.recv_array((sum(sizes),), np.uint8, src, TAG_WEIGHTS))
+            for name, shape, c, part in zip(names, shapes, counts, flat.split(sizes), strict=True):
+                if c < 0:
+                    out[name] = part.clone().view(dtype).view(shape)
+                else:
+                    m = -(-int(np.prod(shape)) // 8)
+                    out[name] = Delta(tuple(shape), part[:m].numpy().copy(), part[m:].clone().view(dtype))
             first += count
         return out
 

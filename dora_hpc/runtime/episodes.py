@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ..envs import Scorer, bind_task, make_env
 from ..envs.pool import EnvPool
-from .comm import EnvWaiting
+from .messages import EnvWaiting
 
 
 class Host(Protocol):

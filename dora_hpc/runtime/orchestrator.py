@@ -54,10 +54,11 @@ from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
 from .checkpoints import Checkpointer
 from .clock import OpLog
-from .comm import (
+from .comm import Comm
+from .dashboard import Dashboard
+from .messages import (
     AbortTraj,
     Checkpointed,
-    Comm,
     Done,
     EnvWaiting,
     Flushed,
@@ -76,9 +77,9 @@ from .comm import (
     SleepEngine,
     StopRequest,
 )
-from .comm import Train as TrainMsg
-from .dashboard import Dashboard
+from .messages import Train as TrainMsg
 from .metrics import Sinks, StepFigures, step_record
+from .roles import TRAINERS
 
 
 class RankHung(RuntimeError):
@@ -112,6 +113,7 @@ class Orchestrator(OpLog):
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
+        self.holds: dict[int, int] = {}  # instance -> the version it loaded and checked: a delta's base
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -196,6 +198,7 @@ class Orchestrator(OpLog):
                 pass  # frozen: the final snapshot is taken; what happens now is not kept
             case Ready():
                 self.loads.pop(msg.instance, None)
+                self.holds[msg.instance] = msg.version
                 self.figures.loads.append(msg.load_s)
                 self.feed(InstanceReady(msg.instance, msg.version))
             case Done():
@@ -297,16 +300,14 @@ class Orchestrator(OpLog):
         print(f"dora-hpc: rank {r} (rollout instance {i}) {why}: fenced; {again} trajectories start again "
               f"on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
         self.loads.pop(i, None)
+        self.holds.pop(i, None)
         # sends to it still under way, here and on every other rank, are not waited for
         self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
         for t in in_transit:
             self.moved_from.pop(t, None)
         for inst, (v, source, keep) in list(self.loads.items()):
             if source == r:
-                trainer = self.roles.trainer_for_instance(inst)
-                self.comm.send(SendWeights(v, self.roles.rank_of_instance(inst)), trainer)
-                self.comm.send(LoadVersion(v, trainer, keep), self.roles.rank_of_instance(inst))
-                self.loads[inst] = (v, trainer, keep)
+                self.load(inst, v, TRAINERS, keep)
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
 
@@ -331,15 +332,22 @@ class Orchestrator(OpLog):
         if ended is not None:  # analysis reads what the trainer waited for from these ops
             self.op("trainer_wait", detail=ended[0], t_start=ended[1])
 
+    def load(self, i: int, v: int, source: int, keep: bool) -> None:
+        """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, or (TRAINERS) every trainer
+        rank's shard, as deltas against the version the instance holds when no other load is under way."""
+        base = self.holds.pop(i, -1) if i not in self.loads else -1
+        for rank in self.roles.trainer_ranks if source == TRAINERS else [source]:
+            self.comm.send(SendWeights(v, self.roles.rank_of_instance(i), base if source == TRAINERS else -1), rank)
+        self.comm.send(LoadVersion(v, source, keep), self.roles.rank_of_instance(i))
+        self.loads[i] = (v, source, keep)
+
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
         for c in commands:
             match c:
                 case AssignVersion(i, v, src, keep):
-                    source = self.roles.trainer_for_instance(i) if src == TRAINER else r(src)
-                    self.comm.send(SendWeights(v, r(i)), source)
-                    self.comm.send(LoadVersion(v, source, keep), r(i))
-                    self.loads[i] = (v, source, keep)
+                    source = TRAINERS if src == TRAINER else r(src)
+                    self.load(i, v, source, keep)
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
                 case Dispatch(t, g, s, v, i):
                     e = self.epoch[t] = self.epoch.get(t, 0) + 1
@@ -359,6 +367,7 @@ class Orchestrator(OpLog):
                     self.comm.send(MigrateOut(t, r(i), True), r(src))
                     self.op("migrate", traj_id=t, peer=r(i), detail=f"{src}->{i} kv=True restore")
                 case Sleep(i):
+                    self.holds.pop(i, None)  # a slept engine may drop its weights (vLLM's sleep mode)
                     self.comm.send(SleepEngine(), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TRAINERS = -1  # a weight source that is every trainer rank: each sends its shard of the version
+
 
 @dataclass(frozen=True)
 class Roles:
@@ -51,10 +53,6 @@ class Roles:
     def trainer_of_group(self, group_id: int) -> int:
         """The data-parallel replica that trains on this GRPO group (a group never splits)."""
         return 1 + group_id % self.trainers
-
-    def trainer_for_instance(self, i: int) -> int:
-        """The trainer rank that serves initial/new weights to rollout instance i (spreads the sends)."""
-        return 1 + i % self.trainers
 
     def gpus_needed(self, rank: int, rollout_gpus: int) -> int:
         """GPUs a rank takes under runtime.device=cuda: none (orchestrator), one (trainer), or a rollout

@@ -33,12 +33,12 @@ from ..engine.engine import RequestError
 from ..engine.interface import make_engine
 from ..engine.sampling import SamplingParams
 from ..store.shards import ShardWriter
-from ..train.grpo import weights_checksum
+from ..train.publish import assemble, checksum_of, publish_dtype, wire_bytes
 from .clock import OpLog
-from .comm import (
-    TAG_KV,
+from .comm import TAG_KV, Comm, SourceFenced
+from .episodes import Episodes
+from .messages import (
     AbortTraj,
-    Comm,
     Done,
     Flush,
     Flushed,
@@ -53,10 +53,9 @@ from .comm import (
     SendWeights,
     Shutdown,
     SleepEngine,
-    SourceFenced,
     WeightsHeader,
 )
-from .episodes import Episodes
+from .roles import TRAINERS
 
 FAULT = os.environ.get("DORA_HPC_FAULT", "")  # a fault-injection point for tests (see send_migration)
 
@@ -188,9 +187,11 @@ class RolloutRank(OpLog):
                     self.episodes.start(msg.traj_id, info, msg.group_id)
             case LoadVersion():
                 self.load(msg)
-            case SendWeights():
-                state = self.engine.weights()
-                self.comm.send_weights(state, self.engine.version, weights_checksum(state), msg.dst)
+            case SendWeights():  # a peer load: the whole weights, in the publish dtype
+                dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
+                state = {k: v.to(dtype) for k, v in self.engine.weights().items()}
+                self.comm.send_weights(state, self.engine.version, checksum_of(state, self.comm.roles.trainers, dtype),
+                                       msg.dst)
                 self.op("weight_send", peer=msg.dst, version=self.engine.version)
             case MigrateOut():
                 self.migrate_out(msg)
@@ -230,29 +231,46 @@ class RolloutRank(OpLog):
                 raise RuntimeError(f"rollout rank {self.comm.rank}: unexpected message {msg!r}")
 
     def load(self, msg: LoadVersion) -> None:
+        """Wait for the weights of ``msg.version`` from its source (a peer's whole weights, or every trainer
+        rank's shard), put them together (deltas against the version the engine holds), load them and check
+        the engine now holds exactly the published version."""
         t = self.now()
+        parts: dict[int, tuple[WeightsHeader, dict]] = {}  # source rank -> its header and pieces
         while True:
-            early = [i for i, (_h, s, _w) in enumerate(self.early) if s == msg.source]
-            if early:  # messages from different ranks are not ordered: the weights may have come first
-                header, _, state = self.early.pop(early[0])
+            sources = self.comm.roles.trainer_ranks if msg.source == TRAINERS else [msg.source]
+            for s in sources:  # messages from different ranks are not ordered: weights may come first
+                i = next((i for i, e in enumerate(self.early) if e[1] == s), None)
+                if s not in parts and i is not None:
+                    header, _, pieces = self.early.pop(i)
+                    parts[s] = (header, pieces)
+            if all(s in parts for s in sources):
                 break
             got = self.comm.poll()
             if got is None:
                 time.sleep(0.0005)
-            elif isinstance(got[0], WeightsHeader):  # from the source, or early from another one
+            elif isinstance(got[0], WeightsHeader):  # from a source, or early from another one
                 with contextlib.suppress(SourceFenced):  # the source died mid-send: LoadVersion follows
                     self.early.append((got[0], got[1], self.comm.recv_weights(*got)))
             elif isinstance(got[0], LoadVersion) and got[0].version == msg.version:
-                msg = got[0]  # the source was fenced (hung): the same version comes from the trainer
+                msg = got[0]  # the source was fenced (hung): the same version comes from the trainers
             else:
                 self.deferred.append(got)
-        if header.version != msg.version:
-            raise RuntimeError(f"rank {self.comm.rank}: v{header.version} arrived for LoadVersion(v{msg.version})")
+        headers = [parts[s][0] for s in sources]
+        if {h.version for h in headers} != {msg.version}:
+            raise RuntimeError(f"rank {self.comm.rank}: v{[h.version for h in headers]} arrived for "
+                               f"LoadVersion(v{msg.version})")
+        if any(h.base >= 0 and h.base != self.engine.version for h in headers):
+            raise RuntimeError(f"rank {self.comm.rank}: a delta of v{msg.version} against v{headers[0].base} "
+                               f"arrived at an engine holding v{self.engine.version}")
+        dtype = getattr(torch, headers[0].dtype)
+        state = assemble([(h.shard, h.shards, parts[s][1]) for s, h in zip(sources, headers, strict=True)],
+                         self.engine.weights(), dtype)
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
-        got = weights_checksum({k: v for k, v in self.engine.weights().items() if k in state})
-        if got != header.checksum:
+        got = checksum_of({k: v for k, v in self.engine.weights().items() if k in state}, self.comm.roles.trainers,
+                          dtype)
+        if got != headers[0].checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
-                               f"({got} != {header.checksum})")
+                               f"({got} != {headers[0].checksum})")
         if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
             for tid, info in self.info.items():
                 n_prompt, n_out = self.engine.progress(tid)
@@ -260,8 +278,11 @@ class RolloutRank(OpLog):
                 info["segment_turns"].append(info.get("turns", 0))  # an episode's turn it switched in
                 if n_out:  # tokens exist whose KV must be rebuilt under the new weights
                     info["reprefill"] += n_prompt + n_out
-        self.op("weight_load", peer=msg.source, version=msg.version, detail=got, t_start=t,
-                nbytes=sum(v.numel() * 4 for v in state.values()))
+        pieces = [(shape, c) for h in headers if h.buckets for shape, c in zip(h.shapes, h.changed, strict=True)]
+        whole = sum(wire_bytes(shape, -1, dtype.itemsize) for shape, _ in pieces)  # own shard: handed in memory
+        self.op("weight_load", peer=msg.source, version=msg.version, t_start=t,
+                nbytes=sum(wire_bytes(shape, c, dtype.itemsize) for shape, c in pieces),
+                detail=f"{got} delta_pieces={sum(c >= 0 for _, c in pieces)}/{len(pieces)} whole_bytes={whole}")
         self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
 
     def park(self, meta: dict, kv) -> None:

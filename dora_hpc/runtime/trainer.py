@@ -16,8 +16,12 @@ Invariants:
   is the only thread touching MPI while it runs (the step itself uses none). So ``deferred`` never
   holds a trajectory: a step waiting for its stragglers finds them in the queue or in MPI;
 * every consumed trajectory is logged with its staleness = consume_step - version;
-* versions are published in order: after step n the trainer holds v_{n+1} and can serve the weights
-  of every version still live (the last ``keep_versions`` ones);
+* versions are published in order: after step n the trainer holds v_{n+1}; of every version still live
+  (the last ``keep_versions`` ones) each trainer rank keeps only its shard in the publish dtype
+  (train/publish.py), and an instance loading from the trainers gets every rank's shard. A shard goes as a
+  delta against the version the instance holds where ``train.publish_delta`` is on, this rank still keeps
+  that version's shard, and the delta is smaller. The version's checksum comes from the ranks' shard
+  digests; replicated trainers (every rank holds the whole model) also prove they are bit-identical;
 * a Checkpoint(v) is written only when the trainer holds exactly v_v (its steps are ordered before it)
   and renamed only on the orchestrator's Commit(v); on resume it starts from that checkpoint's weights,
   optimizer and RNG state, and the groups it consumed stay consumed;
@@ -25,8 +29,8 @@ Invariants:
   RolloutRank on the same Comm): rollout messages go to it and its engine steps whenever no message
   waits. Rank 0 sends a borrowed instance its drain (MigrateOut, Park) and SleepEngine before the Train
   that follows, and one sender's messages arrive in order, so the engine is empty when a step starts;
-  a parked request's KV is sent on when asked, even during a step (by the weight-serving thread); its
-  weights for a wake-up come from this trainer's own versions, not over MPI. A borrowed vLLM engine
+  a parked request's KV is sent on when asked, even during a step (by the weight-serving thread); at a
+  wake-up its own trainer's shard is handed over in memory, the other ranks' come over MPI. A borrowed vLLM engine
   runs in this process and builds its (one-rank) groups on the trainers' torch.distributed world when
   the backend made one: every trainer rank builds its engine at start-up, as new groups need, and
   closes it before the backend's world goes.
@@ -45,13 +49,14 @@ from ..core.trajectory import Trajectory
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
-from ..train.grpo import GRPOTrainer, grpo_config, weights_checksum
+from ..train.grpo import GRPOTrainer, grpo_config
+from ..train.publish import delta, publish_dtype, shard_digest, shard_of, version_checksum
 from .clock import RankClock
-from .comm import (
+from .comm import Comm
+from .messages import (
     AbortTraj,
     Checkpoint,
     Checkpointed,
-    Comm,
     Commit,
     Flush,
     Forget,
@@ -97,10 +102,12 @@ class TrainerRank(RankClock):
             self.version = resume.step
             ledger = resume.state["orchestrator"]["ledger"]
             self.consumed = {g for g, _v, state, *_ in ledger["groups"] if state == 2}
-        state = self.trainer.state_dict()
-        self.versions = {self.version: (state, weights_checksum(state))}
+        self.shard, self.shards = comm.rank - 1, comm.roles.trainers  # this rank's shard of each version
+        self.dtype = publish_dtype(t.publish_dtype, cfg.engine.dtype)
+        self.versions: dict[int, tuple[dict, str]] = {}  # version -> (this rank's shard, its checksum)
         self.traits = traits_of(cfg.mode, cfg.dora.k)
         self.keep_versions = self.traits.keep_versions
+        self.publish(self.version, -1)
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
         self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept
@@ -152,13 +159,7 @@ class TrainerRank(RankClock):
                 if msg.version not in self.versions:
                     raise RuntimeError(f"trainer rank {self.comm.rank}: asked for v{msg.version}, holds "
                                        f"{sorted(self.versions)}")
-                state, checksum = self.versions[msg.version]
-                if msg.dst == self.comm.rank and self.rollout is not None:  # its own borrowed instance wakes
-                    names = sorted(state)
-                    header = WeightsHeader(msg.version, names, [tuple(state[n].shape) for n in names], checksum, [])
-                    self.rollout.early.append((header, self.comm.rank, dict(state)))
-                else:
-                    self.comm.send_weights(state, msg.version, checksum, msg.dst)
+                self.send_shard(msg)
             case Train():
                 self.train(msg)
             case Checkpoint():
@@ -175,6 +176,38 @@ class TrainerRank(RankClock):
                 self.comm.fenced = msg.fenced
             case _:
                 raise RuntimeError(f"trainer: unexpected message {msg!r}")
+
+    def publish(self, version: int, step: int) -> str:
+        """Keep this rank's shard of the weights it holds now as ``version`` (dropping versions no longer
+        live) and return the version's checksum (a collective over the trainer ranks)."""
+        shard = self.trainer.backend.shard_state_dict(self.shard, self.shards, self.dtype)
+        digests = self.dp.allgather(shard_digest(shard))
+        if self.trainer.backend.whole and self.shards > 1:  # a replica checks its neighbour's shard as well
+            nxt = (self.shard + 1) % self.shards
+            mine = shard_digest(shard_of(self.trainer.backend.model.state_dict(), nxt, self.shards, self.dtype))
+            if self.dp.allgather(mine) != digests[1:] + digests[:1]:
+                raise RuntimeError(f"trainer replicas diverged after step {step}: shard digests by trainer rank "
+                                   f"{dict(enumerate(d[:16] for d in digests))}")
+        checksum = version_checksum(digests)
+        self.versions[version] = (shard, checksum)
+        for old in [v for v in self.versions if v <= version - self.keep_versions]:
+            del self.versions[old]
+        return checksum
+
+    def send_shard(self, msg: SendWeights) -> None:
+        """This rank's shard of ``msg.version``, each piece as a delta against ``msg.base`` where that is
+        smaller; to this rank's own borrowed instance it is handed over in memory, whole."""
+        shard, checksum = self.versions[msg.version]
+        if msg.dst == self.comm.rank and self.rollout is not None:
+            names = sorted(shard)
+            header = WeightsHeader(msg.version, names, [tuple(shard[n].shape) for n in names], checksum, [],
+                                   str(self.dtype).removeprefix("torch."), self.shard, self.shards)
+            self.rollout.early.append((header, self.comm.rank, dict(shard)))
+            return
+        base = self.versions.get(msg.base, (None,))[0] if self.cfg.train.publish_delta else None
+        pieces = shard if base is None else {n: delta(p, base[n]) or p for n, p in shard.items()}
+        self.comm.send_weights(pieces, msg.version, checksum, msg.dst, shard=self.shard, shards=self.shards,
+                               base=-1 if base is None else msg.base)
 
     @contextmanager
     def serving_weights(self):
@@ -251,13 +284,8 @@ class TrainerRank(RankClock):
         samples = trajs if tagged else [replace(t, version=-1) for t in trajs]
         with self.serving_weights():
             metrics = self.trainer.train_step(samples, msg.group_ids)
-        state = self.trainer.state_dict()
         version = self.version = msg.step + 1
-        checksum = weights_checksum(state)
-        self.dp.check_replicas(checksum, msg.step)
-        self.versions[version] = (state, checksum)
-        for old in [v for v in self.versions if v <= version - self.keep_versions]:
-            del self.versions[old]
+        checksum = self.publish(version, msg.step)
         self.consumed.update(msg.group_ids)
         for t, adv in zip(trajs, metrics["advantages"], strict=True):
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,

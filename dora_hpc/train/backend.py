@@ -10,8 +10,10 @@ the configuration's checks (which backend takes tensor parallelism or bf16) live
 * ``megatron``: megatron-core's GPTModel, tensor-parallel over the trainer ranks; see megatron.py.
 
 Invariants every backend keeps:
-* ``full_state_dict`` returns every weight under its Hugging Face name, whole and on CPU, on every trainer
-  rank: publishing, checksums and the rollout engines never see a shard or a backend-specific name;
+* ``shard_state_dict`` returns this trainer rank's pieces of every weight (train/publish.py's layout) under
+  its Hugging Face name, on CPU in the publish dtype, without any rank holding the whole model; publishing
+  and the rollout engines never see a backend's own shard or name. ``full_state_dict`` returns every
+  weight whole, on every trainer rank: for checkpoints and export only;
 * ``logits`` returns full-vocabulary float logits [B, L, V] of this rank's micro-batch, on the device the
   backend computes on (the objective follows them there);
 * sharded backends communicate inside forward and backward, so every trainer rank runs the same number
@@ -57,6 +59,8 @@ class TrainBackend:
     """The interface. ``__init__`` is the one constructor path: ``setup`` (process groups, meshes, the
     backend's own configuration), then ``load`` for the policy (in train mode) and, when asked, the
     frozen reference, then ``loaded``."""
+
+    whole = False  # every trainer rank holds the whole model (a replica)
 
     def __init__(self, model_dir: str | Path, dp: DataParallel, opts: BackendOptions = BackendOptions()) -> None:
         self.dp, self.opts, self.device = dp, opts, dp.device
@@ -108,6 +112,9 @@ class TrainBackend:
         raise NotImplementedError
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

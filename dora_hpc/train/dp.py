@@ -126,6 +126,10 @@ class DataParallel:
                 q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
                 off += q.numel()
 
+    def allgather(self, obj) -> list:
+        """Every trainer rank's ``obj`` in rank order (pickled over MPI: small objects only)."""
+        return [obj] if self.size == 1 else self.mpi.allgather(obj)
+
     def check_replicas(self, checksum: str, step: int) -> None:
         """Fail unless every replica holds weights with this checksum (they must be bit-identical)."""
         if self.size == 1:

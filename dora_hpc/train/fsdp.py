@@ -12,8 +12,9 @@ Invariants:
   rank builds the model on the meta device, shards it, allocates only its shards and receives them
   from rank 0 (a broadcast), so a model too big for one device loads; non-persistent buffers (rotary
   frequencies) are recomputed, never taken from the meta device;
-* ``full_state_dict`` all-gathers every parameter: every rank returns the whole weights under Hugging Face
-  names (fully_shard keeps the module's parameter names), so any trainer rank can publish a version.
+* ``shard_state_dict`` is each rank's own local shards (fully_shard splits dim 0 as torch.chunk does, the
+  publish layout), under Hugging Face names (fully_shard keeps the module's parameter names): publishing
+  gathers nothing. ``full_state_dict`` all-gathers every parameter (checkpoints, export).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .backend import check_fit, detached_copy
+from .publish import piece, rows
 from .replicated import ReplicatedBackend
 
 
@@ -44,6 +46,8 @@ def _shard(model: torch.nn.Module, mesh, bf16: bool = False) -> torch.nn.Module:
 class FSDPBackend(ReplicatedBackend):
     """The replicated backend's objective-facing methods over a sharded model (it shares ``logits`` and
     activation checkpointing; FSDP2 casts the gathered parameters itself, so there is no autocast)."""
+
+    whole = False
 
     def setup(self, model_dir: str | Path) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -88,6 +92,18 @@ class FSDPBackend(ReplicatedBackend):
         for k, v in self.model.state_dict().items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = v.detach().cpu().clone()
+        return out
+
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.model.state_dict().items():
+            local = v.to_local() if hasattr(v, "to_local") else piece(v, rank, shards)  # a DTensor, or not sharded
+            lo, hi = rows(tuple(v.shape), rank, shards)
+            if len(local) != hi - lo:
+                raise RuntimeError(f"fsdp: the local shard of {k} has {len(local)} rows, the publish layout "
+                                   f"rows {lo}:{hi} of {tuple(v.shape)}")
+            if local.numel():
+                out[k] = local.detach().to("cpu", dtype, copy=True).contiguous()
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -115,15 +114,6 @@ def group_advantages(samples: list[Trajectory], std_norm: bool = True, eps: floa
         stats[g] = (mean, std)
     return [(s.reward - stats[s.group_id][0]) / ((stats[s.group_id][1] + eps) if std_norm else 1.0)
             for s in samples]
-
-
-def weights_checksum(state: dict[str, torch.Tensor]) -> str:
-    """A digest of every tensor's bytes (name order), to prove published weights arrive bit-exactly."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class GRPOTrainer:

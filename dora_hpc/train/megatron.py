@@ -14,6 +14,9 @@ Invariants:
 * ``full_state_dict`` and ``optimizer_state`` gather the TP shards and convert them to Hugging Face names
   and layouts (fused QKV and gate/up split back), so a checkpoint written under megatron resumes under
   torch or fsdp and back; ``load_*`` convert and split the other way;
+* ``shard_state_dict`` converts one parameter at a time (gathered over its TP group) and keeps this rank's
+  rows of it in the publish layout (megatron's own TP split does not map onto Hugging Face rows: a fused
+  QKV interleaves the heads), so publishing never holds more than one whole parameter;
 * on CPU (gloo) a few shims stand in for CUDA-only pieces: torch.cuda.current_device names the CPU, the
   model-parallel CUDA RNG tracker is a no-op (dropout is 0 in these models), activation recompute
   saves and restores only the CPU's RNG state, and fused kernels are off.
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit
+from .publish import piece
 
 
 def _cpu_shims() -> None:
@@ -182,18 +186,20 @@ class MegatronBackend(TrainBackend):
     def _to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors shaped like this rank's parameters (weights or optimizer moments) -> whole tensors under
         Hugging Face names, on CPU (an all-gather over the TP group)."""
+        return {n: x.detach().to("cpu", copy=True) for n, x in self._hf_items(local)}
+
+    def _hf_items(self, local: dict[str, torch.Tensor]):
+        """(Hugging Face name, whole tensor) one parameter at a time: every TP rank takes part in each
+        parameter's all-gather, and only one parameter is ever whole at once."""
         import torch.distributed as dist
 
-        out = {}
         for name, p in self.params.items():
             t = local[name].detach()
             if self.tp > 1 and getattr(p, "tensor_model_parallel", False):
                 parts = [torch.empty_like(t) for _ in range(self.tp)]
                 dist.all_gather(parts, t.contiguous(), group=self.tp_group)
                 t = self.bridge._weight_merge_across_tp(self.global_names[name], parts, p)
-            names, tensors = self.bridge._weight_to_hf_format(self.global_names[name], t)
-            out.update((n, x.detach().to("cpu", copy=True)) for n, x in zip(names, tensors, strict=True))
-        return out
+            yield from zip(*self.bridge._weight_to_hf_format(self.global_names[name], t), strict=True)
 
     def _from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole Hugging Face tensors -> this rank's shard of each parameter (no communication)."""
@@ -210,6 +216,15 @@ class MegatronBackend(TrainBackend):
         if self.hf_config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # as the torch backend has it
         return state
+
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, t in self._hf_items(self.params):
+            if (p := piece(t, rank, shards)).numel():
+                out[n] = p.to("cpu", dtype, copy=True).contiguous()
+        if self.hf_config.tie_word_embeddings and "model.embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()  # as full_state_dict has it
+        return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         expected = {h for names in self.hf_names.values() for h in names}

@@ -10,9 +10,12 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit, detached_copy
+from .publish import shard_of
 
 
 class ReplicatedBackend(TrainBackend):
+    whole = True
+
     def setup(self, model_dir: str | Path) -> None:
         # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
         self.autocast = self.mixed_precision == "bf16"
@@ -45,6 +48,9 @@ class ReplicatedBackend(TrainBackend):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return shard_of(self.model.state_dict(), rank, shards, dtype)  # copies this rank's pieces only
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
