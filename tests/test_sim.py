@@ -285,3 +285,22 @@ def test_the_limit_bounds_every_mode_when_kv_memory_binds(monkeypatch):
         assert limit < 0.5 * zero_bubble_limit(cfg, "disaggregated")
     s = summarize(Simulator(cfg, "dora", timeline=False).run())
     assert s["kv_peak_fraction"] > 0.99 and s["throughput_tokens_per_s"] <= limit
+
+
+def test_kept_versions_are_sharded_over_the_trainers_and_deltas_cut_the_weight_loads(small_runs):
+    """The memory model: each trainer rank keeps its 1/T shard of K+2 versions (DORA) in the publish dtype;
+    with ``sim.hardware.delta_ratio`` a load from the trainers onto an instance that holds a version moves
+    that share of the bytes (peer and first loads move them all), and the loads' time drops with it."""
+    cfg = load_config(SMALL)
+    whole = small_runs["dora"]["weights"]
+    t = small_runs["dora"]["train_accelerators"]
+    assert whole["kept_versions"] == cfg.dora.k + 2
+    assert whole["kept_gb_per_trainer_rank"] == pytest.approx((cfg.dora.k + 2) * cfg.sim.model.weight_bytes / t / 1e9)
+    assert whole["weight_load_s_per_step"] == pytest.approx(whole["weight_load_s_per_step_whole"])
+    d = summarize(Simulator(load_config(SMALL, ["sim.hardware.delta_ratio=0.25"]), "dora", timeline=False).run())
+    w = d["weights"]
+    assert w["delta_ratio"] == 0.25 and w["weight_load_s_per_step"] < 0.5 * w["weight_load_s_per_step_whole"]
+    assert w["publish_gb_per_step_per_trainer_rank"] < whole["publish_gb_per_step_per_trainer_rank"]
+    off = summarize(Simulator(load_config(SMALL, ["sim.hardware.delta_ratio=0.25", "train.publish_delta=false"]),
+                              "dora", timeline=False).run())
+    assert off["weights"]["weight_load_s_per_step"] == pytest.approx(off["weights"]["weight_load_s_per_step_whole"])

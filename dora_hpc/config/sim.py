@@ -83,6 +83,8 @@ class HardwareSpec(Section):
     kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
     weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
     host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")
+    delta_ratio: float = Field(1.0, gt=0, le=1, description="train.publish_delta: the bytes of a version sent as "
+                               "deltas over its whole bytes (an assumption; results/bench/weights measures it)")
     colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
     engine_sleep_s: float = Field(2.0, ge=0, description="cluster.elastic: a borrowed instance frees its weights "
                                   "and KV pool before a train step (vLLM's sleep mode)")

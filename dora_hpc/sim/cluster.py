@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig
 from ..core.events import (
+    TRAINER,
     Abort,
     AssignVersion,
     Dispatch,
@@ -251,9 +252,17 @@ class Simulator(Borrowing, EpisodeSteps):
             self._kv_hot.discard(inst.idx)
 
     # -- commands ----------------------------------------------------------------------------------
+    def _load_share(self, inst: Instance, src: int) -> float:
+        """The share of the weights' bytes a load moves: ``sim.hardware.delta_ratio`` for a load from the
+        trainers onto an instance that holds a version (``train.publish_delta``, as the runtime sends it),
+        else all of them (a peer's whole weights, a first load, a borrowed instance waking)."""
+        holds = inst.version is not None and not inst.loading and not inst.asleep
+        delta = self.cfg.train.publish_delta and src == TRAINER and holds
+        return self.cfg.sim.hardware.delta_ratio if delta else 1.0
+
     def _execute(self, cmd) -> None:
         match cmd:
-            case AssignVersion(i, v, _src, keep):
+            case AssignVersion(i, v, src, keep):
                 inst = self._stopped(i)
                 if inst.has_work() and not keep:
                     raise SimError(f"{cmd} on an instance with live requests")
@@ -263,10 +272,15 @@ class Simulator(Borrowing, EpisodeSteps):
                     self.counts["reprefill_tokens"] += tokens
                 for r in list(inst.reqs.values()) + list(inst.waiting) + list(inst.held.values()):
                     self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
-                load_s = self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0.0)
+                share = self._load_share(inst, src)
+                load_s = share * self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0)
                 inst.loading, inst.version, inst.asleep = True, None, False
                 self.ops["weight_sync"] += load_s
                 self.counts["weight_syncs"] += 1
+                self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
+                    share * self.cfg.sim.model.weight_bytes)
+                self.counts["weight_load_s"] += share * self.cost.weight_load_s
+                self.counts["weight_load_whole_s"] += self.cost.weight_load_s
                 self._start(inst)
                 self._at(self.now + load_s, "ready", i, v, inst.load_epoch)
             case Dispatch(t, g, _s, v, i):

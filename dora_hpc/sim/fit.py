@@ -106,7 +106,7 @@ def fit_run(run_dir: Path) -> Fit:
         "sim.tick_s": run.runtime.tick_s, f"cluster.placement.{run.mode}": "disaggregated",  # ranks never share
         # borrowed instances as logged: a sleep's own time; a wake is the weight load, already in the cost
         "sim.hardware.engine_sleep_s": float(np.median(sleeps)) if len(sleeps) else 0.0,
-        "sim.hardware.engine_wake_s": 0.0})
+        "sim.hardware.engine_wake_s": 0.0, **_model_spec(run_dir, run)})
     span = float(t1[-1] - t1[0]) or 1.0  # the simulator's measured window: from the end of the first step
     trained = sum(tokens_by_step.get(k, 0) for k in step_ids.tolist()[1:])
     fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
@@ -116,6 +116,27 @@ def fit_run(run_dir: Path) -> Fit:
     if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
         waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
+
+
+def _model_spec(run_dir: Path, run: RunConfig) -> dict:
+    """The run's model as the memory model sees it: its parameters (from the safetensors headers of the
+    model folder the run loaded) and the publish dtype's bytes per parameter; nothing if the folder is gone."""
+    import json
+
+    from safetensors import safe_open
+
+    from ..train.publish import publish_dtype
+
+    model_dir = Path(json.loads((run_dir / "launch.json").read_text()).get("model_dir", ""))
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return {}
+    params = 0
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            params += sum(int(np.prod(st.get_slice(k).get_shape())) for k in st.keys())  # noqa: SIM118
+    return {"sim.model.params_b": params / 1e9,
+            "sim.model.bytes_per_param": publish_dtype(run.train.publish_dtype, run.engine.dtype).itemsize}
 
 
 def _episodes(trajs: dict, run: RunConfig) -> dict:
@@ -222,7 +243,7 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
         s = simulate(replace(fit, cfg=c), c)
         rows.append({"set": sets, "predicted_tokens_per_s": s["throughput_tokens_per_s"],
                      "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"],
-                     "predicted_trainer_wait": s["trainer_wait_fraction"]})
+                     "predicted_trainer_wait": s["trainer_wait_fraction"], "weights": s["weights"]})
         if progress:
             progress()
     rows.sort(key=lambda r: -r["predicted_tokens_per_s"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ..config import RunConfig
+from ..core.policies import traits_of
 from ..core.policy_base import TRAIN_WAITS
 from .cluster import Simulator
 from .costs import CostModel
@@ -93,6 +94,20 @@ def episode_figures(sim: Simulator, counts) -> dict:
         "multi_version_episodes": sum(1 for r in done if len(set(r.segments)) > 1)}}
 
 
+def weight_figures(sim: Simulator, counts: Counter) -> dict:
+    """The memory model of published versions: each trainer rank keeps its 1/T shard of every version it
+    may serve, in the publish dtype (sim.model.bytes_per_param), and serves its 1/T of each load from the
+    trainers; loads move ``sim.hardware.delta_ratio`` of the bytes where they go as deltas."""
+    m, steps, t = sim.cfg.sim.model, len(sim.steps), sim.train_accels
+    keep = traits_of(sim.mode, sim.cfg.dora.k).keep_versions
+    return {"kept_versions": keep, "kept_gb_per_trainer_rank": keep * m.weight_bytes / t / 1e9,
+            "publish_gb_per_step_per_trainer_rank": counts["trainer_load_bytes"] / steps / t / 1e9,
+            "peer_load_gb_per_step": counts["peer_load_bytes"] / steps / 1e9,
+            "weight_load_s_per_step": counts["weight_load_s"] / steps,
+            "weight_load_s_per_step_whole": counts["weight_load_whole_s"] / steps,
+            "delta_ratio": sim.cfg.sim.hardware.delta_ratio if sim.cfg.train.publish_delta else 1.0}
+
+
 def summarize(sim: Simulator) -> dict:
     cfg = sim.cfg
     w = cfg.sim.warmup_steps
@@ -131,6 +146,7 @@ def summarize(sim: Simulator) -> dict:
         "migrations": int(counts["migrations"]),
         "migrated_kv_bytes": float(counts["kv_bytes"]),
         "weight_syncs": int(counts["weight_syncs"]),
+        "weights": weight_figures(sim, counts),
         "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(ops.items())},
         "kv_peak_fraction": sim.kv_peak,
         "rollout_instances": len(sim.inst) - sim.n_borrowed,

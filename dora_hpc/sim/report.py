@@ -31,6 +31,8 @@ TABLE_COLUMNS = [
     ("migrations", "migrations", "{:,}"),
     ("dropped_groups", "dropped", "{:,}"),
     ("lost_groups", "lost", "{}"),
+    ("weights.kept_gb_per_trainer_rank", "kept GB/trainer", "{:,.1f}"),
+    ("weights.weight_load_s_per_step", "load s/step", "{:,.1f}"),
 ]
 
 
