@@ -183,11 +183,30 @@ def _train(work: Path, backend: str) -> dict:
         rows.append({"seconds": s, "tokens": m["tokens"], "trained_tokens_per_s": m["tokens"] / s,
                      "loss": m["loss"], "grad_norm": m["grad_norm"]})
     t_gather, state = timed(trainer.state_dict)
+    publish = _publish(trainer, samples)
     dp.close()
     return {"backend": backend, "mixed_precision": mp, "samples": len(samples), "sequence_tokens": 512, "runs": rows,
-            "gather_full_weights_s": t_gather,
+            "gather_full_weights_s": t_gather, "publish": publish,
             "max_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
             "weights": len(state)}
+
+
+def _publish(trainer, samples) -> dict:
+    """A timed sharded publish (this rank's shard in bfloat16, as the trainer keeps each version) and a timed
+    delta publish: the next step's shard against it, encoded, then applied as an instance does (bit-exact)."""
+    from dora_hpc.train.publish import Delta, apply_delta, delta, shard_digest, wire_bytes
+
+    dtype = torch.bfloat16
+    t_shard, before = timed(lambda: trainer.backend.shard_state_dict(0, 1, dtype))
+    trainer.train_step(samples)
+    after = trainer.backend.shard_state_dict(0, 1, dtype)
+    t_delta, pieces = timed(lambda: {n: delta(p, before[n]) or p for n, p in after.items()})
+    t_apply, got = timed(lambda: {n: apply_delta(before[n], p) if isinstance(p, Delta) else p
+                                  for n, p in pieces.items()})
+    whole = sum(p.numel() * p.element_size() for p in after.values())
+    sent = sum(wire_bytes(tuple(p.shape), p.values.numel() if isinstance(p, Delta) else -1, 2) for p in pieces.values())
+    return {"shard_s": t_shard, "delta_encode_s": t_delta, "delta_apply_s": t_apply, "whole_bytes": whole,
+            "delta_bytes": sent, "delta_ratio": sent / whole, "bit_exact": shard_digest(got) == shard_digest(after)}
 
 
 def section_fsdp(work: Path, small: bool) -> dict:
