@@ -346,7 +346,8 @@ class Orchestrator(OpLog):
         for c in commands:
             match c:
                 case AssignVersion(i, v, src, keep):
-                    source = TRAINERS if src == TRAINER else r(src)
+                    # a borrowed instance's trainer rank keeps only its shard: that version comes from the trainers
+                    source = TRAINERS if src == TRAINER or self.roles.role(r(src)) == "trainer" else r(src)
                     self.load(i, v, source, keep)
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
                 case Dispatch(t, g, s, v, i):
