@@ -151,6 +151,8 @@ def test_data_parallel_trainers_split_the_groups_serve_weights_and_resume(tmp_pa
              if kind == "weight_load"]
     deltas = [int(d.split("delta_pieces=")[1].split("/")[0]) for *_, peer, d in loads if peer == -1]
     assert deltas and (max(deltas) > 0 or dtype != "bfloat16"), loads
+    # float noise where the engine holds exactly the trainer's float32 weights; bfloat16 publishing rounds them
+    assert a["logprob_gap"]["max"] < (5e-3 if dtype == "bfloat16" else 1e-5), a["logprob_gap"]
     first_resumed = {r: d for a, r, peer, d in reversed(loads) if a == 1 and peer == -1}
     assert first_resumed and all("delta_pieces=0/" in d for d in first_resumed.values()), first_resumed
     # the backend's final checkpoint is what `dora-hpc eval` scores by default
