@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
@@ -76,7 +77,6 @@ class VllmEngine:
         if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # vLLM's auto-binding wants a NUMA node per worker
             import vllm.envs
-
             vllm.envs.disable_envs_cache()  # an earlier engine in this process cached the environment
         try:
             from vllm import EngineArgs
@@ -117,9 +117,9 @@ class VllmEngine:
         self._shutdown = own_shutdown(self.llm.engine_core)
         self.max_num_seqs, self.seed, self.version = max_num_seqs, seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
-        from safetensors.torch import load_file
-
         self.state = {k: v for f in sorted(self.model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+        if hf_config(self.model_dir).get("tie_word_embeddings") and "lm_head.weight" not in self.state:
+            self.state["lm_head.weight"] = self.state["model.embed_tokens.weight"]  # as trainers publish it
         eos = hf_config(self.model_dir).get("eos_token_id")
         self.eos: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.reqs: dict[int, _Live] = {}
@@ -286,7 +286,7 @@ class VllmEngine:
 
     # -- weights -----------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """The hosted version's weights in Hugging Face naming (what load_weights was given)."""
+        """The hosted version's weights in Hugging Face naming (what load_weights was given; a tied lm_head too)."""
         return self.state
 
     def sleep(self) -> int:
