@@ -1,5 +1,6 @@
 """Published versions (train/publish.py): the shard layout, lossless deltas and the version checksum."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from dora_hpc.train.publish import (
     assemble,
     checksum_of,
     delta,
+    positions_from_wire,
     rows,
     shard_digest,
     shard_of,
@@ -38,20 +40,26 @@ def test_the_shards_cover_every_element_once_and_put_together_give_the_weights(s
     assert all(torch.equal(whole[n], w[n].to(torch.bfloat16)) for n in w)
 
 
-def test_a_delta_gives_back_the_new_piece_bit_for_bit_and_only_when_it_is_smaller():
+@pytest.mark.parametrize("every,kind", [(50, np.int32), (3, np.uint8)])  # sparse: indices; denser: a bitmask
+def test_a_delta_gives_back_the_new_piece_bit_for_bit_and_only_when_it_is_smaller(every, kind):
     base = torch.randn(4096).to(torch.bfloat16)
     new = base.clone()
-    new[::50] += 1.0
+    new[::every] += 1.0
     new[7], base[7] = torch.tensor(0.0), torch.tensor(-0.0)  # equal values, different bits: changed
     new[9] = float("nan")
     d = delta(new, base)
-    assert d is not None and d.values.numel() == 4096 // 50 + 1 + 2  # every 50th, the zero, the NaN
-    got = apply_delta(base, d)
-    assert torch.equal(got.view(torch.int16), new.view(torch.int16))
-    assert d.nbytes == wire_bytes(tuple(new.shape), d.values.numel(), 2) == len(wire(d)) < new.numel() * 2
+    changed = int((new.view(torch.int16) != base.view(torch.int16)).sum())
+    assert d is not None and d.values.numel() == changed and d.positions.dtype == kind
+    assert torch.equal(apply_delta(base, d).view(torch.int16), new.view(torch.int16))
+    raw = wire(d)
+    assert d.nbytes == wire_bytes(tuple(new.shape), changed, 2) == len(raw) < new.numel() * 2
+    m = d.nbytes - changed * 2  # what a receiver reads back: the positions, then the values
+    back = Delta(d.shape, positions_from_wire(d.shape, changed, raw[:m].copy()),
+                 torch.from_numpy(raw[m:].copy()).view(torch.bfloat16))
+    assert torch.equal(apply_delta(base, back).view(torch.int16), new.view(torch.int16))
     assert delta(base + 1.0, base) is None  # everything changed: whole is smaller
     with pytest.raises(ValueError, match="positions"):
-        apply_delta(base, Delta(d.shape, d.mask, d.values[1:]))
+        apply_delta(base, Delta(d.shape, d.positions, d.values[1:]))
     with pytest.raises(ValueError, match="shape"):
         apply_delta(base[:10], d)
 

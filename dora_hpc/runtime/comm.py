@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 from ..train.dp import buckets
-from ..train.publish import Delta, wire, wire_bytes
+from ..train.publish import Delta, positions_from_wire, wire, wire_bytes
 from .data_plane import make_plane
 from .messages import Fenced, Heartbeat, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
@@ -203,8 +203,9 @@ class Comm:
                 if c < 0:
                     out[name] = part.clone().view(dtype).view(shape)
                 else:
-                    m = -(-int(np.prod(shape)) // 8)
-                    out[name] = Delta(tuple(shape), part[:m].numpy().copy(), part[m:].clone().view(dtype))
+                    m = wire_bytes(shape, c, dtype.itemsize) - c * dtype.itemsize
+                    out[name] = Delta(tuple(shape), positions_from_wire(shape, c, part[:m].numpy().copy()),
+                                      part[m:].clone().view(dtype))
             first += count
         return out
 

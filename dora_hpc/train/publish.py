@@ -11,10 +11,10 @@ Invariants:
   shard digests, each a sha256 over its pieces (name and bytes) in name order. A trainer digests its own
   shard (trainers exchange only digests); an instance digests all T from the weights its engine holds
   after a load, so a corrupted load or a delta applied to the wrong base fails the check;
-* a delta of a piece against a base piece of the same name and shape is the bitmask of the positions
-  whose publish-dtype bits differ, plus the new values there: applying it to the base gives the piece bit
-  for bit (NaN payloads and signed zeros included: bits are compared, not values). A piece is sent as a
-  delta only when that is smaller than the piece.
+* a delta of a piece against a base piece of the same name and shape names the positions whose
+  publish-dtype bits differ (a bitmask, or their indices where those are fewer bytes) and carries the new
+  values there: applying it to the base gives the piece bit for bit (NaN payloads and signed zeros included:
+  bits are compared, not values). A piece is sent as a delta only when that is smaller than the piece.
 """
 
 from __future__ import annotations
@@ -75,23 +75,32 @@ def checksum_of(state: dict[str, torch.Tensor], shards: int, dtype: torch.dtype)
     return version_checksum([shard_digest(shard_of(state, r, shards, dtype)) for r in range(shards)])
 
 
+def positions_dtype(n: int, changed: int) -> type:
+    """How a delta of ``changed`` values in a piece of ``n`` names its positions, whichever takes fewer bytes:
+    a bitmask over the piece (uint8, packed) or the changed positions' indices (int32; int64 past 2**31)."""
+    index = np.int32 if n < 2**31 else np.int64
+    return index if changed * np.dtype(index).itemsize < -(-n // 8) else np.uint8
+
+
 @dataclass(frozen=True)
 class Delta:
     """A piece as the positions that changed against a base piece, and their new values."""
     shape: tuple[int, ...]  # the piece's
-    mask: np.ndarray        # np.packbits of the changed positions (flat, C order), uint8
+    positions: np.ndarray   # flat, C order: np.packbits of the changed positions, or their indices (positions_dtype)
     values: torch.Tensor    # the new values there, in the publish dtype
 
     @property
     def nbytes(self) -> int:
-        return self.mask.nbytes + self.values.numel() * self.values.element_size()
+        return self.positions.nbytes + self.values.numel() * self.values.element_size()
 
 
 def delta(new: torch.Tensor, base: torch.Tensor) -> Delta | None:
     """``new`` against ``base`` (same shape and dtype), or None when sending ``new`` whole is no larger."""
     bits = _BITS[new.dtype]
-    changed = (new.view(bits) != base.view(bits)).reshape(-1)
-    d = Delta(tuple(new.shape), np.packbits(changed.numpy()), new.reshape(-1)[changed].clone())
+    changed = (new.view(bits) != base.view(bits)).reshape(-1).numpy()
+    kind = positions_dtype(changed.size, int(changed.sum()))
+    positions = np.packbits(changed) if kind is np.uint8 else np.flatnonzero(changed).astype(kind)
+    d = Delta(tuple(new.shape), positions, new.reshape(-1)[torch.from_numpy(changed)].clone())
     return d if d.nbytes < new.numel() * new.element_size() else None
 
 
@@ -100,24 +109,38 @@ def apply_delta(base: torch.Tensor, d: Delta) -> torch.Tensor:
     if tuple(base.shape) != d.shape:
         raise ValueError(f"a weight delta for shape {d.shape} against a base of shape {tuple(base.shape)}")
     out = base.reshape(-1).clone()
-    changed = torch.from_numpy(np.unpackbits(d.mask, count=out.numel()).astype(bool))
-    if int(changed.sum()) != d.values.numel():
-        raise ValueError(f"a weight delta names {int(changed.sum())} positions but carries {d.values.numel()} "
-                         "values")
-    out[changed] = d.values
+    if d.positions.dtype == np.uint8:
+        at = torch.from_numpy(np.unpackbits(d.positions, count=out.numel()).astype(bool))
+        named = int(at.sum())
+    else:
+        at = torch.from_numpy(d.positions.astype(np.int64))
+        named = len(at)
+        if named and not (0 <= int(at.min()) and int(at.max()) < out.numel()):
+            raise ValueError(f"a weight delta names positions outside a piece of {out.numel()} values")
+    if named != d.values.numel():
+        raise ValueError(f"a weight delta names {named} positions but carries {d.values.numel()} values")
+    out[at] = d.values
     return out.view(base.shape)
 
 
 def wire_bytes(shape: tuple[int, ...], changed: int, itemsize: int) -> int:
-    """The bytes a piece takes on the wire: whole (``changed`` < 0), or as a delta's mask and values."""
+    """The bytes a piece takes on the wire: whole (``changed`` < 0), or as a delta's positions and values."""
     n = int(np.prod(shape))
-    return n * itemsize if changed < 0 else -(-n // 8) + changed * itemsize
+    if changed < 0:
+        return n * itemsize
+    kind = positions_dtype(n, changed)
+    return (-(-n // 8) if kind is np.uint8 else changed * np.dtype(kind).itemsize) + changed * itemsize
+
+
+def positions_from_wire(shape: tuple[int, ...], changed: int, raw: np.ndarray) -> np.ndarray:
+    """A delta's positions from their bytes on the wire (uint8), as ``delta`` made them."""
+    return raw.view(positions_dtype(int(np.prod(shape)), changed))
 
 
 def wire(p: torch.Tensor | Delta) -> np.ndarray:
     """A piece's bytes on the wire: the tensor's, or a delta's mask then its values."""
     if isinstance(p, Delta):
-        return np.concatenate([p.mask, wire(p.values)])
+        return np.concatenate([p.positions.view(np.uint8), wire(p.values)])
     return p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
