@@ -170,6 +170,12 @@ def migration_figures(ops: dict[str, np.ndarray]) -> dict:
             "weight_syncs": int((ops["kind"] == "weight_load").sum())}
 
 
+def same_layout(a: str, b: str) -> bool:
+    """Whether two version checksums cover the same layout: the ``/tT`` (trainer ranks) train/publish.py ends
+    them with. A run resumed on another number of trainer ranks publishes the same weights under another one."""
+    return a.partition("/t")[2] == b.partition("/t")[2]
+
+
 def weight_figures(tsteps: dict, all_tsteps: dict, ops: dict) -> dict:
     """Every weight load's checksum against the one its version was published with (by the same attempt
     when it published it, else by the run's effective history)."""
@@ -179,8 +185,11 @@ def weight_figures(tsteps: dict, all_tsteps: dict, ops: dict) -> dict:
     loads = [(int(v), str(d).split()[0], by_attempt.get((int(a), int(v)), published.get(int(v))))
              for kind, v, d, a in zip(ops["kind"], ops["version"], ops["detail"], ops["attempt"], strict=True)
              if kind == "weight_load"]
+    comparable = [(c, want) for _v, c, want in loads if want is not None and same_layout(c, want)]
     return {"published": len(published), "loads": len(loads),
-            "mismatched_loads": sum(1 for _v, c, want in loads if want is not None and c != want),
+            "mismatched_loads": sum(1 for c, want in comparable if c != want),
+            # a load in a run resumed on another number of trainer ranks: its checksum covers another layout
+            "loads_across_layouts": sum(1 for _v, c, want in loads if want is not None) - len(comparable),
             "v0_checksums": len({c for v, c, _w in loads if v == 0})}
 
 

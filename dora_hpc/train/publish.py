@@ -7,9 +7,9 @@ Invariants:
   into T ``torch.chunk`` pieces and trainer r keeps piece r (FSDP2's own layout; a 0-dim tensor is
   piece 0's). A trainer rank keeps, per live version, 1/T of the model in the publish dtype; a receiver
   that knows the shapes knows where every piece goes;
-* a version's checksum is a function of its whole weights in the publish dtype and of T: sha256 over the T
-  shard digests, each a sha256 over its pieces (name and bytes) in name order. A trainer digests its own
-  shard (trainers exchange only digests); an instance digests all T from the weights its engine holds
+* a version's checksum is a function of its whole weights in the publish dtype and of T (which it names):
+  sha256 over the T shard digests, each a sha256 over its pieces (name and bytes) in name order. A trainer
+  digests its own shard (trainers exchange only digests); an instance digests all T from the weights its engine holds
   after a load, so a corrupted load or a delta applied to the wrong base fails the check;
 * a delta of a piece against a base piece of the same name and shape names the positions whose
   publish-dtype bits differ (a bitmask, or their indices where those are fewer bytes) and carries the new
@@ -66,8 +66,9 @@ def shard_digest(shard: dict[str, torch.Tensor]) -> str:
 
 
 def version_checksum(digests: list[str]) -> str:
-    """The checksum of a version from its T shard digests, in trainer order."""
-    return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+    """The checksum of a version from its T shard digests, in trainer order; ``/tT`` names the layout (the
+    same weights over another number of trainer ranks have another checksum)."""
+    return f"{hashlib.sha256(''.join(digests).encode()).hexdigest()[:16]}/t{len(digests)}"
 
 
 def checksum_of(state: dict[str, torch.Tensor], shards: int, dtype: torch.dtype) -> str:
