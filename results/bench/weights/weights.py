@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 ADDITION = ["configs/smollm2-addition.yaml"]
-MEMORY_SETS = ["cluster.trainer_ranks=2", "dora.k=3", "train.max_steps=6", "train.mixed_precision=no",
+MEMORY_SETS = ["cluster.trainer_ranks=2", "dora.k=3", "train.max_steps=6", "train.mixed_precision='no'",
                "train.checkpoint_every=0"]
 
 
