@@ -66,17 +66,21 @@ def cmd_bytes(work: Path) -> None:
     (work / "bytes.json").write_text(json.dumps(out, indent=2))
 
 
-def cmd_memory(work: Path, old: Path) -> None:
-    rows = []
-    for backend in ("fsdp", "megatron"):
+def cmd_memory(work: Path, old: Path, backends: list[str]) -> None:
+    """Rows for ``backends`` replace theirs in memory.json (megatron runs TP=1 x DP=2: SmolLM2's 9 heads do
+    not split over 2 TP ranks)."""
+    path = work / "memory.json"
+    rows = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["backend"] not in backends]
+    for backend in backends:
         for label, code, extra in (("before (whole float32 copies)", old, []),
                                    ("after, float32 shards", REPO, ["train.publish_dtype=float32"]),
                                    ("after, bfloat16 shards", REPO, ["train.publish_dtype=bfloat16"])):
             name = f"{backend}-{label.split()[0].rstrip(',')}-{'bf16' if 'bfloat16' in label else 'f32'}"
-            got = run(code, work / name, [*MEMORY_SETS, f"train.backend={backend}", *extra], sample=True)
+            tp = ["train.tensor_parallel=1"] if backend == "megatron" else []
+            got = run(code, work / name, [*MEMORY_SETS, f"train.backend={backend}", *tp, *extra], sample=True)
             rows.append({"backend": backend, "code": label, "run": name, **got})
             print(json.dumps(rows[-1]), flush=True)
-    (work / "memory.json").write_text(json.dumps(rows, indent=2))
+            path.write_text(json.dumps(rows, indent=2))
 
 
 def load_ratios(run_dir: Path) -> list[dict]:
@@ -123,7 +127,9 @@ def cmd_report(work: Path) -> None:
     axes[0].set(xlabel="version loaded", ylabel="delta bytes / whole bytes", ylim=(0, 1.05),
                 title="SmolLM2-135M addition, bf16 publish")
     if memory:
-        labels = [f"{m['backend']}\n{m['code'].split(' (')[0]}" for m in memory]
+        short = {"before (whole float32 copies)": "before", "after, float32 shards": "f32 shards",
+                 "after, bfloat16 shards": "bf16 shards"}
+        labels = [f"{m['backend']}\n{short[m['code']]}" for m in memory]
         peaks = [max(m["peak_rss_bytes"][r] for r in ("1", "2")) / 2**30 for m in memory]
         axes[1].bar(range(len(memory)), peaks)
         axes[1].set_xticks(range(len(memory)), labels, fontsize=7)
@@ -138,9 +144,10 @@ def main() -> None:
     ap.add_argument("what", choices=["bytes", "memory", "report"])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--old", type=Path, help="a checkout of the code before sharded versions (memory)")
+    ap.add_argument("--backends", default="fsdp,megatron", help="memory: the trainer backends to measure")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    {"bytes": lambda: cmd_bytes(a.work), "memory": lambda: cmd_memory(a.work, a.old),
+    {"bytes": lambda: cmd_bytes(a.work), "memory": lambda: cmd_memory(a.work, a.old, a.backends.split(",")),
      "report": lambda: cmd_report(a.work)}[a.what]()
 
 
