@@ -38,6 +38,7 @@ def test_the_shards_cover_every_element_once_and_put_together_give_the_weights(s
     assert sum(p.numel() for _, _, s in parts for p in s.values()) == sum(t.numel() for t in w.values())
     whole = assemble(parts, w, torch.bfloat16)
     assert all(torch.equal(whole[n], w[n].to(torch.bfloat16)) for n in w)
+    assert not any(s for _, _, s in parts)  # consumed as they were copied
 
 
 @pytest.mark.parametrize("every,kind", [(50, np.int32), (3, np.uint8)])  # sparse: indices; denser: a bitmask

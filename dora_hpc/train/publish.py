@@ -148,15 +148,17 @@ def wire(p: torch.Tensor | Delta) -> np.ndarray:
 def assemble(parts: list[tuple[int, int, dict[str, torch.Tensor | Delta]]], current: dict[str, torch.Tensor],
              dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Whole weights in ``dtype`` from every shard's pieces, given as (shard, shards, pieces). ``current`` is
-    what the receiver holds: it gives each tensor's whole shape and, to a delta, the rows of its base."""
+    what the receiver holds: it gives each tensor's whole shape and, to a delta, the rows of its base. The
+    pieces are consumed tensor by tensor, so pieces and whole weights are held twice over one tensor at most."""
     out: dict[str, torch.Tensor] = {}
-    for shard, shards, pieces in parts:
-        for name, p in pieces.items():
-            if name not in current:
-                raise RuntimeError(f"published weights name a tensor the engine does not have: {name}")
-            if name not in out:
-                out[name] = torch.empty(current[name].shape, dtype=dtype)
+    for name in sorted({n for _, _, pieces in parts for n in pieces}):
+        if name not in current:
+            raise RuntimeError(f"published weights name a tensor the engine does not have: {name}")
+        out[name] = torch.empty(current[name].shape, dtype=dtype)
+        for shard, shards, pieces in parts:
+            p = pieces.pop(name, None)
             if isinstance(p, Delta):
                 p = apply_delta(piece(current[name], shard, shards).to("cpu", dtype), p)
-            piece(out[name], shard, shards).copy_(p)
+            if p is not None:
+                piece(out[name], shard, shards).copy_(p)
     return out
