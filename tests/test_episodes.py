@@ -70,8 +70,11 @@ def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_wa
     from test_metrics import scalars
 
     tb = scalars(tmp_path / "run")  # TensorBoard has the episodes' figures, step by step
-    assert all(1 <= v <= 4 for _, v in tb["episodes/turns_mean"]) and len(tb["episodes/turns_mean"]) == 8
-    assert all(0 < v < 1 for _, v in tb["episodes/env_time_fraction"]) and "episodes/waiting_on_env" in tb
+    # an interval in which no episode ended (two steps published back to back) has no figure: NaN
+    turns = [v for _, v in tb["episodes/turns_mean"] if v == v]
+    env = [v for _, v in tb["episodes/env_time_fraction"] if v == v]
+    assert len(tb["episodes/turns_mean"]) == 8 and len(turns) >= 6 and all(1 <= v <= 4 for v in turns)
+    assert len(env) == len(turns) and all(0 < v < 1 for v in env) and "episodes/waiting_on_env" in tb
 
 
 @pytest.mark.slow
