@@ -35,11 +35,21 @@ def test_overrides_parse_values_and_reach_nested_keys():
     ("train.mini_batches=99", "train.mini_batches"),  # more than batch.tbs
     ("batch.rbs=lots", "batch.rbs"),                # an int or auto
     ("train.is_level=group", "train.is_level"),     # token or sequence
+    ("train.publish_dtype=float16", "train.publish_dtype"),
+    ("sim.hardware.delta_ratio=0", "sim.hardware.delta_ratio"),  # a share of the bytes, in (0, 1]
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("configs/sim/small.yaml", [override])
     assert key in str(e.value)
+
+
+def test_float32_publishing_needs_a_float32_engine():
+    """An engine in bfloat16 cannot hold float32 weights, so their checksum could never hold after a load."""
+    vllm_bf16 = ["engine.backend=vllm", "engine.dtype=bfloat16"]
+    with pytest.raises(ConfigError, match="train.publish_dtype=float32 needs engine.dtype=float32"):
+        load_config("configs/sim/small.yaml", [*vllm_bf16, "train.publish_dtype=float32"])
+    assert load_config("configs/sim/small.yaml", vllm_bf16).train.publish_dtype == "auto"  # bfloat16, as the engine
 
 
 def test_rbs_auto_is_for_the_streaming_modes():
