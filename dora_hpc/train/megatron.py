@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit
-from .publish import piece
+from .publish import shard_of
 
 
 def _cpu_shims() -> None:
@@ -218,10 +218,7 @@ class MegatronBackend(TrainBackend):
         return state
 
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        out = {}
-        for n, t in self._hf_items(self.params):
-            if (p := piece(t, rank, shards)).numel():
-                out[n] = p.to("cpu", dtype, copy=True).contiguous()
+        out = shard_of(self._hf_items(self.params), rank, shards, dtype)
         if self.hf_config.tie_word_embeddings and "model.embed_tokens.weight" in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()  # as full_state_dict has it
         return out

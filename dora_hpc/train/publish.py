@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,10 +48,12 @@ def piece(t: torch.Tensor, rank: int, shards: int) -> torch.Tensor:
     return t.reshape(1)[lo:hi] if t.dim() == 0 else t[lo:hi]
 
 
-def shard_of(state: dict[str, torch.Tensor], rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Trainer ``rank``'s pieces of whole weights, as owned CPU copies in ``dtype`` (empty pieces left out)."""
+def shard_of(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], rank: int, shards: int,
+             dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Trainer ``rank``'s pieces of whole weights (a dict, or (name, tensor) pairs streamed one at a time), as
+    owned CPU copies in ``dtype`` (empty pieces left out)."""
     out = {}
-    for name, t in state.items():
+    for name, t in state.items() if isinstance(state, Mapping) else state:
         p = piece(t.detach(), rank, shards)
         if p.numel():
             out[name] = p.to("cpu", dtype, copy=True).contiguous()
