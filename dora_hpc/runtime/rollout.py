@@ -76,6 +76,7 @@ class RolloutRank(OpLog):
         # weights that overtook their LoadVersion: received at once (header, source, state), so buffers
         # from one peer are always read in the order they were sent (NCCL's channels have no tags)
         self.early: list[tuple[WeightsHeader, int, dict]] = []
+        self.checked: tuple[int, str] = (-1, "")  # the version load() last put in the engine, and its checksum
         self.running = True
         self.paused = False  # colocated placement: no engine steps while the trainer has the devices
         # requests in flight *to* this rank can be named by the orchestrator before they arrive (it moved
@@ -190,8 +191,10 @@ class RolloutRank(OpLog):
             case SendWeights():  # a peer load: the whole weights, in the publish dtype
                 dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
                 state = {k: v.to(dtype) for k, v in self.engine.weights().items()}
-                self.comm.send_weights(state, self.engine.version, checksum_of(state, self.comm.roles.trainers, dtype),
-                                       msg.dst)
+                version, checksum = self.checked  # this engine's version, checked when it loaded
+                if version != self.engine.version:  # not loaded through load() (the model folder's v0)
+                    checksum = checksum_of(state, self.comm.roles.trainers, dtype)
+                self.comm.send_weights(state, self.engine.version, checksum, msg.dst)
                 self.op("weight_send", peer=msg.dst, version=self.engine.version)
             case MigrateOut():
                 self.migrate_out(msg)
@@ -271,6 +274,7 @@ class RolloutRank(OpLog):
         if got != headers[0].checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
                                f"({got} != {headers[0].checksum})")
+        self.checked = (msg.version, got)
         if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
             for tid, info in self.info.items():
                 n_prompt, n_out = self.engine.progress(tid)
