@@ -172,8 +172,8 @@ class Comm:
 
     # -- weights: byte buckets announced by a WeightsHeader -------------------------------------------
     def send_weights(self, pieces: dict[str, torch.Tensor | Delta], version: int, checksum: str, dst: int, *,
-                     shard: int = 0, shards: int = 1, base: int = -1) -> int:
-        """A version's pieces (whole, or deltas against ``base``) in the publish dtype; returns the bytes sent.
+                     shard: int = 0, shards: int = 1, base: int = -1) -> None:
+        """A version's pieces (whole, or deltas against ``base``) in the publish dtype.
         Bucketed: no message exceeds ``weight_bucket_bytes`` unless one piece does (MPI counts are 32-bit:
         one flat buffer of a 7B model would not even be sendable), and the receiver unpacks bucket by
         bucket."""
@@ -187,16 +187,14 @@ class Comm:
                                 str(dtype).removeprefix("torch."), shard, shards, base, changed), dst)
         for bucket in groups:
             self.send_array(np.concatenate([wire(pieces[n]) for n in bucket]), dst, TAG_WEIGHTS)
-        return sum(size.values())
 
     def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor | Delta]:
         dtype = getattr(torch, header.dtype)
-        changed = header.changed or [-1] * len(header.names)
         out: dict[str, torch.Tensor | Delta] = {}
         first = 0
         for count in header.buckets:
             at = slice(first, first + count)
-            names, shapes, counts = header.names[at], header.shapes[at], changed[at]
+            names, shapes, counts = header.names[at], header.shapes[at], header.changed[at]
             sizes = [wire_bytes(s, c, dtype.itemsize) for s, c in zip(shapes, counts, strict=True)]
             flat = torch.from_numpy(self.recv_array((sum(sizes),), np.uint8, src, TAG_WEIGHTS))
             for name, shape, c, part in zip(names, shapes, counts, flat.split(sizes), strict=True):

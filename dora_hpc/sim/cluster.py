@@ -280,7 +280,6 @@ class Simulator(Borrowing, EpisodeSteps):
                 self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
                     share * self.cfg.sim.model.weight_bytes)
                 self.counts["weight_load_s"] += share * self.cost.weight_load_s
-                self.counts["weight_load_whole_s"] += self.cost.weight_load_s
                 self._start(inst)
                 self._at(self.now + load_s, "ready", i, v, inst.load_epoch)
             case Dispatch(t, g, _s, v, i):

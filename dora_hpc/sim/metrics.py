@@ -104,7 +104,7 @@ def weight_figures(sim: Simulator, counts: Counter) -> dict:
             "publish_gb_per_step_per_trainer_rank": counts["trainer_load_bytes"] / steps / t / 1e9,
             "peer_load_gb_per_step": counts["peer_load_bytes"] / steps / 1e9,
             "weight_load_s_per_step": counts["weight_load_s"] / steps,
-            "weight_load_s_per_step_whole": counts["weight_load_whole_s"] / steps,
+            "weight_load_s_per_step_whole": counts["weight_syncs"] * sim.cost.weight_load_s / steps,
             "delta_ratio": sim.cfg.sim.hardware.delta_ratio if sim.cfg.train.publish_delta else 1.0}
 
 
