@@ -188,14 +188,8 @@ class RolloutRank(OpLog):
                     self.episodes.start(msg.traj_id, info, msg.group_id)
             case LoadVersion():
                 self.load(msg)
-            case SendWeights():  # a peer load: the whole weights, in the publish dtype
-                dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
-                state = {k: v.to(dtype) for k, v in self.engine.weights().items()}
-                version, checksum = self.checked  # this engine's version, checked when it loaded
-                if version != self.engine.version:  # not loaded through load() (the model folder's v0)
-                    checksum = checksum_of(state, self.comm.roles.trainers, dtype)
-                self.comm.send_weights(state, self.engine.version, checksum, msg.dst)
-                self.op("weight_send", peer=msg.dst, version=self.engine.version)
+            case SendWeights():
+                self.send_whole(msg.dst)
             case MigrateOut():
                 self.migrate_out(msg)
             case Park():  # a borrowed instance before a train step: the KV goes to host memory, kept here
@@ -232,6 +226,16 @@ class RolloutRank(OpLog):
                 self.comm.fenced = msg.fenced
             case _:
                 raise RuntimeError(f"rollout rank {self.comm.rank}: unexpected message {msg!r}")
+
+    def send_whole(self, dst: int) -> None:
+        """A peer load: the engine's whole weights, in the publish dtype."""
+        dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
+        state = {k: v.to(dtype) for k, v in self.engine.weights().items()}
+        version, checksum = self.checked  # this engine's version, checked when it loaded
+        if version != self.engine.version:  # not loaded through load() (the model folder's v0)
+            checksum = checksum_of(state, self.comm.roles.trainers, dtype)
+        self.comm.send_weights(state, self.engine.version, checksum, dst)
+        self.op("weight_send", peer=dst, version=self.engine.version)
 
     def load(self, msg: LoadVersion) -> None:
         """Wait for the weights of ``msg.version`` from its source (a peer's whole weights, or every trainer
