@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 from ..train.dp import buckets
-from ..train.publish import Delta, positions_from_wire, wire, wire_bytes
+from ..train.publish import Delta, unwire, wire, wire_bytes
 from .data_plane import make_plane
 from .messages import Fenced, Heartbeat, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
@@ -198,12 +198,7 @@ class Comm:
             sizes = [wire_bytes(s, c, dtype.itemsize) for s, c in zip(shapes, counts, strict=True)]
             flat = torch.from_numpy(self.recv_array((sum(sizes),), np.uint8, src, TAG_WEIGHTS))
             for name, shape, c, part in zip(names, shapes, counts, flat.split(sizes), strict=True):
-                if c < 0:
-                    out[name] = part.clone().view(dtype).view(shape)
-                else:
-                    m = wire_bytes(shape, c, dtype.itemsize) - c * dtype.itemsize
-                    out[name] = Delta(tuple(shape), positions_from_wire(shape, c, part[:m].numpy().copy()),
-                                      part[m:].clone().view(dtype))
+                out[name] = unwire(shape, c, part, dtype)
             first += count
         return out
 

@@ -136,9 +136,15 @@ def wire_bytes(shape: tuple[int, ...], changed: int, itemsize: int) -> int:
     return (-(-n // 8) if kind is np.uint8 else changed * np.dtype(kind).itemsize) + changed * itemsize
 
 
-def positions_from_wire(shape: tuple[int, ...], changed: int, raw: np.ndarray) -> np.ndarray:
-    """A delta's positions from their bytes on the wire (uint8), as ``delta`` made them."""
-    return raw.view(positions_dtype(int(np.prod(shape)), changed))
+def unwire(shape: tuple[int, ...], changed: int, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Delta:
+    """A piece back from its bytes on the wire (uint8, as ``wire`` made them): whole (``changed`` < 0) or a delta.
+    The bytes are copied into fresh memory: an empty buffer may have stride 0, which a dtype view refuses."""
+    raw = raw.clone(memory_format=torch.contiguous_format)
+    if changed < 0:
+        return raw.view(dtype).view(shape)
+    m = wire_bytes(shape, changed, dtype.itemsize) - changed * dtype.itemsize
+    positions = raw[:m].numpy().view(positions_dtype(int(np.prod(shape)), changed))
+    return Delta(tuple(shape), positions, raw[m:].view(dtype))
 
 
 def wire(p: torch.Tensor | Delta) -> np.ndarray:
