@@ -32,7 +32,7 @@ def configs(draw, mode: str):
         tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
         slots=draw(st.integers(1, 6)), k=draw(st.integers(0, 3)),
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),
-        legacy_topup=draw(st.booleans()),
+        legacy_topup=draw(st.booleans()), topup_after_rebalance=draw(st.booleans()),
     )
 
 

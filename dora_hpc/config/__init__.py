@@ -50,6 +50,10 @@ class DoraConfig(Section):
     k: int = Field(2, ge=0, description="staleness bound K")
     kv_migration: bool = Field(True, description="migrate requests with their KV (False: re-prefill)")
     legacy_topup: bool = True
+    supplement: Literal["before_rebalance", "after_migration"] = Field(
+        "after_migration", description="when legacy top-up runs after a new version is published: after the "
+        "planner's re-partition and migrations, as the paper's tiered supplementation does (§3.3), or before it "
+        "(the order results/sim/supplement/ compares; docs/architecture.md)")
     kv_threshold: float = Field(0.9, gt=0, le=1)
     rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
     planner: Literal["proportional", "straggler"] = Field(

@@ -89,6 +89,8 @@ class Dora(Policy):
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
         wake = [] if self._can_train() else self._wake()  # a step that starts at once would put them back to sleep
+        if self.cfg.topup_after_rebalance:  # the paper's tiers: fresh work, then migration, then legacy top-up
+            return wake + self._admit(legacy=False) + self._rebalance() + self._admit() + self._train()
         return wake + self._admit() + self._rebalance() + self._train()
 
     def _wake(self) -> list[Command]:
@@ -133,12 +135,14 @@ class Dora(Policy):
             return []
         return self._rebalance()
 
-    def _admit(self) -> list[Command]:
+    def _admit(self, legacy: bool = True) -> list[Command]:
+        """Fresh groups of the latest version up to RBS; then (``legacy``) window-admitted groups of older
+        versions into their idle slots; then every queue is placed."""
         latest, g = self.latest, self.cfg.group_size
         fresh = self.cfg.rbs - self.pending_groups if self.cfg.rbs is not None else self.capacity()
         for _ in range(min(fresh, self.window.room(latest))):
             self.admit(latest)
-        if self.cfg.legacy_topup:
+        if self.cfg.legacy_topup and legacy:
             for v in sorted(self.window.live_versions, reverse=True):
                 if v == latest:
                     continue

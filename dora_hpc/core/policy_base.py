@@ -67,6 +67,7 @@ class PolicyConfig:
     carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
     oldest_first: bool = False    # Dora: the planner serves the oldest version's pending work first (straggler)
     legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
+    topup_after_rebalance: bool = True  # Dora: on a publish, legacy top-up follows the planner's migrations
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
     borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
     #                               after the dedicated ones; they sleep while it trains

@@ -1,0 +1,93 @@
+"""The tiered-supplementation A/B (issue 33): DORA with legacy top-up after the planner's migrations on a
+publish (``dora.supplement: after_migration``, the paper's §3.3 order and the default) against top-up before
+the planner (``before_rebalance``, the order dora_hpc used until 2026-12-03), each beside sync on the same
+seed, on the planner A/B's workloads. Steady state: 40 steps, the first 2K left out. Each run also counts
+the legacy groups top-up admitted, at a publish and at other events (the only place the order can act is
+a publish).
+
+    .venv/bin/python results/sim/supplement/supplement.py     # ~25 min on 2 cores; writes summary.json
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+
+import dora_hpc.core.dora as dora_policy
+from dora_hpc.config import load_config
+from dora_hpc.core.events import VersionPublished
+from dora_hpc.sim.cluster import Simulator
+from dora_hpc.sim.metrics import summarize
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+SCENARIOS = {  # name: (config, overrides, base seed, K, seeds): the planner A/B's (results/sim/planner/)
+    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 3),
+    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 3),
+    "heavy tail": ("configs/sim/paper-64.yaml", ["workload.response_len.sigma=1.6", "workload.response_len.max=65536",
+                                                 "dora.k=6"], 7, 6, 3),
+    "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
+                                                     "workload.response_len.sigma=1.2",
+                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 3),
+    "agentic-64": ("configs/sim/agentic-64.yaml", [], 0, 3, 1),
+}
+RUNS = {"sync": ("sync", []), "after_migration": ("dora", ["dora.supplement=after_migration"]),
+        "before_rebalance": ("dora", ["dora.supplement=before_rebalance"])}
+TOPUPS: collections.Counter = collections.Counter()  # legacy groups admitted, by the event being handled
+
+
+def _count_topups() -> None:
+    on, admit = dora_policy.Dora.on, dora_policy.Dora.admit
+
+    def counted_on(self, event):
+        self._event = "publish" if isinstance(event, VersionPublished) else "other"
+        return on(self, event)
+
+    def counted_admit(self, version):
+        if version < self.latest:
+            TOPUPS[getattr(self, "_event", "other")] += 1
+        return admit(self, version)
+
+    dora_policy.Dora.on, dora_policy.Dora.admit = counted_on, counted_admit
+
+
+def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
+    name, label, seed = job
+    path, sets, _, k, _ = SCENARIOS[name]
+    mode, extra = RUNS[label]
+    TOPUPS.clear()
+    cfg = load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}"])
+    s = summarize(Simulator(cfg, mode, timeline=False).run())
+    row = {key: s[key] for key in ("throughput_tokens_per_s", "trainer_wait_fraction", "max_staleness", "migrations",
+                                   "lost_groups", "duplicate_groups", "mixed_version_trajectories")}
+    row |= {"seed": seed, "topup_at_publish": TOPUPS["publish"], "topup_elsewhere": TOPUPS["other"]}
+    print(name, label, seed, round(s["throughput_tokens_per_s"]), dict(TOPUPS), flush=True)
+    return name, label, row
+
+
+def jobs() -> list[tuple[str, str, int]]:
+    return sorted(((name, label, base + i) for name, (_, _, base, _, n) in SCENARIOS.items() for i in range(n)
+                   for label in RUNS), key=lambda j: j[0] != "agentic-64")  # the longest first
+
+
+def main() -> None:
+    with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2, initializer=_count_topups) as pool:
+        results = pool.map(simulate, jobs(), chunksize=1)
+    out: dict = {}
+    for name, label, row in results:
+        out.setdefault(name, {}).setdefault(label, []).append(row)
+    for rows in out.values():
+        sync = {r["seed"]: r["throughput_tokens_per_s"] for r in rows["sync"]}
+        for label, runs in rows.items():
+            for r in runs:
+                r["over_sync"] = r["throughput_tokens_per_s"] / sync[r["seed"]]
+            rows[label] = {"median_over_sync": statistics.median(r["over_sync"] for r in runs), "seeds": runs}
+    (HERE / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
