@@ -22,3 +22,13 @@ def test_readme_and_docs_link_only_to_files_in_the_repository():
             if not (resolved.is_relative_to(REPO) and resolved.exists()):
                 broken.append(f"{page.name}: {target}")
     assert not broken, broken
+
+
+def test_the_paper_report_is_what_the_committed_summaries_give():
+    """results/paper/ is written by tools/paper_report.py from results/**/summary.json: a summary re-measured
+    without re-running the report (or a report edited by hand) fails here."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "tools/paper_report.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr

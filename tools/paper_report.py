@@ -1,0 +1,257 @@
+"""The paper, figure by figure (issue 33): results/paper/README.md from the committed summaries, without
+re-running any measurement. Each row names the paper's figure, ours, where ours comes from, the command
+that measured it and a verdict; the verdict is computed where the paper gives a number to compare
+(within 10% of it: reproduced), and stated, with the reason, where it does not.
+
+    .venv/bin/python tools/paper_report.py           # rewrite results/paper/README.md and summary.json
+    .venv/bin/python tools/paper_report.py --check   # exit 1 if the committed report is out of date
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "results" / "paper"
+SIM = ".venv/bin/dora-hpc simulate configs/sim/{0}.yaml --out results/sim/{0}"
+ABLATION = ".venv/bin/dora-hpc bench ablation configs/bench-modes.yaml --out results/bench/ablation"
+TABLES = "see results/paper/tables/README.md"
+SOURCES = {"sim": "simulator", "toy": "CPU runtime, tiny model", "real": "CPU runtime, SmolLM2-135M",
+           "none": "not measured"}
+
+
+def load(path: str) -> dict | None:
+    p = ROOT / path
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+@dataclass
+class Row:
+    item: str
+    paper: str
+    ours: str
+    source: str   # a SOURCES key
+    command: str
+    verdict: str
+
+
+def ratio_row(item: str, paper: float, ours: float | None, source: str, command: str, why: str = "",
+              fmt: str = "{:.2f}x") -> Row:
+    """A row whose verdict is computed: within 10% of the paper's figure is reproduced."""
+    if ours is None:
+        return Row(item, fmt.format(paper), "—", "none", command, "not yet measured")
+    close = abs(ours / paper - 1) <= 0.10
+    return Row(item, fmt.format(paper), fmt.format(ours), source, command,
+               "reproduced" if close else f"differs: {why}" if why else "differs")
+
+
+def _mode(summary: dict | None, mode: str, key: str) -> float | None:
+    return summary["modes"][mode][key] if summary else None
+
+
+def _rollout_time(s: dict | None, mode: str) -> float | None:
+    return _mode(s, mode, "rollout_only_fraction") * _mode(s, mode, "mean_step_time_s") if s else None
+
+
+def fig10() -> list[Row]:
+    rows: list[Row] = []
+    why_partial = ("our partial rollout is fast (1.65x sync at 64) because our prefill model makes re-prefill "
+                   "cheap: 3.6% of its wall time (results/sim/README.md, sensitivity: at 10% prefill MFU "
+                   "DORA / partial is 1.15x)")
+    why_128 = "at 128 our DORA is trainer-bound (99% of its limit): training scales perfectly in the simulator"
+    for n, paper in ((64, dict(sync=1.65, partial=1.17, ro_sync=0.65, ro_dora=0.12, ro_x=8.2, step=1.56)),
+                     (128, dict(sync=2.12, partial=1.11, ro_sync=0.73, ro_dora=0.24, ro_x=5.9, step=1.93))):
+        s, cmd = load(f"results/sim/paper-{n}/summary.json"), SIM.format(f"paper-{n}")
+        rows += [
+            ratio_row(f"DORA / sync throughput, {n} GPUs", paper["sync"], s and s["dora_over_sync"], "sim", cmd),
+            ratio_row(f"DORA / partial rollout throughput, {n} GPUs", paper["partial"], s and s["dora_over_partial"],
+                      "sim", cmd, why_partial),
+            ratio_row(f"sync rollout-only share of a step, {n} GPUs", paper["ro_sync"],
+                      _mode(s, "sync", "rollout_only_fraction"), "sim", cmd, fmt="{:.0%}"),
+            ratio_row(f"DORA rollout-only share of a step, {n} GPUs", paper["ro_dora"],
+                      _mode(s, "dora", "rollout_only_fraction"), "sim", cmd,
+                      why_128 if n == 128 else "", fmt="{:.0%}"),
+            ratio_row(f"rollout-only time, sync / DORA, {n} GPUs", paper["ro_x"],
+                      s and _rollout_time(s, "sync") / _rollout_time(s, "dora"), "sim", cmd,
+                      "DORA's rollout-only time is a small difference of large numbers: "
+                      + ("10% at 64 GPUs is 0.74 min against 7.5" if n == 64 else why_128), fmt="{:.1f}x"),
+            ratio_row(f"end-to-end step time, sync / DORA, {n} GPUs", paper["step"],
+                      s and _mode(s, "sync", "mean_step_time_s") / _mode(s, "dora", "mean_step_time_s"), "sim", cmd,
+                      why_128 if n == 128 else ""),
+        ]
+    rows += convergence()
+    return rows
+
+
+def convergence() -> list[Row]:
+    off = load("results/bench/convergence-offpolicy/lr0.002/summary.json")
+    gap = load("results/paper/k3-gap/summary.json")
+    cmd = ".venv/bin/dora-hpc bench convergence configs/bench-convergence.yaml --losses ppo_clip,decoupled+truncate"
+    rows = []
+    if off:
+        v, spread = off["verdict"], off["sync_seed_spread"]
+        for k in (1, 3):
+            plain, fixed = v[f"dora-k{k} ppo_clip"]["gap_to_sync"], v[f"dora-k{k} decoupled+truncate"]["gap_to_sync"]
+            rows.append(Row(f"convergence: DORA K={k} tracks sync (final reward, toy, lr 2e-3, seeds 0-2)",
+                            "tracks sync, plain PPO-clip", f"ppo_clip {plain:+.3f}, decoupled+truncate {fixed:+.3f} "
+                            f"(sync spread {spread:.3f})", "toy", cmd + " --seeds 0,1,2 --set train.lr=0.002",
+                            "reproduced with the correction" if abs(fixed) <= spread and abs(plain) > spread
+                            else "reproduced" if abs(plain) <= spread else "differs"))
+    if gap:
+        rows.append(Row("convergence: DORA K=3 with the correction, on 6 new seeds (3-8)", "tracks sync",
+                        f"{gap['gap']:+.3f} (sync spread {gap['sync_spread']:.3f})", "toy", gap["command"],
+                        "reproduced" if abs(gap["gap"]) <= gap["sync_spread"] else
+                        "differs: K=3 costs final reward on this task (results/paper/k3-gap/README.md)"))
+    real = load("results/bench/convergence-smollm2/combined.json")
+    if real:
+        sync, dora = real["sync"], real["dora-k2"]
+        gap = dora["heldout_mean"] - sync["heldout_mean"]
+        rows.append(Row("convergence on a real model: DORA K=2 vs sync, held-out greedy reward after 30 steps "
+                        "(SmolLM2, addition, decoupled+truncate, 4 seeds)", "tracks sync",
+                        f"{dora['heldout_mean']:.3f} vs {sync['heldout_mean']:.3f} ({gap:+.3f}; sync sd "
+                        f"{sync['heldout_sd']:.3f})", "real", "see results/bench/convergence-smollm2/README.md",
+                        "reproduced" if abs(gap) <= sync["heldout_sd"] else "differs"))
+    return rows
+
+
+def fig13() -> list[Row]:
+    a = load("results/bench/ablation/summary.json")
+    long = load("results/paper/kv-ablation/summary.json")
+    rows = []
+    if a:
+        kv, re_ = a["variants"]["kv-migration"], a["variants"]["reprefill"]
+        rows.append(ratio_row("KV-reuse ablation: step interval re-prefill / KV (toy, ~35-token contexts)", 183 / 166,
+                              re_["mean_step_time_s"] / kv["mean_step_time_s"], "toy", ABLATION,
+                              "a migrated request carries ~35 tokens: re-prefill costs nothing to save"))
+    rows.append(ratio_row("KV-reuse ablation: step interval re-prefill / KV (SmolLM2, long contexts)", 183 / 166,
+                          long and long["ratio_median"], "real", long["command"] if long else "—",
+                          long and long.get("why", "")))
+    s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
+    if s64 and s128:
+        o64, o128 = s64["modes"]["dora"]["overheads"], s128["modes"]["dora"]["overheads"]
+        rows.append(Row("overheads, 64 / 128 GPUs: load balancing (weights)", "0.4% / 1.5%",
+                        f"{o64['weight_sync']:.1%} / {o128['weight_sync']:.1%}", "sim", SIM.format("paper-64"),
+                        "differs: lower; our planner and weight loads are modelled, P2P at full bandwidth"))
+        rows.append(Row("overheads, 64 / 128 GPUs: request transfer (KV migration)", "3.6% / 2.1%",
+                        f"{o64['migration']:.1%} / {o128['migration']:.1%}", "sim", SIM.format("paper-64"),
+                        "differs: lower, same trend (falls at scale)"))
+        rows.append(Row("overheads, 64 / 128 GPUs: free-cache (offload)", "< 0.03%",
+                        f"{o64['offload']:.2%} / {o128['offload']:.2%}", "sim", SIM.format("paper-64"),
+                        "differs: higher; our offload moves KV to host under pressure, the paper's frees it"))
+    ag = load("results/sim/agentic-64/summary.json")
+    agentic = ag and ag["modes"]["dora"]["median"]["over_sync"] if ag and "median" in ag["modes"]["dora"] else None
+    rows.append(Row("production scale: rollout speed-up, ~500B MoE, 4,096 accelerators", "3.6x reasoning, 6.2x agentic",
+                    "—", "none", ".venv/bin/dora-hpc simulate configs/sim/scale-4096.yaml --modes dora",
+                    "not reproducible here: no ~500B MoE workload or production traces; scale-4096 times the "
+                    "simulator only" + (f"; agentic-64 gives DORA / sync {agentic:.2f}x" if agentic else "")))
+    return rows
+
+
+def appendix_c() -> list[Row]:
+    t = load("results/paper/tables/summary.json")
+    s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
+    rows = []
+    if t:
+        rows += [Row(f"Table {n}: {what}", paper, t[key]["ours"], "real", TABLES, t[key]["verdict"])
+                 for n, what, paper, key in (
+                     (1, "pass rate by staleness within difficulty bins (DORA K=3)", "|Δ| < 0.6 pt", "table1"),
+                     (2, "per-response staleness, partial rollout", "|Δ| <= 0.33 pt", "table2"),
+                     (3, "reward variance by difficulty", "highest in the middle bins (~1.0)", "table3"),
+                     ("14b", "median response length, staleness 1 / 0", "1,495 / 1,015 (+47%)", "fig14b"))]
+    else:
+        rows.append(Row("Tables 1-3, Fig. 14b", "see the paper", "—", "none", TABLES, "not yet measured"))
+    if s64 and s128:
+        b = [s["modes"]["sync"][k] for s in (s64, s128) for k in ("bubble_fraction", "inter_instance_bubble")]
+        rows.append(Row("C.3: sync long-tail bubble, 64 / 128 GPUs, (max_i L_i - L_i) / max_i L_i", "75-89%",
+                        f"{b[0]:.0%} / {b[2]:.0%} over decode slots; {b[1]:.0%} / {b[3]:.0%} over instances", "sim",
+                        SIM.format("paper-64"), ("reproduced" if 0.75 <= b[0] <= 0.89 and 0.75 <= b[2] <= 0.89 else
+                        f"reproduced at 64; {b[2]:.0%} at 128 is above the paper's range") + " over decode slots "
+                        "(the paper does not define L_i further); over whole instances it is smaller: each holds "
+                        "stragglers"))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| figure | paper | ours | from | command | verdict |", "|---|---|---|---|---|---|"]
+    out += [f"| {r.item} | {r.paper} | {r.ours} | {SOURCES[r.source]} | `{r.command}` | {r.verdict} |" for r in rows]
+    return "\n".join(out)
+
+
+INTRO = """# The paper, figure by figure
+
+Every evaluation figure and table of DORA (arXiv 2604.26256, §4 and Appendix C) against what dora_hpc
+measures. Ours come from three places: the simulator (`dora-hpc simulate`, the same `core/` policies at
+the paper's scale, simulated time), the CPU runtime with the tiny model (real processes, paced engine) and
+the CPU runtime with SmolLM2-135M (a real model). Nothing was tuned toward the paper's numbers. A verdict
+is computed where the paper gives a number: within 10% of it is *reproduced*.
+
+This file is written by `tools/paper_report.py` from the committed summaries (the measurements
+themselves take hours; each row's command re-runs one):
+
+```bash
+.venv/bin/python tools/paper_report.py            # rewrites this README and summary.json
+.venv/bin/python tools/paper_report.py --check    # the test suite runs this: the report matches the summaries
+```
+"""
+
+
+def rules() -> str:
+    """The rules where dora_hpc and §3.3 differ, or differed, and what each costs."""
+    out = ["## Where the rules differ from §3.3", "",
+           "* **K.** The paper states the bound twice: §3 keeps a window of |W| <= K versions, its appendix "
+           "bounds staleness by K. `dora.k` is the staleness bound (step n trains on versions n - K ... n, so "
+           "K + 1 are live); §3's window of K versions is `dora.k` = K - 1 (docs/invariants.md). Our K=1 and K=3 "
+           "rows use the staleness reading, the one that allows more staleness.",
+           "* **Tiered supplementation.** On a publish the paper admits fresh work under the new version, "
+           "migrates, then tops up legacy versions. dora_hpc did the top-up before the planner; since "
+           "2026-12-03 it follows the paper (`dora.supplement: after_migration`, the default)."]
+    sup = load("results/sim/supplement/summary.json")
+    if sup:
+        out += ["", "  | workload | DORA / sync, top-up after migration (paper) | before (old) | legacy groups "
+                "topped up at a publish (after / before) | elsewhere |", "  |---|---:|---:|---:|---:|"]
+        for name, rows in sup.items():
+            a, b = rows["after_migration"], rows["before_rebalance"]
+            at = [sum(r["topup_at_publish"] for r in x["seeds"]) for x in (a, b)]
+            out.append(f"  | {name} | {a['median_over_sync']:.3f}x | {b['median_over_sync']:.3f}x | {at[0]} / "
+                       f"{at[1]} | {sum(r['topup_elsewhere'] for r in a['seeds'])} |")
+        out += ["", "  `.venv/bin/python results/sim/supplement/supplement.py` (medians over seeds; "
+                "results/sim/supplement/README.md)."]
+    out += ["* **Learning without corrections.** The paper trains k=1 and k=3 with plain PPO-clip. On the toy "
+            "our K=3 under `ppo_clip` ends outside sync's seed spread; with `decoupled`+`truncate` it ends "
+            "within it on seeds 0-2 (the Fig. 10 convergence rows; results/bench/convergence-offpolicy/)."]
+    return "\n".join(out)
+
+
+def report() -> tuple[str, dict]:
+    sections = {"Fig. 10: throughput, rollout-only time, step time, convergence": fig10(),
+                "Fig. 13: the KV ablation, overheads, production scale": fig13(),
+                "Appendix C: Tables 1-3, Fig. 14b, C.3 bubbles": appendix_c()}
+    text = [INTRO]
+    for title, rows in sections.items():
+        text += [f"## {title}", "", table(rows), ""]
+    text += [rules(), ""]
+    summary = {title: [vars(r) for r in rows] for title, rows in sections.items()}
+    return "\n".join(text), summary
+
+
+def main(argv: list[str]) -> int:
+    text, summary = report()
+    readme, js = OUT / "README.md", OUT / "summary.json"
+    js_text = json.dumps(summary, indent=1, ensure_ascii=False) + "\n"
+    if "--check" in argv:
+        stale = [p.name for p, t in ((readme, text), (js, js_text)) if not p.exists() or p.read_text() != t]
+        if stale:
+            print(f"results/paper/: {', '.join(stale)} out of date; run: .venv/bin/python tools/paper_report.py")
+            return 1
+        return 0
+    readme.write_text(text)
+    js.write_text(js_text)
+    print(f"wrote {readme.relative_to(ROOT)} and {js.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
