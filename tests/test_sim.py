@@ -220,7 +220,8 @@ def test_an_episode_is_its_turns_cut_at_the_episode_cap():
     for t, e in enumerate(eps):
         assert 100 + sum(x.tokens + x.env_tokens for x in e) <= 2000
         assert e[0].tokens == min(w.response_len(t), 1900)  # the first turn is the single-turn draw
-        assert e[-1].env_tokens == 0 and e[-1].env_s == 0 and all(x.env_tokens > 0 for x in e[:-1])
+        assert e[-1].env_tokens == 0 and all(x.env_tokens > 0 for x in e[:-1])  # the last step says done
+    assert all(e[-1].env_s > 0 for e in eps)  # ... and takes its latency, as every step does
     assert w.episode(7, 100) == eps[7]  # a pure function of (seed, trajectory)
 
 
@@ -267,22 +268,22 @@ def test_a_held_episode_keeps_its_kv_without_compute_and_leaves_first_under_pres
 def test_the_zero_bubble_limit_is_bounded_by_kv_memory():
     """An instance finishes at most capacity / (KV token-seconds per trajectory) trajectories a second: with
     flat decode steps (b = 0) and no prefill that is exact; the KV read per step (b > 0) and prefill lower it."""
-    c, m = cost(a=0.02, b=0.0, kv_capacity_tokens=1e6), {"kv_steps": 5e6, "kv_env_s": 2e5}
-    assert kv_bound_rate(c, m, 0.0) == pytest.approx(1e6 / (5e6 * 0.02 + 2e5), rel=1e-9)
+    c, m = cost(a=0.02, b=0.0, kv_capacity_tokens=1e6), {"kv_steps": 5e6}
+    assert kv_bound_rate(c, m, 0.0) == pytest.approx(1e6 / (5e6 * 0.02), rel=1e-9)
     assert kv_bound_rate(cost(a=0.02, b=1e-8, kv_capacity_tokens=1e6), m, 0.0) < kv_bound_rate(c, m, 0.0)
     assert kv_bound_rate(c, m, 1.0) < kv_bound_rate(c, m, 0.0)
 
 
 def test_the_limit_bounds_every_mode_when_kv_memory_binds(monkeypatch):
-    """20 GB accelerators: the agentic episodes' KV, not the slots, binds; the limit says so (well under the
-    slot-and-compute bound) and DORA stays under it (measured at 91% of it)."""
+    """20 GB accelerators: the agentic episodes' decoding KV, not the slots, binds; the limit says so (61% of
+    the slot-and-compute bound) and DORA stays under it (measured at 75% of it)."""
     import dora_hpc.sim.metrics as metrics
 
     cfg = load_config(SMALL, [*AGENTIC, "sim.hardware.hbm_gb=20"])
     limit = zero_bubble_limit(cfg, "disaggregated")
     with monkeypatch.context() as m:
         m.setattr(metrics, "kv_bound_rate", lambda *a: float("inf"))
-        assert limit < 0.5 * zero_bubble_limit(cfg, "disaggregated")
+        assert limit < 0.75 * zero_bubble_limit(cfg, "disaggregated")
     s = summarize(Simulator(cfg, "dora", timeline=False).run())
     assert s["kv_peak_fraction"] > 0.99 and s["throughput_tokens_per_s"] <= limit
 

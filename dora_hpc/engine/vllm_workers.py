@@ -1,12 +1,15 @@
 """What the vLLM backend (engine/vllm.py) runs on each of an instance's vLLM workers through
-``collective_rpc`` (refreshing the LM head after a reload, freeing and re-allocating the KV cache of a borrowed
-instance), the model-config figures it sizes the KV cache with, and the shutdown of an in-process engine core
-that leaves this process's other engine cores working."""
+``collective_rpc`` (reloading weights, refreshing the LM head after a reload, freeing and re-allocating the
+KV cache of a borrowed instance), the model-config figures it sizes the KV cache with, and the shutdown of an
+in-process engine core that leaves this process's other engine cores working."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -19,6 +22,34 @@ def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
     return 2 * c["num_hidden_layers"] * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def reload(llm, state: dict[str, torch.Tensor], tensor_parallel: int) -> None:
+    """Swap an instance's weights in place, then refresh its LM head. A single worker (in this process)
+    takes the tensors as they are. Worker processes (tensor parallel) get only a file name: the weights are
+    written once to shared memory (``/dev/shm`` when it has room) and each worker maps that file, so vLLM's
+    loader copies each worker's slice of a tensor straight from the mapping and no worker is sent, or
+    copies, a whole tensor. (A slice along dim 1 still reads across a row-major tensor's pages.)"""
+    if tensor_parallel == 1:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+        llm.collective_rpc(refresh_lm_head)
+        return
+    need = sum(t.numel() * t.element_size() for t in state.values())
+    shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need
+    fd, path = tempfile.mkstemp(suffix=".pt", prefix="dora-weights-", dir="/dev/shm" if shm else None)
+    os.close(fd)
+    try:
+        torch.save(state, path)
+        llm.collective_rpc(reload_from_file, args=(path,))
+    finally:
+        os.unlink(path)
+    llm.collective_rpc(refresh_lm_head)
+
+
+def reload_from_file(worker, path: str) -> None:
+    """Run on every tensor-parallel worker: load new weights from a file mapped, not read, into memory."""
+    state = torch.load(path, mmap=True, weights_only=True)
+    worker.reload_weights(weights_iterator=iter(state.items()))
 
 
 def refresh_lm_head(worker) -> None:

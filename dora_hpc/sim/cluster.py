@@ -13,7 +13,8 @@ Invariants:
 * a multi-turn episode (``workload.turns``) is one trajectory to the policy: between its turns it is held
   on its instance (KV resident, no compute) while its environment step runs (an ``env`` event); it migrates,
   is offloaded and restored like any request, waiting or decoding, and its next turn starts where it is
-  when the step ends (in transit: on arrival). The policy hears of it once, when its last turn ends;
+  when the step ends (in transit: on arrival). The environment also steps after the last turn (it says
+  done), the episode held as between turns; the policy hears of the episode once, when that step ends;
 * simulated time only; nothing here reads a clock.
 """
 
@@ -61,6 +62,7 @@ class TrajRecord:
     turn: int = 0          # the turn under way (a multi-turn episode)
     aborted: bool = False
     env_s: float = 0.0     # its environment steps' seconds
+    said_done: bool = False  # its last environment step ended while it was moving or parked
 
 
 class Simulator(Borrowing, EpisodeSteps):
@@ -153,7 +155,7 @@ class Simulator(Borrowing, EpisodeSteps):
         for r in inst.pop_finished():
             rec = self.trajs[r.traj]
             turns = self.episodes[r.traj]
-            if rec.turn < len(turns) - 1:  # a turn ended: held while its environment step runs
+            if not rec.said_done and turns[rec.turn].env_s > 0:  # a turn ended: held while its environment steps
                 r.waiting_env = True
                 inst.hold(r)
                 self._at(self.now + turns[rec.turn].env_s, "env", r.traj, rec.turn)

@@ -151,9 +151,8 @@ def episode_fit(turns: np.ndarray, spans: np.ndarray, env_s: np.ndarray, respons
     turn (the response cut at its environment spans); ``env_tokens`` per environment span; ``env_latency_s``
     per step. Only each episode's total environment seconds is logged, so the step latency is fitted by
     moments: for n independent log-normal steps the total has mean n m and variance n v, which give m and v,
-    then sigma^2 = ln(1 + v / m^2) and median = m exp(-sigma^2 / 2). The runtime also steps the environment
-    after the last turn (it says done) and the simulator does not, so an episode's seconds are spread over
-    its turns - 1 gaps: the total is kept."""
+    then sigma^2 = ln(1 + v / m^2) and median = m exp(-sigma^2 / 2). An episode of n turns has n steps: the
+    environment steps after the last turn too (it says done), in the runtime as in the simulator."""
     model, env = [], []
     for n_resp, flat in zip(response_len.tolist(), spans, strict=True):
         cuts = [int(x) for x in flat]
@@ -163,9 +162,9 @@ def episode_fit(turns: np.ndarray, spans: np.ndarray, env_s: np.ndarray, respons
             env.append(end - start)
             prev = end
         model.append(int(n_resp) - prev)
-    gaps = np.maximum(turns.astype(float) - 1, 0)
-    keep = gaps > 0
-    n, total = gaps[keep], env_s.astype(float)[keep]
+    steps = turns.astype(float)
+    keep = steps > 0
+    n, total = steps[keep], env_s.astype(float)[keep]
     out = {"turns": _lognormal(turns), "response_len": _lognormal(np.array(model, dtype=float))}
     out["env_tokens"] = (_lognormal(np.array(env, dtype=float)) if env
                          else {"median": 1, "sigma": 0.0, "min": 1, "max": 1})

@@ -21,7 +21,7 @@ Definitions (also in results/sim/README.md):
   multi-turn episodes a slot is also held while its episode's environment step runs: an instance then
   finishes at most max_num_seqs / (decode seconds + environment seconds) episodes a second. It is also
   bounded by KV memory: an instance finishes at most as many trajectories a second as its KV pool holds
-  their KV token-seconds (kv_bound_rate).
+  their decoding KV token-seconds (kv_bound_rate; waiting episodes' KV may go to host memory).
 """
 
 from __future__ import annotations
@@ -190,18 +190,19 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
 
 def kv_bound_rate(cost: CostModel, m: dict, prefill_s: float) -> float:
     """Trajectories per second one instance can finish before its KV memory binds, with every token of the
-    pool in use: a trajectory occupies ``kv_steps`` KV tokens x decode-step seconds while it decodes and
-    ``kv_env_s`` token-seconds through its environment steps (Little's law). A decode step reading u KV
-    tokens takes a + b u, and the instance decodes only outside its ``prefill_s`` per trajectory; the rate
-    is the largest that fits, found by bisection (the KV held grows with the rate)."""
-    cap, ks, ke = cost.kv_capacity_tokens, m["kv_steps"], m.get("kv_env_s", 0.0)
+    pool in use: a trajectory occupies ``kv_steps`` KV tokens x decode-step seconds while it decodes
+    (Little's law). An episode waiting on its environment binds no KV here: its KV may leave the pool for host
+    memory (or be dropped and prefilled again), so only decoding KV bounds a bubble-free instance. A decode
+    step reading u KV tokens takes a + b u, and the instance decodes only outside its ``prefill_s`` per
+    trajectory; the rate is the largest that fits, found by bisection (the KV held grows with the rate)."""
+    cap, ks = cost.kv_capacity_tokens, m["kv_steps"]
 
     def held(rate: float) -> float:  # KV tokens resident on average at this rate; inf past what decode allows
         decoding = 1.0 - rate * prefill_s
         if decoding <= 0 or cost.b * rate * ks >= decoding:
             return float("inf")
         step = cost.a / (1.0 - cost.b * rate * ks / decoding)  # u = rate * ks * step / decoding; step = a + b u
-        return rate * ks * step / decoding + rate * ke
+        return rate * ks * step / decoding
 
     lo, hi = 0.0, 1.0
     while held(hi) < cap:

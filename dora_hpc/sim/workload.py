@@ -27,8 +27,8 @@ def sample_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.nda
 @dataclass(frozen=True)
 class Turn:
     tokens: int          # model tokens of the turn
-    env_tokens: int      # the environment's tokens after it (0 after the last turn)
-    env_s: float         # the environment step's latency after it (0 after the last turn)
+    env_tokens: int      # the environment's tokens after it (0 after the last turn: it ends the episode)
+    env_s: float         # the environment step's latency after it (after the last turn too: it says done)
 
 
 class Workload:
@@ -71,16 +71,17 @@ class Workload:
             room -= tokens
             e, lat = c.env_tokens, c.env_latency_s
             env = int(round(self._draw(5, traj_id * 4096 + k, e.median, e.sigma, e.min, e.max)))
-            if k == n - 1 or room - env < 1 or tokens < 1:  # the last turn: no environment step after it
-                turns.append(Turn(max(tokens, 1), 0, 0.0))
+            env_s = self._draw(6, traj_id * 4096 + k, lat.median, lat.sigma, 0.0, lat.max)
+            if k == n - 1 or room - env < 1 or tokens < 1:  # the last turn: its environment step says done
+                turns.append(Turn(max(tokens, 1), 0, env_s))
                 break
             room -= env
-            turns.append(Turn(tokens, env, self._draw(6, traj_id * 4096 + k, lat.median, lat.sigma, 0.0, lat.max)))
+            turns.append(Turn(tokens, env, env_s))
         return turns
 
     def moments(self, n: int = 200_000) -> dict[str, float]:
         """Monte-Carlo moments used by the zero-bubble limit: E[P], E[L], E[L^2], E[P L], p50/p99 of L (L: the
-        tokens after the prompt), the KV a trajectory occupies (``kv_steps``, ``kv_env_s``: see episode_kv);
+        tokens after the prompt), the KV a trajectory reads while it decodes (``kv_steps``: see episode_kv);
         for a multi-turn workload also, per episode, ``model`` (decoded tokens), ``env_tokens`` and ``env_s``
         (from 20,000 episodes)."""
         if self.cfg.turns.max > 1:
@@ -90,7 +91,7 @@ class Workload:
         r = sample_lengths(self.cfg.response_len, rng, n).astype(float)
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
                 "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)),
-                "kv_steps": float((p * r + r * (r - 1) / 2).mean()), "kv_env_s": 0.0}
+                "kv_steps": float((p * r + r * (r - 1) / 2).mean())}
 
     def _episode_moments(self, n: int) -> dict[str, float]:
         p = np.array([self.prompt_len(g) for g in range(n)], float)
@@ -98,22 +99,18 @@ class Workload:
         model = np.array([sum(x.tokens for x in e) for e in eps], float)
         env = np.array([sum(x.env_tokens for x in e) for e in eps], float)
         r = model + env
-        kv_steps, kv_env_s = zip(*(episode_kv(int(p[t]), e) for t, e in enumerate(eps)), strict=True)
+        kv_steps = [episode_kv(int(p[t]), e) for t, e in enumerate(eps)]
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
                 "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)), "model": model.mean(),
                 "env_tokens": env.mean(), "env_s": float(np.mean([sum(x.env_s for x in e) for e in eps])),
-                "turns": float(np.mean([len(e) for e in eps])), "kv_steps": float(np.mean(kv_steps)),
-                "kv_env_s": float(np.mean(kv_env_s))}
+                "turns": float(np.mean([len(e) for e in eps])), "kv_steps": float(np.mean(kv_steps))}
 
 
-def episode_kv(prompt: int, turns: list[Turn]) -> tuple[float, float]:
-    """(KV tokens summed over the episode's decode steps, KV token-seconds it holds through its environment
-    steps): a decode step of a sequence with context c reads c tokens of KV; between turns the episode keeps
-    its context resident (the environment's tokens join it at the next turn's prefill)."""
-    ctx, steps, held = float(prompt), 0.0, 0.0
+def episode_kv(prompt: int, turns: list[Turn]) -> float:
+    """KV tokens summed over the episode's decode steps: a decode step of a sequence with context c reads c
+    tokens of KV (the environment's tokens join the context at the next turn's prefill)."""
+    ctx, steps = float(prompt), 0.0
     for x in turns:
         steps += x.tokens * ctx + x.tokens * (x.tokens - 1) / 2
-        ctx += x.tokens
-        held += ctx * x.env_s
-        ctx += x.env_tokens
-    return steps, held
+        ctx += x.tokens + x.env_tokens
+    return steps
