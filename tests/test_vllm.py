@@ -247,9 +247,9 @@ def tp_engines(tiny_dir):
 
 
 def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_engines, engines, tiny_dir):
-    """TP=2: logprobs match transformers before and after a weight reload (shipped to the worker
-    processes); a greedy request moved between two TP=2 instances continues token-identically with its
-    KV (each worker's share of the heads), and KV of another TP size is refused."""
+    """TP=2: logprobs match transformers before and after a weight reload (each worker maps the new weights
+    from one shared file and copies its slices); a greedy request moved between two TP=2 instances continues
+    token-identically with its KV (each worker's share of the heads), and KV of another TP size is refused."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -258,9 +258,17 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
     g = torch.Generator().manual_seed(1)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    sent, rpc = [], a.llm.collective_rpc  # what the instance sends its worker processes on a reload
+
+    def spy(method, timeout=None, args=(), kwargs=None):
+        sent.append((getattr(method, "__name__", method), [*args, *(kwargs or {}).values()]))
+        return rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
     for weights, version in ((None, 0), (new, 1)):
         if weights is not None:
+            a.llm.collective_rpc = spy
             a.load_weights(weights, version)
+            a.llm.collective_rpc = rpc
             b.load_weights(weights, version)
             hf.load_state_dict(weights, strict=False)
         p = prompts(3, seed=6 + version)[2]
@@ -268,6 +276,9 @@ def test_a_tensor_parallel_instance_samples_reloads_and_migrates_with_its_kv(tp_
         got = run_all(a)[500 + version]
         diff = (torch.tensor(got.logprobs) - hf_logprobs(hf, p, got.response)).abs().max()
         assert diff <= 1e-4, (version, diff)
+    # each worker gets a file name and maps the file, copying its own slices: no tensor is sent to a worker
+    assert [m for m, _ in sent] == ["reload_from_file", "refresh_lm_head"], sent
+    assert all(isinstance(x, str) for _, args in sent for x in args), sent
 
     p = prompts(3, seed=8)[2]
     ref, greedy = greedy_reference_and_midway(a, 510, p, 50, 1, midway=30)
