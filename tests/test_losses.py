@@ -63,6 +63,20 @@ def test_decoupled_weights_stale_tokens_by_prox_over_behaviour_and_corrections_a
     assert st["is_truncated"].tolist() == [[0, 1], [0, 0], [0, 0], [1, 0]]
 
 
+def test_m2po_masks_the_largest_squared_log_weights_until_the_rest_have_a_small_second_moment():
+    """The batch above: log(w)^2 of its 7 tokens is 1.207 (w 3.0), 0.840 (0.4 and 2.5), 0.164 (1.5), 0.050 (0.8),
+    0.033 (1.2) and 0; the padded token does not count. Masking the 3 largest leaves a mean of 0.062, the 4
+    largest 0.028."""
+    prox = [[L(1.2), L(3.0)], [L(0.4), 0.0], [L(1.5), L(0.8)], [L(2.5), L(9.0)]]  # the padded token's w: 9
+    behav = [[0.0, 0.0]] * 4
+    for m2, w_c in ((0.1, [[1.2, 0.0], [0.0, 1.0], [1.5, 0.8], [0.0, 9.0]]),
+                    (0.04, [[1.2, 0.0], [0.0, 1.0], [0.0, 0.8], [0.0, 9.0]]),
+                    (0.5, [[1.2, 3.0], [0.4, 1.0], [1.5, 0.8], [2.5, 9.0]])):
+        per_tok, _, st = run(LossConfig(policy_loss="decoupled", is_correction="m2po", is_m2=m2), prox, prox, behav)
+        assert near(per_tok, (-ADV.expand(4, 2) * torch.tensor(w_c)).tolist(), 1e-5), m2
+        assert int((st["is_masked"] * MASK).sum()) == {0.1: 3, 0.04: 4, 0.5: 0}[m2]
+
+
 def test_decoupled_equals_ppo_clip_on_samples_of_staleness_0():
     g = torch.Generator().manual_seed(0)
     new = (torch.randn(4, 2, generator=g) * 0.3).tolist()

@@ -38,6 +38,7 @@ LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/trainin
     "decoupled": ["train.policy_loss=decoupled", "train.is_correction=none"],
     "decoupled+truncate": ["train.policy_loss=decoupled", "train.is_correction=truncate"],
     "decoupled+mask": ["train.policy_loss=decoupled", "train.is_correction=mask"],
+    "decoupled+m2po": ["train.policy_loss=decoupled", "train.is_correction=m2po"],
     "gspo": ["train.policy_loss=gspo", "train.is_correction=none"],
 }
 

@@ -137,11 +137,13 @@ class TrainConfig(Section):
     policy_loss: Literal["ppo_clip", "decoupled", "gspo"] = Field(
         "ppo_clip", description="ppo_clip: clip pi/pi_behaviour; decoupled: clip pi/pi_proximal (the weights at "
         "the step's start) and weight by pi_proximal/pi_behaviour (AReaL); gspo: one clipped ratio per sequence")
-    is_correction: Literal["none", "truncate", "mask"] = Field(
-        "none", description="on the importance weight pi_proximal/pi_behaviour: truncate at is_cap, or mask "
-        "tokens outside is_band")
+    is_correction: Literal["none", "truncate", "mask", "m2po"] = Field(
+        "none", description="on the importance weight pi_proximal/pi_behaviour: truncate at is_cap, mask "
+        "tokens outside is_band, or (m2po, AReaL's M2PO) mask the tokens of largest log(w)^2 until the rest's mean "
+        "is at most is_m2")
     is_cap: float = Field(2.0, ge=1)
     is_band: tuple[float, float] = (0.5, 2.0)
+    is_m2: float = Field(0.04, gt=0, description="m2po: the largest second moment of log w left in a micro-batch")
     is_level: Literal["token", "sequence"] = Field(
         "token", description="what the importance weight is: each token's pi_proximal/pi_behaviour, or one "
         "per sample (sequence: the product over its tokens), so is_correction truncates or masks whole samples")

@@ -70,7 +70,7 @@ def grpo_config(cfg) -> GRPOConfig:
                       temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
                       mini_batches=t.mini_batches,
                       loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
-                                      t.is_cap, tuple(t.is_band), t.is_level))
+                                      t.is_cap, tuple(t.is_band), t.is_level, t.is_m2))
 
 
 # the stand-in of an empty micro-batch (its loss is multiplied by 0)

@@ -16,6 +16,9 @@ behaviour-to-proximal importance weight: staleness plus the engine-vs-trainer nu
 * ``gspo``: one ratio per sequence, the geometric mean of ``pi_new / pi_behav`` over its tokens, clipped
   per sequence; every token of the sequence carries the sequence's loss.
 
+``m2po`` (AReaL's M2PO) masks the tokens of the largest ``log(w)^2`` until the rest of the micro-batch's tokens
+have a mean ``log(w)^2`` (the second moment) of at most ``is_m2``; every other token keeps ``w`` as it is.
+
 ``is_level`` says what ``w`` is: ``token`` (each token's own ratio) or ``sequence`` (one weight per
 sample, the product of its tokens' ratios: ``exp`` of the clamped sum of their log-ratios, carried by every
 token of the sample), so a correction truncates or masks whole samples.
@@ -39,7 +42,7 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0
 PolicyLoss = Literal["ppo_clip", "decoupled", "gspo"]
-Correction = Literal["none", "truncate", "mask"]
+Correction = Literal["none", "truncate", "mask", "m2po"]
 Level = Literal["token", "sequence"]
 
 
@@ -53,21 +56,43 @@ class LossConfig:
     is_cap: float = 2.0                   # truncate: min(w, is_cap)
     is_band: tuple[float, float] = (0.5, 2.0)  # mask: tokens whose w lies outside are not trained on
     is_level: Level = "token"             # sequence: one w per sample, the product of its tokens' ratios
+    is_m2: float = 0.04                   # m2po: the largest mean log(w)^2 of the tokens kept
 
 
 def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def corrected(w: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the corrected weight, tokens truncated, tokens masked) for importance weights ``w``."""
+def corrected(w: torch.Tensor, cfg: LossConfig, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the corrected weight, tokens truncated, tokens masked) for importance weights ``w`` of the tokens in
+    ``mask``."""
     none = torch.zeros_like(w, dtype=torch.bool)
     if cfg.is_correction == "truncate":
         return torch.clamp(w, max=cfg.is_cap), w > cfg.is_cap, none
-    if cfg.is_correction == "mask":
-        out = (w < cfg.is_band[0]) | (w > cfg.is_band[1])
+    if cfg.is_correction in ("mask", "m2po"):
+        out = ((w < cfg.is_band[0]) | (w > cfg.is_band[1]) if cfg.is_correction == "mask"
+               else second_moment_mask(torch.log(w), mask, cfg.is_m2))
         return torch.where(out, torch.zeros_like(w), w), none, out
     return w, none, none
+
+
+def second_moment_mask(log_w: torch.Tensor, mask: torch.Tensor, m2_max: float) -> torch.Tensor:
+    """M2PO's mask: the fewest tokens of ``mask``, largest ``log_w^2`` first, whose removal leaves the others'
+    mean ``log_w^2`` at most ``m2_max``."""
+    valid = mask.bool()
+    m2 = log_w[valid].pow(2)
+    out = torch.zeros_like(valid)
+    if not m2.numel():
+        return out
+    top, order = m2.sort(descending=True)
+    removed = torch.cat([top.new_zeros(1), top.cumsum(0)])  # sum of the k largest, k = 0..n
+    left = torch.arange(m2.numel(), -1, -1, dtype=top.dtype)
+    mean_left = (top.sum() - removed) / left.clamp(min=1)
+    k = int((mean_left > m2_max).sum())  # mean_left falls as k grows: the first k that fits
+    flat = torch.zeros_like(m2, dtype=torch.bool)
+    flat[order[:k]] = True
+    out[valid] = flat
+    return out
 
 
 def importance_weight(prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tensor:
@@ -86,7 +111,7 @@ def policy_loss(new: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, adv:
     [B, 1]; ``prox`` and ``behav`` carry no gradient."""
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
     w = importance_weight(prox, behav, mask, cfg.is_level)
-    w_c, truncated, masked = corrected(w, cfg)
+    w_c, truncated, masked = corrected(w, cfg, mask)
     if cfg.policy_loss == "gspo":
         n = mask.sum(1, keepdim=True).clamp(min=1)
         ratio = _ratio(((new - behav) * mask).sum(1, keepdim=True) / n).expand_as(new)
