@@ -21,7 +21,10 @@ CASES = ("sync decoupled+truncate", "dora-k3 decoupled+truncate")
 
 
 def finals(summary: dict) -> dict[str, dict[int, float]]:
-    return {c: dict(zip(summary["seeds"], summary["cases"][c]["final_by_seed"], strict=True)) for c in CASES}
+    """Final reward by seed per case; a one-loss run names its cases without the loss."""
+    def case(c: str) -> dict:
+        return summary["cases"].get(c) or summary["cases"][c.split()[0]]
+    return {c: dict(zip(summary["seeds"], case(c)["final_by_seed"], strict=True)) for c in CASES}
 
 
 def main(new_path: str) -> None:
@@ -39,7 +42,7 @@ def main(new_path: str) -> None:
            "paired_gap_median": statistics.median(paired), "paired_gap_by_seed": paired,
            "new_seeds_only_gap": statistics.mean(dora[s] for s in new["seeds"]) - statistics.mean(
                sync[s] for s in new["seeds"]),
-           "seconds_per_step": {c: new["cases"][c]["seconds_per_step"] for c in CASES},
+           "seconds_per_step": {c.split()[0]: new["cases"][c.split()[0]]["seconds_per_step"] for c in CASES},
            "command": COMMAND}
     (HERE / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list)}, indent=1))
