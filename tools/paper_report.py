@@ -155,12 +155,12 @@ def appendix_c() -> list[Row]:
     s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
     rows = []
     if t:
-        rows += [Row(f"Table {n}: {what}", paper, t[key]["ours"], "real", TABLES, t[key]["verdict"])
+        rows += [Row(f"{n}: {what}", paper, t[key]["ours"], "real", TABLES, t[key]["verdict"])
                  for n, what, paper, key in (
-                     (1, "pass rate by staleness within difficulty bins (DORA K=3)", "|Δ| < 0.6 pt", "table1"),
-                     (2, "per-response staleness, partial rollout", "|Δ| <= 0.33 pt", "table2"),
-                     (3, "reward variance by difficulty", "highest in the middle bins (~1.0)", "table3"),
-                     ("14b", "median response length, staleness 1 / 0", "1,495 / 1,015 (+47%)", "fig14b"))]
+                     ("Table 1", "pass rate by staleness within difficulty bins (DORA K=3)", "gap < 0.6 pt", "table1"),
+                     ("Table 2", "per-response staleness, partial rollout", "gap <= 0.33 pt", "table2"),
+                     ("Table 3", "reward variance by difficulty", "highest in the middle bins (~1.0)", "table3"),
+                     ("Fig. 14b", "median response length, staleness 1 / 0", "1,495 / 1,015 (+47%)", "fig14b"))]
     else:
         rows.append(Row("Tables 1-3, Fig. 14b", "see the paper", "—", "none", TABLES, "not yet measured"))
     if s64 and s128:
@@ -176,7 +176,8 @@ def appendix_c() -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     out = ["| figure | paper | ours | from | command | verdict |", "|---|---|---|---|---|---|"]
-    out += [f"| {r.item} | {r.paper} | {r.ours} | {SOURCES[r.source]} | `{r.command}` | {r.verdict} |" for r in rows]
+    cells = [[r.item, r.paper, r.ours, SOURCES[r.source], f"`{r.command}`", r.verdict] for r in rows]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     return "\n".join(out)
 
 
