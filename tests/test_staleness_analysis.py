@@ -24,3 +24,24 @@ def test_stratifying_by_difficulty_removes_a_confounded_naive_gap():
     assert t3["[0.25, 0.50)"]["reward_variance"] == pytest.approx(0.1875) and t3["[0.25, 0.50)"]["mean_length"] == 40
     assert t3["[0.00, 0.25)"] == {"bin": "[0.00, 0.25)", "groups": 0, "reward_variance": None, "mean_length": None,
                                   "mean_staleness": None}
+
+
+def test_difficulty_is_a_prompts_pass_rate_over_the_run_when_the_run_says_which_prompt_a_group_got():
+    """Prompt 0 is asked twice, fresh (group 0: 1 of 4 right) and stale (group 2: 3 of 4): its pass rate over
+    the run is 0.5, so both groups land in one bin and are compared with each other. Binned by group, the
+    stale group is compared with another prompt's (group 1, all right). Table 3 still bins groups by their own
+    pass rate."""
+    group = np.repeat([0, 1, 2], 4)
+    prompt = np.repeat([0, 1, 0], 4)
+    stale = np.repeat([0, 0, 1], 4)
+    reward = np.array([1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0], dtype=float)
+    length = np.full(12, 10)
+    by_group = stratified(stale, reward, group, length)
+    by_prompt = stratified(stale, reward, group, length, prompt=prompt)
+    assert by_group["difficulty_of"] == "group" and by_prompt["difficulty_of"] == "prompt"
+    mid = next(r for r in by_prompt["rows"] if r["bin"] == "[0.50, 0.75)")
+    assert mid["by_staleness"] == {"0": {"n": 4, "pass_rate": 0.25}, "1": {"n": 4, "pass_rate": 0.75}}
+    assert mid["delta"] == pytest.approx(0.5)
+    easy = next(r for r in by_group["rows"] if r["bin"] == "[0.75, 1.00]")
+    assert easy["delta"] == pytest.approx(-0.25) and by_group["rows"][1]["delta"] is None
+    assert by_prompt["by_difficulty"] == by_group["by_difficulty"]

@@ -35,6 +35,15 @@ class NothingToAnalyse(ShardError):
     """A run directory without one readable train step; the message names the dir and what was skipped."""
 
 
+def prompt_of(group_id: np.ndarray, cfg: dict) -> np.ndarray | None:
+    """The prompt each group got, where the config says: a reasoning-gym task gives group g its item g % size
+    (data/text_tasks.py); None for other tasks."""
+    task = cfg.get("task", {})
+    if task.get("name") == "reasoning_gym" and task.get("size"):
+        return np.asarray(group_id) % int(task["size"])
+    return None
+
+
 def _rank(path: str | Path) -> int:
     return int(Path(path).name.split("-")[1][1:])  # traj-r3-00001.h5 -> 3
 
@@ -90,7 +99,8 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "staleness": {"max": int(stale.max(initial=0)), "mean": float(stale.mean()) if len(stale) else 0.0,
                       "histogram": _counts(stale), "by_version": _counts(consumed["version"])},
         "stratified": stratified(stale, consumed["reward"], consumed["group_id"],
-                                 joined(traj["response_len"], chk.matched, 0)),
+                                 joined(traj["response_len"], chk.matched, 0),
+                                 prompt=prompt_of(consumed["group_id"], cfg)),
         "partial_segments": {} if single_version else {"trajectories_with_switches": len(chk.mixed)},
         "migrations": mig["count"], "migration": mig,
         "reprefill_tokens": int(np.sum(traj["reprefill_tokens"])) if len(traj["traj_id"]) else 0,

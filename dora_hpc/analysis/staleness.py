@@ -1,7 +1,10 @@
 """Did staleness cost quality? The paper's naive vs difficulty-stratified comparison (Tables 1 and 3).
 
-Per consumed trajectory: its staleness (consume step - version), reward, response length and group.
-A trajectory *passes* when its reward >= ``threshold``; a prompt's difficulty is its group's pass rate.
+Per consumed trajectory: its staleness (consume step - version), reward, response length, group and
+prompt. A trajectory *passes* when its reward >= ``threshold``; a prompt's difficulty is its pass rate over
+every consumed sample of it in the run (its groups at every staleness), or its group's alone where the run
+does not say which prompt a group got (``prompt`` None). A group's samples share one staleness, so with a
+few samples per group a bin of group pass rates would fix the pass rate inside it.
 Stale data comes disproportionately from hard prompts (long responses finish late), so the naive pass
 rate by staleness mixes two effects; within a pass-rate bin the difficulty is held roughly fixed and
 what is left is the effect of staleness (Table 1). Invariant: every figure is a plain count or mean
@@ -35,31 +38,39 @@ def _delta(cells: dict[str, dict]) -> float | None:
     return sum(k * p for k, p in stale) / n - fresh["pass_rate"]
 
 
+def _rate(key: np.ndarray, passed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index of each row's key, pass rate per key, rows per key)."""
+    _, idx, n = np.unique(key, return_inverse=True, return_counts=True)
+    return idx, np.bincount(idx, weights=passed, minlength=len(n)) / np.maximum(n, 1), n
+
+
 def stratified(stale: np.ndarray, reward: np.ndarray, group: np.ndarray, length: np.ndarray,
-               threshold: float = 0.5) -> dict:
+               threshold: float = 0.5, prompt: np.ndarray | None = None) -> dict:
     stale, reward, group, length = (np.asarray(x) for x in (stale, reward, group, length))
     stale = stale.astype(np.int64)
     reward = reward.astype(float)
     passed = (reward >= threshold).astype(float)
-    _, g_idx, g_n = np.unique(group, return_inverse=True, return_counts=True)
-    g_pass = np.bincount(g_idx, weights=passed, minlength=len(g_n)) / np.maximum(g_n, 1)
+    g_idx, g_pass, g_n = _rate(group, passed)
     g_mean = np.bincount(g_idx, weights=reward, minlength=len(g_n)) / np.maximum(g_n, 1)
     g_var = np.bincount(g_idx, weights=(reward - g_mean[g_idx]) ** 2, minlength=len(g_n)) / np.maximum(g_n, 1)
-    difficulty = g_pass[g_idx]
+    p_idx, p_pass, _ = _rate(group if prompt is None else np.asarray(prompt), passed)
+    difficulty = p_pass[p_idx]
     naive = _cells(stale, passed)
     rows, table3 = [], []
     for lo, hi in BINS:
         m = (difficulty >= lo) & (difficulty < hi)
         cells = _cells(stale[m], passed[m]) if m.any() else {}
         rows.append({"bin": _label(lo, hi), "n": int(m.sum()), "by_staleness": cells, "delta": _delta(cells)})
-        groups_in = (g_pass >= lo) & (g_pass < hi)
+        groups_in = (g_pass >= lo) & (g_pass < hi)  # Table 3 bins groups by their own pass rate (k of G right)
+        rows_in = groups_in[g_idx]
         table3.append({"bin": _label(lo, hi), "groups": int(groups_in.sum()),
                        "reward_variance": float(g_var[groups_in].mean()) if groups_in.any() else None,
-                       "mean_length": float(length[m].mean()) if m.any() else None,
-                       "mean_staleness": float(stale[m].mean()) if m.any() else None})
+                       "mean_length": float(length[rows_in].mean()) if rows_in.any() else None,
+                       "mean_staleness": float(stale[rows_in].mean()) if rows_in.any() else None})
     order = np.argsort(stale, kind="stable")
     values, starts = np.unique(stale[order], return_index=True)
     median_len = {str(int(s)): float(np.median(chunk))
                   for s, chunk in zip(values, np.split(length[order], starts[1:]), strict=True)}
-    return {"threshold": threshold, "naive": {"by_staleness": naive, "delta": _delta(naive)},
+    return {"threshold": threshold, "difficulty_of": "group" if prompt is None else "prompt",
+            "naive": {"by_staleness": naive, "delta": _delta(naive)},
             "rows": rows, "by_difficulty": table3, "median_length_by_staleness": median_len}

@@ -47,7 +47,7 @@ def _degenerate(strat: dict, group_size: int) -> str | None:
     why = []
     if top_n["n"] >= 0.9 * n:
         why.append(f"{top_n['n'] / n:.0%} of the trajectories have staleness {top}")
-    if group_size <= 4:
+    if group_size <= 4 and strat.get("difficulty_of", "group") == "group":
         why.append(f"groups of {group_size}: each difficulty bin holds one or two group pass rates, the same at "
                    "every staleness (a group's samples share it)")
     return "; ".join(why) or None
@@ -66,8 +66,10 @@ def _table(strat: dict, paper: str, group_size: int) -> dict:
     elif why := _degenerate(strat, group_size):
         verdict = f"not measurable on this run: {why}"
     elif all(abs(g["gap"]) <= 2 * g["se"] for g in measured):
-        verdict = (f"reproduced: no stratum's gap exceeds two standard errors (largest {abs(worst['gap']) * 100:.1f} "
-                   f"pt, se {worst['se'] * 100:.1f}); {paper}")
+        n = sum(g["n0"] + g["n1"] for g in measured)
+        verdict = (f"consistent at this size, not a reproduction: no stratum's gap exceeds two standard errors "
+                   f"(largest {abs(worst['gap']) * 100:.1f} pt, se {worst['se'] * 100:.1f}) over {n} responses; "
+                   f"{paper}, on thousands")
     else:
         verdict = (f"differs: the {worst['bin']} stratum's gap {worst['gap'] * 100:+.1f} pt is "
                    f"{abs(worst['gap']) / worst['se']:.1f} standard errors")
