@@ -2,7 +2,7 @@
 and seeds 3-8 from a new `bench convergence` run, both sync and DORA K=3 under decoupled+truncate, toy task,
 lr 2e-3, 30 steps. Writes summary.json here (tools/paper_report.py reads it).
 
-    .venv/bin/python results/paper/k3-gap/combine.py NEW_SUMMARY.json
+    .venv/bin/python results/paper/k3-gap/combine.py results/paper/k3-gap/bench-seeds3-8.json   # the new run's summary.json
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def main(new_path: str) -> None:
            "sync_mean": statistics.mean(sync.values()), "dora_k3_mean": statistics.mean(dora.values()),
            "gap": statistics.mean(dora.values()) - statistics.mean(sync.values()),
            "sync_spread": max(sync.values()) - min(sync.values()),
-           "sync_sd": statistics.stdev(sync.values()),
+           "sync_sd": statistics.stdev(sync.values()), "dora_k3_sd": statistics.stdev(dora.values()),
+           "gap_se": (statistics.variance(sync.values()) / len(sync)
+                      + statistics.variance(dora.values()) / len(dora)) ** 0.5,
            "paired_gap_median": statistics.median(paired), "paired_gap_by_seed": paired,
            "new_seeds_only_gap": statistics.mean(dora[s] for s in new["seeds"]) - statistics.mean(
                sync[s] for s in new["seeds"]),
