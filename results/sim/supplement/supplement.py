@@ -1,11 +1,11 @@
 """The tiered-supplementation A/B (issue 33): DORA with legacy top-up after the planner's migrations on a
 publish (``dora.supplement: after_migration``, the paper's §3.3 order and the default) against top-up before
 the planner (``before_rebalance``, the order dora_hpc used until 2026-12-03), each beside sync on the same
-seed, on the planner A/B's workloads. Steady state: 40 steps, the first 2K left out. Each run also counts
-the legacy groups top-up admitted, at a publish and at other events (the only place the order can act is
-a publish).
+seed, on the planner A/B's single-turn workloads, one seed each. Steady state: 40 steps, the first 2K left
+out. Each run also counts the legacy groups top-up admitted, at a publish and at other events (the only
+place the order can act is a publish).
 
-    .venv/bin/python results/sim/supplement/supplement.py     # ~25 min on 2 cores; writes summary.json
+    .venv/bin/python results/sim/supplement/supplement.py     # ~8 min on 2 cores; writes summary.json
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from dora_hpc.sim.metrics import summarize
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 SCENARIOS = {  # name: (config, overrides, base seed, K, seeds): the planner A/B's (results/sim/planner/)
-    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 3),
-    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 3),
+    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 1),
+    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 1),
     "heavy tail": ("configs/sim/paper-64.yaml", ["workload.response_len.sigma=1.6", "workload.response_len.max=65536",
-                                                 "dora.k=6"], 7, 6, 3),
+                                                 "dora.k=6"], 7, 6, 1),
     "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
                                                      "workload.response_len.sigma=1.2",
-                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 3),
-    "agentic-64": ("configs/sim/agentic-64.yaml", [], 0, 3, 1),
+                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 1),
 }
 RUNS = {"sync": ("sync", []), "after_migration": ("dora", ["dora.supplement=after_migration"]),
         "before_rebalance": ("dora", ["dora.supplement=before_rebalance"])}
@@ -70,8 +69,8 @@ def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
 
 
 def jobs() -> list[tuple[str, str, int]]:
-    return sorted(((name, label, base + i) for name, (_, _, base, _, n) in SCENARIOS.items() for i in range(n)
-                   for label in RUNS), key=lambda j: j[0] != "agentic-64")  # the longest first
+    return [(name, label, base + i) for name, (_, _, base, _, n) in SCENARIOS.items() for i in range(n)
+            for label in RUNS]
 
 
 def main() -> None:
