@@ -89,9 +89,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
     mig = migration_figures(ops)
     result = {
-        "run_dir": str(run_dir),
-        "mode": mode,
-        "k": k,
+        "run_dir": str(run_dir), "mode": mode, "k": k,
         "steps": int(len(tsteps["step"])),
         "trajectories": int(len(traj["traj_id"])),
         "consumed": int(len(consumed["traj_id"])),
