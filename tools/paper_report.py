@@ -61,6 +61,12 @@ def fig10() -> list[Row]:
     why_partial = ("our partial rollout is fast (1.65x sync at 64) because our prefill model makes re-prefill "
                    "cheap: 3.6% of its wall time (results/sim/README.md, sensitivity: at 10% prefill MFU "
                    "DORA / partial is 1.15x)")
+    pp = load("results/paper/partial-placement.json")
+    if pp:
+        d = pp["disaggregated"]
+        why_partial += (f"; on DORA's own split partial rollout reaches {d['throughput_tokens_per_s']:,.0f} tokens/s, "
+                        f"more than DORA: its re-prefill costs {d['overheads']['reprefill']:.1%} of its time, DORA's "
+                        "trainer waits 11% for the window (results/paper/partial_placement.py)")
     why_128 = "at 128 our DORA is trainer-bound (99% of its limit): training scales perfectly in the simulator"
     for n, paper in ((64, dict(sync=1.65, partial=1.17, ro_sync=0.65, ro_dora=0.12, ro_x=8.2, step=1.56)),
                      (128, dict(sync=2.12, partial=1.11, ro_sync=0.73, ro_dora=0.24, ro_x=5.9, step=1.93))):
