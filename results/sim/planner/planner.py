@@ -63,17 +63,25 @@ def jobs() -> list[tuple[str, str, int]]:
     return sorted(out, key=lambda j: j[0] != "agentic-64")  # the longest first
 
 
-def main() -> None:
-    with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2) as pool:
-        results = pool.map(simulate, jobs(), chunksize=1)
+def grouped(results: list[tuple[str, str, dict]]) -> dict:
+    """Runs by scenario and label, each with ``over_sync``: its throughput over its seed's sync run."""
     out: dict = {}
     for name, label, row in results:
         out.setdefault(name, {}).setdefault(label, []).append(row)
     for rows in out.values():
         sync = {r["seed"]: r["throughput_tokens_per_s"] for r in rows["sync"]}
-        for label, runs in rows.items():
+        for runs in rows.values():
             for r in runs:
                 r["over_sync"] = r["throughput_tokens_per_s"] / sync[r["seed"]]
+    return out
+
+
+def main() -> None:
+    with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2) as pool:
+        results = pool.map(simulate, jobs(), chunksize=1)
+    out = grouped(results)
+    for rows in out.values():
+        for label, runs in rows.items():
             rows[label] = {"median": {k: statistics.median(r[k] for r in runs)
                                       for k in ("throughput_tokens_per_s", "over_sync", "limit_share")},
                            "min_over_sync": min(r["over_sync"] for r in runs),

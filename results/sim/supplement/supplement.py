@@ -25,6 +25,9 @@ from dora_hpc.sim.metrics import summarize
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent / "planner"))
+import planner  # noqa: E402  (results/sim/planner/planner.py: its grouping of runs by scenario)
+
 SCENARIOS = {  # name: (config, overrides, base seed, K, seeds): the planner A/B's (results/sim/planner/)
     "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 1),
     "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 1),
@@ -76,14 +79,9 @@ def jobs() -> list[tuple[str, str, int]]:
 def main() -> None:
     with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2, initializer=_count_topups) as pool:
         results = pool.map(simulate, jobs(), chunksize=1)
-    out: dict = {}
-    for name, label, row in results:
-        out.setdefault(name, {}).setdefault(label, []).append(row)
+    out = planner.grouped(results)
     for rows in out.values():
-        sync = {r["seed"]: r["throughput_tokens_per_s"] for r in rows["sync"]}
         for label, runs in rows.items():
-            for r in runs:
-                r["over_sync"] = r["throughput_tokens_per_s"] / sync[r["seed"]]
             rows[label] = {"median_over_sync": statistics.median(r["over_sync"] for r in runs), "seeds": runs}
     (HERE / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
 
