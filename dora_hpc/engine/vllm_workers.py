@@ -32,17 +32,16 @@ def reload(llm, state: dict[str, torch.Tensor], tensor_parallel: int) -> None:
     copies, a whole tensor. (A slice along dim 1 still reads across a row-major tensor's pages.)"""
     if tensor_parallel == 1:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
-        llm.collective_rpc(refresh_lm_head)
-        return
-    need = sum(t.numel() * t.element_size() for t in state.values())
-    shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need
-    fd, path = tempfile.mkstemp(suffix=".pt", prefix="dora-weights-", dir="/dev/shm" if shm else None)
-    os.close(fd)
-    try:
-        torch.save(state, path)
-        llm.collective_rpc(reload_from_file, args=(path,))
-    finally:
-        os.unlink(path)
+    else:
+        need = sum(t.numel() * t.element_size() for t in state.values())
+        shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need
+        fd, path = tempfile.mkstemp(suffix=".pt", prefix="dora-weights-", dir="/dev/shm" if shm else None)
+        os.close(fd)
+        try:
+            torch.save(state, path)
+            llm.collective_rpc(reload_from_file, args=(path,))
+        finally:
+            os.unlink(path)
     llm.collective_rpc(refresh_lm_head)
 
 
