@@ -2,7 +2,7 @@
 and seeds 3-8 from a new `bench convergence` run, both sync and DORA K=3 under decoupled+truncate, toy task,
 lr 2e-3, 30 steps. Writes summary.json here (tools/paper_report.py reads it).
 
-    .venv/bin/python results/paper/k3-gap/combine.py results/paper/k3-gap/bench-seeds3-8.json   # the new run's summary.json
+    .venv/bin/python results/paper/k3-gap/combine.py results/paper/k3-gap/bench-seeds3-8.json  # the new run
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ COMMAND = (".venv/bin/dora-hpc bench convergence configs/bench-convergence.yaml 
 CASES = ("sync decoupled+truncate", "dora-k3 decoupled+truncate")
 
 
-def finals(summary: dict) -> dict[str, dict[int, float]]:
-    """Final reward by seed per case; a one-loss run names its cases without the loss."""
-    def case(c: str) -> dict:
-        return summary["cases"].get(c) or summary["cases"][c.split()[0]]
-    return {c: dict(zip(summary["seeds"], case(c)["final_by_seed"], strict=True)) for c in CASES}
+def final(summary: dict, case: str) -> dict[int, float]:
+    """A case's final reward by seed in a bench summary; a one-loss run names its cases without the loss."""
+    c = summary["cases"].get(case) or summary["cases"][case.split()[0]]
+    return dict(zip(summary["seeds"], c["final_by_seed"], strict=True))
 
 
 def main(new_path: str) -> None:
     old, new = json.loads(OLD.read_text()), json.loads(Path(new_path).read_text())
-    by_case = {c: {**finals(old)[c], **finals(new)[c]} for c in CASES}
+    by_case = {c: {**final(old, c), **final(new, c)} for c in CASES}
     sync, dora = (by_case[c] for c in CASES)
     seeds = sorted(sync)
     paired = [dora[s] - sync[s] for s in seeds]

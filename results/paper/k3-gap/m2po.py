@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def finals(path: Path, case: str) -> dict[int, float]:
-    s = json.loads(path.read_text())
-    return dict(zip(s["seeds"], s["cases"][case]["final_by_seed"], strict=True))
-
+sys.path.insert(0, str(HERE))
+from combine import final  # noqa: E402
 
 if __name__ == "__main__":
-    trunc, m2po = HERE / "bench-seeds3-8.json", HERE / "bench-m2po-seeds3-8.json"
-    runs = {"sync (truncate run)": finals(trunc, "sync"), "dora-k3 truncate": finals(trunc, "dora-k3"),
-            "sync (m2po run)": finals(m2po, "sync"), "dora-k3 m2po": finals(m2po, "dora-k3")}
+    trunc, m2po = (json.loads((HERE / f).read_text()) for f in ("bench-seeds3-8.json", "bench-m2po-seeds3-8.json"))
+    runs = {"sync (truncate run)": final(trunc, "sync"), "dora-k3 truncate": final(trunc, "dora-k3"),
+            "sync (m2po run)": final(m2po, "sync"), "dora-k3 m2po": final(m2po, "dora-k3")}
     seeds = sorted(runs["dora-k3 m2po"])
     diff = [runs["dora-k3 m2po"][s] - runs["dora-k3 truncate"][s] for s in seeds]
     out = {"seeds": seeds, "final_by_seed": {k: [v[s] for s in seeds] for k, v in runs.items()},
