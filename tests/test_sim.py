@@ -225,6 +225,18 @@ def test_an_episode_is_its_turns_cut_at_the_episode_cap():
     assert w.episode(7, 100) == eps[7]  # a pure function of (seed, trajectory)
 
 
+def test_an_instant_environment_still_gives_every_turn():
+    """Environment steps that take no time: an episode still runs all its turns (the step after the last one
+    is the only one that may be skipped, since it only says done)."""
+    from dora_hpc.sim.workload import Workload
+
+    cfg = load_config(SMALL, [*AGENTIC[:3], "workload.env_latency_s={median: 0, sigma: 0, max: 1}", AGENTIC[4]])
+    s = summarize(Simulator(cfg, "dora", timeline=False).run())
+    w = Workload(cfg.workload, cfg.seed)
+    assert s["episodes"]["turns_mean"] > 3 and s["episodes"]["env_prefill_tokens"] > 0
+    assert all(x.env_s == 0 for t in range(50) for x in w.episode(t, 100))
+
+
 @pytest.fixture(scope="module")
 def agentic_runs():
     cfg = load_config(SMALL, AGENTIC)

@@ -155,7 +155,8 @@ class Simulator(Borrowing, EpisodeSteps):
         for r in inst.pop_finished():
             rec = self.trajs[r.traj]
             turns = self.episodes[r.traj]
-            if not rec.said_done and turns[rec.turn].env_s > 0:  # a turn ended: held while its environment steps
+            last = rec.turn == len(turns) - 1  # the step after the last turn only says done: skipped when instant
+            if not rec.said_done and (not last or turns[rec.turn].env_s > 0):  # held while its environment steps
                 r.waiting_env = True
                 inst.hold(r)
                 self._at(self.now + turns[rec.turn].env_s, "env", r.traj, rec.turn)
