@@ -218,10 +218,10 @@ def evaluate(target: Target, n: int = 200, samples: int = 4, train_prompts: int 
     from rich.progress import Progress
 
     from .engine.engine import Engine
-    from .engine.model import ModelSpec, load_hf_config
+    from .engine.spec import read_spec
 
     cfg = target.cfg
-    vocab = ModelSpec.from_hf(load_hf_config(target.model_dir)).vocab_size
+    vocab = read_spec(target.model_dir).vocab_size
     task, prompts, skipped = heldout(cfg, target.model_dir, vocab, n, train_prompts)
     seed = cfg.seed + EVAL_SEED_OFFSET
     e = cfg.engine

@@ -231,6 +231,26 @@ def test_malformed_checkpoint_folders(tiny_dir, tmp_path):
         load_model(broken)
 
 
+def test_a_model_spec_read_as_json_equals_transformers_reading(tiny_dir, tmp_path):
+    """read_spec skips importing transformers where config.json says enough; where it does not (a field
+    left to the model type's default, RoPE scaling), AutoConfig reads it, with the same result."""
+    import json
+
+    from dora_hpc.engine.spec import ModelSpec, load_hf_config, read_spec
+
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    assert read_spec(tiny_dir) == ModelSpec.from_hf(load_hf_config(tiny_dir))
+    sparse = {k: v for k, v in cfg.items() if k not in ("rms_norm_eps", "tie_word_embeddings", "rope_parameters")}
+    scaled = {**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_parameters": None}
+    for name, raw in (("sparse", sparse), ("scaled", scaled)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    assert read_spec(tmp_path / "sparse") == ModelSpec.from_hf(load_hf_config(tmp_path / "sparse"))
+    assert read_spec(tmp_path / "sparse").tie_word_embeddings is False  # Qwen2's default, not ours
+    with pytest.raises(ModelLoadError, match="rope_type 'linear' is not supported"):
+        read_spec(tmp_path / "scaled")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     import importlib.util

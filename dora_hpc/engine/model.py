@@ -19,47 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv import KVPool
-
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint folder that cannot be loaded; the message names the file or tensor."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    attention_bias: bool
-    tie_word_embeddings: bool
-    eos_token_id: tuple[int, ...]
-
-    @classmethod
-    def from_hf(cls, cfg) -> ModelSpec:
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ModelLoadError(f"rope_type {rope['rope_type']!r} is not supported (only default RoPE)")
-        bias = getattr(cfg, "attention_bias", None)
-        if bias is None:
-            bias = cfg.model_type == "qwen2"
-        eos = cfg.eos_token_id
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
-        heads = cfg.num_attention_heads
-        return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta), attention_bias=bool(bias),
-            tie_word_embeddings=bool(cfg.tie_word_embeddings), eos_token_id=eos,
-        )
+from .spec import ModelLoadError, ModelSpec, read_spec
 
 
 class RMSNorm(nn.Module):
@@ -205,18 +165,6 @@ class DecoderLM(nn.Module):
         return self.lm_head(x).float()
 
 
-def load_hf_config(folder: str | Path):
-    from transformers import AutoConfig
-
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    try:
-        return AutoConfig.from_pretrained(folder)
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: {e}") from None
-
-
 def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -250,7 +198,7 @@ def check_state(model: DecoderLM, state: dict[str, torch.Tensor], where: str) ->
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
-    spec = ModelSpec.from_hf(load_hf_config(folder))
+    spec = read_spec(folder)
     model = DecoderLM(spec)
     state = check_state(model, read_safetensors(folder), str(folder))
     model.load_state_dict(state, strict=False)

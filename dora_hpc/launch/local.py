@@ -85,7 +85,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 
 def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
     """Write (or, on resume, update) ``launch.json``; returns it. ``resume``: no | required | if_any."""
-    from ..engine.model import ModelSpec, load_hf_config
+    from ..engine.spec import read_spec
 
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "launch.json"
@@ -94,7 +94,7 @@ def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
         if (run_dir / "attempts.jsonl").exists() or list(run_dir.glob("*.h5")):
             raise LaunchError(f"{run_dir} already holds a run; continue it with --resume or pick a new --run-dir")
         model_dir = resolve_model(cfg)
-        spec = ModelSpec.from_hf(load_hf_config(model_dir))
+        spec = read_spec(model_dir)
         meta = {"model_dir": str(model_dir), "vocab_size": spec.vocab_size,
                 "run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", "t0": time.time()}
     else:

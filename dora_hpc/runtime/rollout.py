@@ -114,6 +114,7 @@ class RolloutRank(OpLog):
             self.comm.discard(msg, src)
         if self.episodes:
             self.episodes.close()
+        self.engine.close()
         self.traj_log.flush()
         self.log.flush()
 

@@ -128,7 +128,6 @@ class TrainerRank(RankClock):
             self.route(*got)
         if self.rollout is not None:
             self.rollout.close()
-            self.rollout.engine.close()
         self.log.flush()
         self.dp.close()
 
