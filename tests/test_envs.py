@@ -68,6 +68,29 @@ def test_an_unknown_environment_or_argument_names_the_key():
         make_env("retry", right_if_42, max_turns=2, timeout_s=1, args={"hint": "x"})
     with pytest.raises(EnvArgError, match="env.max_turns: 0"):
         make_env("retry", right_if_42, max_turns=0, timeout_s=1)
+    with pytest.raises(EnvArgError, match="env.args: retry needs latency_s"):
+        make_env("retry", right_if_42, max_turns=2, timeout_s=1, args={"latency_s": -1.0})
+
+
+def test_a_step_latency_waits_as_drawn_and_as_long_again_when_the_step_is_re_run(monkeypatch):
+    from dora_hpc.envs import builtin
+
+    slept = []
+    monkeypatch.setattr(builtin.time, "sleep", slept.append)
+
+    def wait_of(action):
+        env = make_env("retry", right_if_42, max_turns=3, timeout_s=5,
+                       args={"latency_s": 2.0, "latency_sigma": 1.0, "latency_max_s": 10.0})
+        env.step(action)
+        return slept[-1]
+
+    waits = {a: wait_of(a) for a in map(str, range(40))}
+    assert 0 < min(waits.values()) and max(waits.values()) == 10.0  # drawn; the tail capped
+    assert 1.0 < sorted(waits.values())[20] < 4.0  # about the median
+    assert all(wait_of(a) == w for a, w in waits.items())  # a function of the turn and the action
+    n = len(slept)
+    make_env("retry", right_if_42, max_turns=3, timeout_s=5).step("1")
+    assert len(slept) == n  # no latency unless asked for
 
 
 # -- the worker pool that runs environment steps off the rollout rank's loop ------------------------------
