@@ -29,9 +29,7 @@ class ExportError(EvalError):
 
 def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", max_shard_size: str = "5GB",
            console=None) -> dict:
-    import torch
     from rich.progress import Progress
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
@@ -43,6 +41,9 @@ def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", ma
         job = bar.add_task(f"export {run_dir}", total=4)
         target = resolve(run_dir, step, None, [])
         bar.advance(job)
+        import torch  # after every check: a bad argument fails in a fraction of a second
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         model = AutoModelForCausalLM.from_pretrained(target.model_dir, dtype=torch.float32)
         if target.weights is not None:
             missing, unexpected = model.load_state_dict(target.weights, strict=False)

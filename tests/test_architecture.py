@@ -132,3 +132,18 @@ def test_no_function_over_60_lines():
             for p in PKG.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > 60]
     assert not long, long
+
+
+def test_the_launcher_and_rank_0_import_neither_torch_nor_transformers():
+    """Each costs seconds of CPU at every start (5 ranks share 2 cores here). The launcher reads the model's
+    shape from config.json (engine/spec.py); rank 0 (the orchestrator) touches torch only to verify a
+    checkpoint on resume; only the trainers import transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dora_hpc.cli, dora_hpc.launch.local, dora_hpc.runtime.main, "
+            "dora_hpc.runtime.orchestrator, dora_hpc.data.tasks, dora_hpc.engine.spec, dora_hpc.engine.local_models; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]

@@ -16,16 +16,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
-from ..train.dp import buckets
-from ..train.publish import Delta, unwire, wire, wire_bytes
 from .data_plane import make_plane
 from .messages import Fenced, Heartbeat, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..train.publish import Delta
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced notices, read even mid-send
 
@@ -177,6 +180,11 @@ class Comm:
         Bucketed: no message exceeds ``weight_bucket_bytes`` unless one piece does (MPI counts are 32-bit:
         one flat buffer of a 7B model would not even be sendable), and the receiver unpacks bucket by
         bucket."""
+        import torch
+
+        from ..train.dp import buckets
+        from ..train.publish import Delta, wire, wire_bytes
+
         names = sorted(pieces)
         dtype = next(((p.values if isinstance(p, Delta) else p).dtype for p in pieces.values()), torch.float32)
         changed = [pieces[n].values.numel() if isinstance(pieces[n], Delta) else -1 for n in names]
@@ -189,6 +197,10 @@ class Comm:
             self.send_array(np.concatenate([wire(pieces[n]) for n in bucket]), dst, TAG_WEIGHTS)
 
     def recv_weights(self, header: WeightsHeader, src: int) -> dict[str, torch.Tensor | Delta]:
+        import torch
+
+        from ..train.publish import unwire, wire_bytes
+
         dtype = getattr(torch, header.dtype)
         out: dict[str, torch.Tensor | Delta] = {}
         first = 0

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import datetime
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
-from ..train.dp import rendezvous
+if TYPE_CHECKING:
+    import torch
 
 
 class MPIPlane:
@@ -58,7 +59,10 @@ class _MPIHandle:
 
 class TorchPlane:
     def __init__(self, world, tags: tuple[int, ...], timeout_s: float = 600.0) -> None:
+        import torch
         import torch.distributed as dist
+
+        from ..train.dp import rendezvous
 
         rank, size = world.Get_rank(), world.Get_size()
         host, port = rendezvous(world)
@@ -74,12 +78,16 @@ class TorchPlane:
                              else dist.ProcessGroupGloo(tagged, rank, size, timeout))
 
     def isend(self, buf: np.ndarray, dst: int, tag: int):
+        import torch
+
         t = torch.from_numpy(buf)
         if self.cuda:
             t = t.cuda()
         return _TorchHandle(self.pgs[tag].send([t], dst, 0), t)
 
     def irecv(self, shape: tuple[int, ...], dtype, src: int, tag: int):
+        import torch
+
         t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype,
                         device="cuda" if self.cuda else "cpu")
         return _TorchHandle(self.pgs[tag].recv([t], src, 0), t)

@@ -173,9 +173,6 @@ def main(run_dir: str) -> int:
                                f"({Path(run_dir) / 'launch.json'} is missing): every node of the job must see it "
                                "at the same path (a shared filesystem; docs/architecture.md)")
         quiet_hf()
-        import torch
-
-        torch.set_num_threads(1)
         from ..config import validate
         from .comm import Comm
 
@@ -225,6 +222,10 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
 
     attempt, t0, model_dir = start["attempt"], meta["t0"], Path(meta["model_dir"])
     role = comm.roles.role(comm.rank)
+    if role != "orchestrator":  # rank 0 never imports torch: 2 CPU-seconds less at every start
+        import torch
+
+        torch.set_num_threads(1)
     resume = None  # rank 0 verified it in decide_start; only the orchestrator and trainers read it
     if start["checkpoint"] and role in ("orchestrator", "trainer"):
         resume = checkpoint.load(Path(start["checkpoint"]), verified=True)

@@ -26,11 +26,12 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from . import writing
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointError(RuntimeError):
@@ -44,9 +45,13 @@ class Checkpoint:
     state: dict
 
     def weights(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
         return load_file(self.path / "weights.safetensors")
 
     def optimizer(self) -> dict:
+        import torch
+
         return torch.load(self.path / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
@@ -65,6 +70,9 @@ def _fsync(path: Path) -> None:
 
 def write(run_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict, state: dict) -> Path:
     """Phase one: a complete, fsync'd ``step-{n}.tmp`` with its manifest (still invisible to ``latest``)."""
+    import torch
+    from safetensors.torch import save_file
+
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step-{step}.tmp"
@@ -129,6 +137,8 @@ def verify(path: Path) -> str | None:
     missing = {"weights.safetensors", "optimizer.pt", "state.json"} - set(manifest)
     if missing:
         return f"its manifest does not list {', '.join(sorted(missing))}"
+    import torch
+
     try:  # mmap: the pickle is checked, the tensors' bytes are not read
         torch.load(path / "optimizer.pt", weights_only=True, mmap=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - whatever torch raises, the file is not a plain state dict
