@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -16,6 +17,22 @@ WORDS = ("what is the sum of and plus minus times answer question solve compute 
 
 def default_cache() -> Path:
     return Path(os.environ.get("DORA_HPC_CACHE", Path.home() / ".cache" / "dora_hpc"))
+
+
+def _scratch(out: Path) -> Path:
+    """A folder beside ``out`` that only this process writes (test workers may build the same model at once)."""
+    return out.with_name(f"{out.name}.tmp{os.getpid()}")
+
+
+def _settle(tmp: Path, out: Path) -> Path:
+    """Move a finished ``tmp`` to ``out``; when another process got there first, keep its copy."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def corpus(seed: int, n: int = 4000) -> list[str]:
@@ -53,11 +70,10 @@ def build_tiny_model(out: Path | None = None, seed: int = 0, vocab_size: int = 5
                       bos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = _scratch(out)
     model.save_pretrained(tmp, safe_serialization=True)
     hf_tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return _settle(tmp, out)
 
 
 def convert_smollm2(out: Path | None = None) -> Path:
@@ -88,8 +104,7 @@ def convert_smollm2(out: Path | None = None) -> Path:
                                model_type=cfg_dict["model_type"])
     clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     clean.load_state_dict(model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = _scratch(out)
     clean.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return _settle(tmp, out)
