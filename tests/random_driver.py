@@ -11,6 +11,7 @@ import random
 from collections import Counter, defaultdict
 
 from dora_hpc.core.events import (
+    FOLDER,
     Abort,
     AssignVersion,
     Dispatch,
@@ -90,6 +91,8 @@ class RandomDriver:
                     raise InvariantBroken(f"{cmd}: instance still holds {live}")
                 if keep and self.p.name != "partial":
                     raise InvariantBroken(f"{self.p.name} switched live requests to a new version")
+                if src == FOLDER and v != 0:
+                    raise InvariantBroken(f"{cmd}: only version 0 is the model folder")
                 if src >= 0 and self.version[src] != v:
                     raise InvariantBroken(f"{cmd}: peer {src} does not hold v{v}")
                 for t in live:

@@ -99,7 +99,7 @@ def test_faulty_environments_end_only_their_episode_and_partial_rollout_records_
     # the planted hang must be the only step past env.timeout_s: the toy's own latency is capped well below it
     run(tmp_path / "run", "mode=partial", "env.name=faulty_env:FaultyEnv", "env.max_turns=4", "env.timeout_s=3",
         "env.args={latency_s: 0.1, latency_sigma: 1.0, latency_max_s: 0.5}", steps=5,
-        env={"PYTHONPATH": str(REPO / "tests")})
+        env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     a = analyze(tmp_path / "run")
     inv = a["invariants"]
     assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"]) == (0, 0, 0)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 TRAINER = -1
 """``AssignVersion.source`` value meaning: take the weights from the trainer (or initial checkpoint)."""
+FOLDER = -2
+"""``AssignVersion.source`` value meaning: version 0 is the model folder every instance starts from: nothing
+is sent; the instance takes what it loaded at start (the driver checks it equals the trainer's version 0)."""
 
 
 # ----------------------------------------------------------------------------------------- events in
@@ -79,7 +82,8 @@ Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure 
 # -------------------------------------------------------------------------------------- commands out
 @dataclass(frozen=True)
 class AssignVersion:
-    """Load ``version`` on ``instance``, from a peer instance that holds it or from TRAINER.
+    """Load ``version`` on ``instance``, from a peer instance that holds it, from TRAINER, or (version 0 at
+    the start of a run) from FOLDER.
 
     With ``keep_requests=False`` (every policy but PartialRollout) the instance holds no live request
     when this command is issued: the policy has migrated them away first. With ``keep_requests=True``

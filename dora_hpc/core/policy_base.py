@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .cluster import ClusterView
 from .events import (
+    FOLDER,
     TRAINER,
     AssignVersion,
     Command,
@@ -106,7 +107,8 @@ class Policy:
     def on(self, event: Event) -> list[Command]:
         match event:
             case Start():
-                return self._assign_all(self.latest)
+                # version 0 is the model folder the instances start from: rollout need not wait for the trainer
+                return self._assign_all(self.latest, FOLDER if self.latest == 0 else TRAINER)
             case InstanceReady(instance, version):
                 if self.view.instances[instance].asleep:
                     return []  # a load that a Sleep cancelled (drivers need not send it)
@@ -245,11 +247,11 @@ class Policy:
                 del self.complete[v]
         return out
 
-    def _assign_all(self, version: int, keep_requests: bool = False) -> list[Command]:
+    def _assign_all(self, version: int, source: int = TRAINER, keep_requests: bool = False) -> list[Command]:
         out: list[Command] = []
         for i, inst in enumerate(self.view.instances):
             if inst.target != version and not inst.lost:
-                cmd = AssignVersion(i, version, TRAINER, keep_requests)
+                cmd = AssignVersion(i, version, source, keep_requests)
                 self.view.assign(cmd)
                 out.append(cmd)
         return out

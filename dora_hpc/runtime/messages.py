@@ -122,6 +122,12 @@ class Done:               # rollout -> orchestrator: a trajectory finished
 
 
 @dataclass(frozen=True)
+class Initial:            # lead trainer -> orchestrator, once at start: the checksum of the version it starts from
+    version: int
+    checksum: str
+
+
+@dataclass(frozen=True)
 class Published:          # lead trainer -> orchestrator: step version-1 finished
     version: int
     checksum: str

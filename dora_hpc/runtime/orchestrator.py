@@ -2,8 +2,8 @@
 
 Invariants:
 * the policy is the same object the simulator drives; this loop adds no scheduling decision;
-* every command becomes exactly one message to the rank that executes it (AssignVersion becomes
-  two: SendWeights to the weight source, LoadVersion to the instance);
+* every command becomes exactly one message to the rank that executes it (AssignVersion becomes a
+  LoadVersion to the instance and a SendWeights to each weight source: weight_loads.py);
 * the run ends after ``train.max_steps`` published versions, or on a stop request (a signal to any
   rank: Ctrl-C, preemption, requeue) once a checkpoint of the current state is committed; then every
   rank gets Shutdown;
@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..core.events import (
+    FOLDER,
     TRAINER,
     Abort,
     AssignVersion,
@@ -65,14 +66,13 @@ from .messages import (
     Forget,
     Generate,
     Heartbeat,
-    LoadVersion,
+    Initial,
     MigrateOut,
     Park,
     Pause,
     Published,
     Ready,
     Resume,
-    SendWeights,
     Shutdown,
     SleepEngine,
     StopRequest,
@@ -80,6 +80,7 @@ from .messages import (
 from .messages import Train as TrainMsg
 from .metrics import Sinks, StepFigures, step_record
 from .roles import TRAINERS
+from .weight_loads import WeightLoads
 
 
 class RankHung(RuntimeError):
@@ -112,8 +113,7 @@ class Orchestrator(OpLog):
         self.fenced: set[int] = set()           # rollout ranks given up on (hung): never sent to again
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
-        self.loads: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep) until Ready
-        self.holds: dict[int, int] = {}  # instance -> the version it loaded and checked: a delta's base
+        self.weights = WeightLoads(comm)
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -196,9 +196,10 @@ class Orchestrator(OpLog):
                 self.record_step(msg)            # checkpoint being taken, so its record is kept
             case _ if self.stopping:
                 pass  # frozen: the final snapshot is taken; what happens now is not kept
+            case Initial():
+                self.weights.initial(msg.version, msg.checksum)
             case Ready():
-                self.loads.pop(msg.instance, None)
-                self.holds[msg.instance] = msg.version
+                self.weights.ready(msg)
                 self.figures.loads.append(msg.load_s)
                 self.feed(InstanceReady(msg.instance, msg.version))
             case Done():
@@ -299,15 +300,12 @@ class Orchestrator(OpLog):
         why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
         print(f"dora-hpc: rank {r} (rollout instance {i}) {why}: fenced; {again} trajectories start again "
               f"on the {len(self.live_rollout)} other instances", file=sys.stderr, flush=True)
-        self.loads.pop(i, None)
-        self.holds.pop(i, None)
+        self.weights.forget(i)
         # sends to it still under way, here and on every other rank, are not waited for
         self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
         for t in in_transit:
             self.moved_from.pop(t, None)
-        for inst, (v, source, keep) in list(self.loads.items()):
-            if source == r:
-                self.load(inst, v, TRAINERS, keep)
+        self.weights.source_lost(r)
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
 
@@ -332,23 +330,15 @@ class Orchestrator(OpLog):
         if ended is not None:  # analysis reads what the trainer waited for from these ops
             self.op("trainer_wait", detail=ended[0], t_start=ended[1])
 
-    def load(self, i: int, v: int, source: int, keep: bool) -> None:
-        """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, or (TRAINERS) every trainer
-        rank's shard, as deltas against the version the instance holds when no other load is under way."""
-        base = self.holds.pop(i, -1) if i not in self.loads else -1
-        for rank in self.roles.trainer_ranks if source == TRAINERS else [source]:
-            self.comm.send(SendWeights(v, self.roles.rank_of_instance(i), base if source == TRAINERS else -1), rank)
-        self.comm.send(LoadVersion(v, source, keep), self.roles.rank_of_instance(i))
-        self.loads[i] = (v, source, keep)
-
     def execute(self, commands) -> None:
         r = self.roles.rank_of_instance
         for c in commands:
             match c:
                 case AssignVersion(i, v, src, keep):
                     # a borrowed instance's trainer rank keeps only its shard: that version comes from the trainers
-                    source = TRAINERS if src == TRAINER or self.roles.role(r(src)) == "trainer" else r(src)
-                    self.load(i, v, source, keep)
+                    source = src if src == FOLDER else (
+                        TRAINERS if src == TRAINER or self.roles.role(r(src)) == "trainer" else r(src))
+                    self.weights.start(i, v, source, keep)
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
                 case Dispatch(t, g, s, v, i):
                     e = self.epoch[t] = self.epoch.get(t, 0) + 1
@@ -368,7 +358,7 @@ class Orchestrator(OpLog):
                     self.comm.send(MigrateOut(t, r(i), True), r(src))
                     self.op("migrate", traj_id=t, peer=r(i), detail=f"{src}->{i} kv=True restore")
                 case Sleep(i):
-                    self.holds.pop(i, None)  # a slept engine may drop its weights (vLLM's sleep mode)
+                    self.weights.holds.pop(i, None)  # a slept engine may drop its weights (vLLM's sleep mode)
                     self.comm.send(SleepEngine(), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")

@@ -21,21 +21,20 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from ..core.events import FOLDER
 from ..core.trajectory import Trajectory
 from ..data.tasks import overlong_penalty
-from ..engine.engine import RequestError
 from ..engine.interface import make_engine
 from ..engine.sampling import SamplingParams
 from ..store.shards import ShardWriter
 from ..train.publish import assemble, checksum_of, publish_dtype, wire_bytes
 from .clock import OpLog
-from .comm import TAG_KV, Comm, SourceFenced
+from .comm import Comm, SourceFenced
 from .episodes import Episodes
 from .messages import (
     AbortTraj,
@@ -55,12 +54,11 @@ from .messages import (
     SleepEngine,
     WeightsHeader,
 )
+from .migration import Migrations
 from .roles import TRAINERS
 
-FAULT = os.environ.get("DORA_HPC_FAULT", "")  # a fault-injection point for tests (see send_migration)
 
-
-class RolloutRank(OpLog):
+class RolloutRank(OpLog, Migrations):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float,
                  attempt: int = 0) -> None:
         self.comm, self.cfg, self.task, self.t0, self.attempt = comm, cfg, task, t0, attempt
@@ -232,17 +230,31 @@ class RolloutRank(OpLog):
         """A peer load: the engine's whole weights, in the publish dtype."""
         dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
         state = {k: v.to(dtype) for k, v in self.engine.weights().items()}
-        version, checksum = self.checked  # this engine's version, checked when it loaded
-        if version != self.engine.version:  # not loaded through load() (the model folder's v0)
-            checksum = checksum_of(state, self.comm.roles.trainers, dtype)
+        version, checksum = self.checked  # this engine's version, checked when it loaded (or took the folder's)
+        if version != self.engine.version:
+            raise RuntimeError(f"rank {self.comm.rank}: asked for v{self.engine.version}'s weights, checked v{version}")
         self.comm.send_weights(state, self.engine.version, checksum, dst)
         self.op("weight_send", peer=dst, version=self.engine.version)
+
+    def take_folder(self, msg: LoadVersion, t: float) -> None:
+        """Version 0 is what the engine loaded from the model folder at start: nothing is received; its checksum
+        (in the trainer's layout) goes to rank 0 with Ready, which checks it against the trainer's."""
+        if msg.version != 0 or self.engine.version != -1:
+            raise RuntimeError(f"rank {self.comm.rank}: v{msg.version} from the model folder, which holds v0 "
+                               f"only until the engine's first load")
+        dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
+        got = checksum_of({k: v.to(dtype) for k, v in self.engine.weights().items()}, self.comm.roles.trainers, dtype)
+        self.engine.version, self.checked = 0, (0, got)
+        self.op("weight_load", peer=FOLDER, version=0, t_start=t, nbytes=0, detail=f"{got} from the model folder")
+        self.comm.send(Ready(self.instance, 0, got, self.now() - t), 0)
 
     def load(self, msg: LoadVersion) -> None:
         """Wait for the weights of ``msg.version`` from its source (a peer's whole weights, or every trainer
         rank's shard), put them together (deltas against the version the engine holds), load them and check
         the engine now holds exactly the published version."""
         t = self.now()
+        if msg.source == FOLDER:
+            return self.take_folder(msg, t)
         parts: dict[int, tuple[WeightsHeader, dict]] = {}  # source rank -> its header and pieces
         while True:
             sources = self.comm.roles.trainer_ranks if msg.source == TRAINERS else [msg.source]
@@ -294,28 +306,6 @@ class RolloutRank(OpLog):
                 detail=f"{got} delta_pieces={sum(c >= 0 for _, c in pieces)}/{len(pieces)} whole_bytes={whole}")
         self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
 
-    def park(self, meta: dict, kv) -> None:
-        self.parked[meta["req_id"]] = (meta, kv)
-        self.op("offload", traj_id=meta["req_id"], version=meta["version"],
-                nbytes=kv.numel() * 4 if kv is not None else 0)
-
-    def migrate_out(self, msg: MigrateOut) -> None:
-        if msg.traj_id in self.parked:  # restored from host memory: onto this instance or another
-            meta, kv = self.parked.pop(msg.traj_id)
-            if msg.dst == self.comm.rank:
-                self.import_here(meta, kv, self.comm.rank, self.now())
-            else:
-                self.send_migration(msg, meta, kv, self.now())
-            return
-        if not self.engine.has_request(msg.traj_id):
-            if msg.traj_id not in self.gone:  # not here yet: pass it on the moment it arrives
-                self.forward[msg.traj_id] = msg
-            return  # else it finished first; its Done is on the way
-        t = self.now()
-        meta, kv = self.engine.export(msg.traj_id)
-        meta["info"] = self.take_info(msg.traj_id)
-        self.send_migration(msg, meta, kv, t)
-
     def take_info(self, traj_id: int) -> dict:
         """A request's bookkeeping as it leaves this rank (migrated, parked or aborted); an episode's
         environment step in flight here is dropped (its destination runs it again)."""
@@ -323,75 +313,3 @@ class RolloutRank(OpLog):
         if self.episodes:
             self.episodes.left(info)
         return info
-
-    def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
-        meta["info"]["kv_s"] += self.now() - t  # exported (or received, to relay) since t; the sends overlap
-        if msg.carry_kv and kv is not None:
-            self.comm.send(MigrateIn(meta, tuple(kv.shape)), msg.dst)
-            if FAULT == "die_mid_migration" and self.first_fault():  # tests only: the KV announced, never sent
-                print(f"dora-hpc: rank {self.comm.rank}: injected fault: dying mid-migration of {msg.traj_id}",
-                      flush=True)
-                time.sleep(0.2)  # the header reaches the destination, which then waits for the KV
-                os._exit(9)
-            self.comm.send_array(kv.numpy(), msg.dst, TAG_KV)
-        else:
-            self.comm.send(MigrateIn(meta, None), msg.dst)
-        self.op("migration_out", traj_id=msg.traj_id, peer=msg.dst, t_start=t,
-                nbytes=kv.numel() * 4 if msg.carry_kv and kv is not None else 0, version=meta["version"],
-                detail="waiting_env" if meta["info"].get("pending") is not None else "")
-
-    def first_fault(self) -> bool:
-        """Tests only: whether this rank is the first of the run to reach the fault-injection point."""
-        try:
-            os.close(os.open(self.run_dir / "pids" / "fault", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except FileExistsError:
-            return False
-
-    def migrate_in(self, msg: MigrateIn, src: int) -> None:
-        t = self.now()
-        meta, info = dict(msg.meta), msg.meta["info"]
-        kv = None  # migration by re-prefill: the engine rebuilds the KV from the tokens
-        rid = meta["req_id"]
-        if msg.kv_shape is not None:
-            try:
-                kv = torch.from_numpy(self.comm.recv_array(msg.kv_shape, "float32", src, TAG_KV))
-            except SourceFenced:  # its source died (or hung) mid-send: rank 0 starts the request again
-                self.forward.pop(rid, None)
-                self.abort_on_arrival.discard(rid)
-                self.op("migration_lost", traj_id=rid, peer=src, t_start=t, version=meta["version"])
-                return
-        if rid in self.abort_on_arrival:
-            self.abort_on_arrival.discard(rid)
-            self.gone.add(rid)
-            return
-        if rid in self.forward:  # moved on before it got here: relay it untouched (this rank may host
-            info["path"] += f">{self.instance}"  # another version by now)
-            self.park_on_arrival.discard(rid)
-            self.send_migration(self.forward.pop(rid), meta, kv, t)
-            return
-        if rid in self.park_on_arrival:  # this borrowed instance was drained while it travelled
-            self.park_on_arrival.discard(rid)
-            info["path"] += f">{self.instance}"
-            self.park(meta, kv)
-            return
-        self.import_here(meta, kv, src, t)
-
-    def import_here(self, meta: dict, kv, src: int, t: float) -> None:
-        """A migrated (or parked) request continues on this instance's engine."""
-        info = meta.pop("info")
-        before = self.engine.stats()["reprefill_tokens"]
-        try:
-            self.engine.import_(meta, kv)
-        except RequestError as e:
-            raise RuntimeError(f"rank {self.comm.rank}: migration of {meta['req_id']} refused: {e}") from None
-        info["reprefill"] += self.engine.stats()["reprefill_tokens"] - before  # what the engine recomputes
-        info["n_migrations"] += 1
-        info["path"] += f">{self.instance}"
-        info["kv_s"] += self.now() - t  # received and imported
-        self.info[meta["req_id"]] = info
-        self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
-                nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}" + (
-                    " waiting_env" if info.get("pending") is not None else ""))
-        if self.episodes:
-            self.episodes.arrived(meta["req_id"], info)

@@ -61,6 +61,7 @@ from .messages import (
     Flush,
     Forget,
     Generate,
+    Initial,
     LoadVersion,
     MigrateIn,
     MigrateOut,
@@ -107,7 +108,9 @@ class TrainerRank(RankClock):
         self.versions: dict[int, tuple[dict, str]] = {}  # version -> (this rank's shard, its checksum)
         self.traits = traits_of(cfg.mode, cfg.dora.k)
         self.keep_versions = self.traits.keep_versions
-        self.publish(self.version, -1)
+        initial = self.publish(self.version, -1)
+        if self.lead:  # rank 0 checks the instances that took version 0 from the model folder against it
+            self.comm.send(Initial(self.version, initial), 0)
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
         self.forgotten: set[int] = set()  # groups never to be trained on: their late samples are not kept

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig
 from ..core.events import (
+    FOLDER,
     TRAINER,
     Abort,
     AssignVersion,
@@ -280,8 +281,9 @@ class Simulator(Borrowing, EpisodeSteps):
                 inst.loading, inst.version, inst.asleep = True, None, False
                 self.ops["weight_sync"] += load_s
                 self.counts["weight_syncs"] += 1
-                self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
-                    share * self.cfg.sim.model.weight_bytes)
+                if src != FOLDER:  # the model folder's v0 takes as long to load, but nothing crosses the network
+                    self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
+                        share * self.cfg.sim.model.weight_bytes)
                 self.counts["weight_load_s"] += share * self.cost.weight_load_s
                 self._start(inst)
                 self._at(self.now + load_s, "ready", i, v, inst.load_epoch)

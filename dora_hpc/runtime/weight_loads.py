@@ -1,0 +1,66 @@
+"""Rank 0's record of weight loads: which instance loads which version from where, and what each holds.
+
+Invariants:
+* a load is one LoadVersion to the instance plus one SendWeights to each source rank (every trainer rank
+  for TRAINERS, none for FOLDER); it is under way from then until the instance's Ready;
+* a load from the trainers is a delta against the version the instance holds (its base), when no other
+  load is under way there; a slept instance, a lost one and one mid-load hold nothing a delta could use;
+* version 0 taken from the model folder (FOLDER) is checked against the trainer's version 0 (its Initial):
+  an instance whose folder differs stops the run, naming the instance.
+"""
+
+from __future__ import annotations
+
+from ..core.events import FOLDER
+from .comm import Comm
+from .messages import LoadVersion, Ready, SendWeights
+from .roles import TRAINERS
+
+
+class WeightLoads:
+    def __init__(self, comm: Comm) -> None:
+        self.comm, self.roles = comm, comm.roles
+        self.under_way: dict[int, tuple[int, int, bool]] = {}  # instance -> (version, source rank, keep)
+        self.holds: dict[int, int] = {}  # instance -> the version it loaded and checked: a delta's base
+        self.folder: dict[int, str] = {}  # instance -> the checksum of v0 as its model folder gave it
+        self.trainer_v0: str | None = None
+
+    def start(self, i: int, v: int, source: int, keep: bool) -> None:
+        """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
+        rank's shard, as deltas against the version the instance holds, or (FOLDER) what its engine loaded
+        at start."""
+        base = self.holds.pop(i, -1) if i not in self.under_way else -1
+        dst = self.roles.rank_of_instance(i)
+        for rank in [] if source == FOLDER else self.roles.trainer_ranks if source == TRAINERS else [source]:
+            self.comm.send(SendWeights(v, dst, base if source == TRAINERS else -1), rank)
+        self.comm.send(LoadVersion(v, source, keep), dst)
+        self.under_way[i] = (v, source, keep)
+
+    def ready(self, msg: Ready) -> None:
+        if self.under_way.pop(msg.instance, (0, None, False))[1] == FOLDER:
+            self.folder[msg.instance] = msg.checksum
+            self.check_folder()
+        self.holds[msg.instance] = msg.version
+
+    def initial(self, version: int, checksum: str) -> None:
+        """The trainer's checksum of the version it starts from (0 on a fresh start)."""
+        if version == 0:
+            self.trainer_v0 = checksum
+            self.check_folder()
+
+    def check_folder(self) -> None:
+        for i, got in self.folder.items():
+            if self.trainer_v0 is not None and got != self.trainer_v0:
+                raise RuntimeError(f"orchestrator: instance {i} took version 0 from the model folder with checksum "
+                                   f"{got}; the trainer's version 0 is {self.trainer_v0}")
+
+    def forget(self, i: int) -> None:
+        """Instance ``i`` is lost, or slept (a slept engine may drop its weights: vLLM's sleep mode)."""
+        self.under_way.pop(i, None)
+        self.holds.pop(i, None)
+
+    def source_lost(self, rank: int) -> None:
+        """Loads that waited for ``rank``'s weights take them from the trainers instead."""
+        for i, (v, source, keep) in list(self.under_way.items()):
+            if source == rank:
+                self.start(i, v, TRAINERS, keep)
