@@ -267,7 +267,12 @@ def test_an_elastic_run_stops_at_a_signal_and_resumes_onto_a_new_allocation_with
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--set", "mode=dora", "--set", "train.max_steps=60", *BASE,
                  "--set", "cluster.elastic=true", "--set", "cluster.max_num_seqs=4", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: len(checkpoints(run_dir)) >= 2)
+
+    def borrowed_rows() -> bool:  # the borrowed instance runs only while the trainer waits: some steps go by first
+        return any(run_dir.glob("traj-r1-*.h5")) and 1 in set(
+            read_table(run_dir, "traj", "trajectories", ["traj_id"], with_rank=True)["rank"].tolist())
+
+    wait_for(lambda: len(checkpoints(run_dir)) >= 2 and borrowed_rows())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 3, finish(proc, 10)[-3000:]
     stopped = max(checkpoints(run_dir))
