@@ -25,6 +25,7 @@ import numpy as np
 
 from ..analysis.utilization import op_seconds
 from ..config import RunConfig, validate, with_overrides
+from ..core.events import FOLDER
 from ..core.policies import traits_of
 from ..store.shards import read_table
 from .cluster import Simulator
@@ -64,7 +65,7 @@ def fit_run(run_dir: Path) -> Fit:
     episode_cols = ["turns", "env_spans", "env_s"] if run.env.multi_turn else []
     tables = {"trajs": ("traj", "trajectories", ["traj_id", "group_id", "prompt_len", "response_len", *episode_cols]),
               "steps": ("events", "steps", ["t_start", "t_end", "batch_size", "kv_blocks_used"]),
-              "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes", "detail"]),
+              "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes", "detail", "peer"]),
               "train": ("train", "steps", ["step", "t_start", "t_end"]),
               "consumed": ("train", "consumed", ["traj_id", "consume_step"])}
     got = {name: read_table(run_dir, kind, table, [*cols, "attempt"]) for name, (kind, table, cols) in tables.items()}
@@ -86,7 +87,8 @@ def fit_run(run_dir: Path) -> Fit:
     # the trainer's seconds per trained token: total time over total tokens (a step's time varies
     # several-fold on a shared CPU, and the run's interval is made of the total: a median understates it)
     s_per_token = float(sum(d for d, _ in timed) / sum(n for _, n in timed)) if timed else 0.0
-    load, sleeps = _durations(ops, "weight_load"), _durations(ops, "sleep")
+    sent = {c: v[ops["peer"] != FOLDER] for c, v in ops.items()}  # v0 from the model folder moves nothing
+    load, sleeps = _durations(sent, "weight_load"), _durations(ops, "sleep")
     migr = ops["kind"] == "migration_in"
     kv_s = (ops["t_end"][migr] - ops["t_start"][migr]).astype(float)
     kv_link = float(ops["bytes"][migr].sum() / kv_s.sum()) if migr.any() and kv_s.sum() > 0 else 1e12
