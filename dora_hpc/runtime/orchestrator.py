@@ -358,7 +358,7 @@ class Orchestrator(OpLog):
                     self.comm.send(MigrateOut(t, r(i), True), r(src))
                     self.op("migrate", traj_id=t, peer=r(i), detail=f"{src}->{i} kv=True restore")
                 case Sleep(i):
-                    self.weights.holds.pop(i, None)  # a slept engine may drop its weights (vLLM's sleep mode)
+                    self.weights.slept(i)
                     self.comm.send(SleepEngine(), r(i))
                 case Drop(g, reason):
                     self.op("drop", detail=f"group={g} {reason}")

@@ -243,7 +243,7 @@ class RolloutRank(OpLog, Migrations):
             raise RuntimeError(f"rank {self.comm.rank}: v{msg.version} from the model folder, which holds v0 "
                                f"only until the engine's first load")
         dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
-        got = checksum_of({k: v.to(dtype) for k, v in self.engine.weights().items()}, self.comm.roles.trainers, dtype)
+        got = checksum_of(self.engine.weights(), self.comm.roles.trainers, dtype)  # each shard cast to dtype there
         self.engine.version, self.checked = 0, (0, got)
         self.op("weight_load", peer=FOLDER, version=0, t_start=t, nbytes=0, detail=f"{got} from the model folder")
         self.comm.send(Ready(self.instance, 0, got, self.now() - t), 0)

@@ -55,8 +55,12 @@ class WeightLoads:
                                    f"{got}; the trainer's version 0 is {self.trainer_v0}")
 
     def forget(self, i: int) -> None:
-        """Instance ``i`` is lost, or slept (a slept engine may drop its weights: vLLM's sleep mode)."""
+        """Instance ``i`` is lost: no load is under way there and it holds nothing."""
         self.under_way.pop(i, None)
+        self.holds.pop(i, None)
+
+    def slept(self, i: int) -> None:
+        """Instance ``i`` slept: its engine may have dropped its weights (vLLM's sleep mode), so no delta base."""
         self.holds.pop(i, None)
 
     def source_lost(self, rank: int) -> None:
