@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from ..sim.plots import version_color  # noqa: E402
+from ..sim.plots import draw_rows, version_color  # noqa: E402
 
 
 def write_plots(out: Path, esteps: dict, tsteps: dict, result: dict) -> list[Path]:
@@ -38,12 +38,15 @@ def timeline(path: Path, e: dict, t: dict, title: str) -> Path | None:
     ranks = sorted({int(r) for r in e["rank"]})
     fig, ax = plt.subplots(figsize=(12, 1.8 + 0.45 * len(ranks)))
     versions = set()
+    segments: dict[int, list] = {row: [] for row in range(len(ranks))}
+    row_of = {r: row for row, r in enumerate(ranks)}
     for r, a, b, n, cap, v in zip(e["rank"], e["t_start"], e["t_end"], e["batch_size"], e["capacity"],
                                   e["version"], strict=True):
         if n > 0 and b > a:
             versions.add(int(v))
             color = (*version_color(int(v))[:3], 0.25 + 0.75 * min(1.0, n / max(cap, 1)))
-            ax.broken_barh([(a, b - a)], (ranks.index(int(r)) - 0.4, 0.8), facecolors=color, linewidth=0)
+            segments[row_of[int(r)]].append((a, b - a, color))
+    draw_rows(ax, segments)
     for s in t["t_start"]:
         ax.axvline(s, color="red", lw=0.6, alpha=0.6)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])

@@ -19,11 +19,20 @@ def version_color(version: int):
     return plt.get_cmap("tab10")(version % 10)
 
 
+def draw_rows(ax, segments: dict[int, list[tuple[float, float, tuple]]]) -> None:
+    """Each row's (start, width, colour) segments as one collection: a long run has millions of them,
+    and an artist each would take matplotlib hours."""
+    for row, segs in segments.items():
+        ax.broken_barh([(a, w) for a, w, _ in segs], (row - 0.4, 0.8), facecolors=[c for *_, c in segs],
+                       linewidth=0)
+
+
 def timeline_png(sim: Simulator, path: Path, max_rows: int = 64) -> None:
     n = len(sim.inst)
     rows = list(range(n)) if n <= max_rows else [round(i * (n - 1) / (max_rows - 1)) for i in range(max_rows)]
     row_of = {inst: r for r, inst in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.25 * len(rows)))
+    segments: dict[int, list] = {r: [] for r in range(len(rows))}
     for inst, t0, t1, state, version, fill in sim.timeline:
         if inst not in row_of or t1 <= t0:
             continue
@@ -31,7 +40,8 @@ def timeline_png(sim: Simulator, path: Path, max_rows: int = 64) -> None:
             color = (*version_color(version or 0)[:3], 0.25 + 0.75 * (fill - 1) / 3)
         else:
             color = STATE_STYLE.get(state, "#ffffff")
-        ax.broken_barh([(t0, t1 - t0)], (row_of[inst] - 0.4, 0.8), facecolors=color, linewidth=0)
+        segments[row_of[inst]].append((t0, t1 - t0, color))
+    draw_rows(ax, segments)
     for s in sim.steps:
         ax.axvline(s["t_start"], color="red", lw=0.5, alpha=0.6)
     ax.set_ylim(-0.6, len(rows) - 0.4)
