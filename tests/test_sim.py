@@ -317,3 +317,23 @@ def test_kept_versions_are_sharded_over_the_trainers_and_deltas_cut_the_weight_l
     off = summarize(Simulator(load_config(SMALL, ["sim.hardware.delta_ratio=0.25", "train.publish_delta=false"]),
                               "dora", timeline=False).run())
     assert off["weights"]["weight_load_s_per_step"] == pytest.approx(off["weights"]["weight_load_s_per_step_whole"])
+
+
+def test_a_mixture_of_experts_computes_with_its_active_parameters_and_stores_all_of_them():
+    """production-4096.yaml's LongCat-Flash: prefill and training FLOPs follow the 27B active parameters, a
+    decode step's weight reads, a weight load and the KV room all 560B; MLA caches 576 values a token a
+    layer. A dense model's costs are unchanged by stating its active parameters as all of them."""
+    cfg = load_config("configs/sim/production-4096.yaml")
+    m, tp = cfg.sim.model, cfg.cluster.accelerators_per_instance
+    moe = CostModel.build(cfg.sim, tp)
+    dense = CostModel.build(load_config("configs/sim/production-4096.yaml", ["sim.model.active_params_b=560"]).sim, tp)
+    assert moe.prefill_per_token == pytest.approx(dense.prefill_per_token * 27 / 560)
+    assert moe.train_flops_per_token == pytest.approx(8 * 27e9)
+    stored = ("a", "weight_load_s", "kv_capacity_tokens")
+    assert [getattr(moe, k) for k in stored] == [getattr(dense, k) for k in stored]
+    assert m.kv_bytes_per_token == 56 * 576 * 2
+    qwen = load_config("configs/sim/paper-64.yaml").sim
+    stated = load_config("configs/sim/paper-64.yaml", [f"sim.model.active_params_b={qwen.model.params_b}"]).sim
+    assert CostModel.build(qwen, 4) == CostModel.build(stated, 4)
+    with pytest.raises(ValueError, match="active_params_b"):
+        load_config("configs/sim/paper-64.yaml", ["sim.model.active_params_b=40"])

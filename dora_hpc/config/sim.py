@@ -52,22 +52,40 @@ class WorkloadConfig(Section):
 
 
 class ModelSpec(Section):
-    """The policy model as the simulator's cost model sees it."""
+    """The policy model as the simulator's cost model sees it. A mixture of experts stores, loads and
+    (at decode batch sizes, where nearly every expert gets a token) reads all ``params_b`` each step,
+    but computes with ``active_params_b`` a token."""
 
-    params_b: float = Field(0.5, gt=0, description="parameters, billions")
-    layers: int = Field(24, ge=1)
+    params_b: float = Field(0.5, gt=0, description="parameters, billions (all experts: weight bytes)")
+    active_params_b: float | None = Field(None, gt=0, description="MoE: parameters active per token, billions "
+                                          "(prefill and training FLOPs); unset: a dense model, params_b")
+    layers: int = Field(24, ge=1, description="attention layers (each caches KV)")
     hidden: int = Field(896, ge=1, description="hidden size (attention FLOPs of prefill)")
     kv_heads: int = Field(2, ge=1)
     head_dim: int = Field(64, ge=1)
+    kv_latent: int | None = Field(None, ge=1, description="MLA: values cached per token per layer "
+                                  "(kv_lora_rank + qk_rope_head_dim), in place of 2 x kv_heads x head_dim")
     bytes_per_param: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _active_within_total(self) -> ModelSpec:
+        if self.active_params_b is not None and self.active_params_b > self.params_b:
+            raise ValueError(f"active_params_b ({self.active_params_b}) exceeds params_b ({self.params_b})")
+        return self
 
     @property
     def weight_bytes(self) -> float:
         return self.params_b * 1e9 * self.bytes_per_param
 
     @property
+    def flops_params(self) -> float:
+        """Parameters a token's forward pass multiplies by: the active ones."""
+        return (self.active_params_b or self.params_b) * 1e9
+
+    @property
     def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+        per_layer = self.kv_latent or 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer * self.bytes_per_param
 
 
 class HardwareSpec(Section):

@@ -9,6 +9,9 @@ Rules (every constant comes from SimConfig; see configs/sim/*.yaml for sources):
 * training costs 8 * params * tokens FLOPs (forward + backward = 6, plus 2 for recomputing
   old-policy logprobs) on the trainer's accelerators at train_mfu: time scales as 1/accelerators,
   i.e. perfect data-parallel scaling at a constant MFU (documented in results/sim/README.md);
+* a mixture of experts: prefill and training FLOPs count the active parameters; a decode step, a
+  weight load and memory count all of them (a decode batch of n sequences routes n x top-k tokens, so
+  nearly every expert is read each step);
 * KV transfers (instance to instance, device to host) and weight loads cost bytes / link bandwidth;
 * a borrowed instance (cluster.elastic) runs at the same speed on the trainer's accelerators, with the
   KV room their resident training state leaves.
@@ -46,9 +49,9 @@ class CostModel:
         return cls(
             a=h.step_overhead_ms / 1e3 + m.weight_bytes / bw,
             b=m.kv_bytes_per_token / bw,
-            prefill_per_token=2 * m.params_b * 1e9 / (tp * h.peak_tflops * 1e12 * h.prefill_mfu),
+            prefill_per_token=2 * m.flops_params / (tp * h.peak_tflops * 1e12 * h.prefill_mfu),
             prefill_per_token2=2 * m.layers * m.hidden / (tp * h.peak_tflops * 1e12 * h.prefill_mfu),
-            train_flops_per_token=8 * m.params_b * 1e9,
+            train_flops_per_token=8 * m.flops_params,
             train_flops_per_accel=h.peak_tflops * 1e12 * h.train_mfu,
             kv_bytes_per_token=m.kv_bytes_per_token,
             kv_link=h.kv_link_gbps * 1e9,
