@@ -19,6 +19,7 @@ class EpisodeSteps:
         if turn != rec.turn or rec.finished or rec.said_done:
             raise SimError(f"environment step {turn} of trajectory {t} ended twice")
         last = turn == len(self.episodes[t]) - 1
+        rec.env_s += self.episodes[t][turn].env_s
         where = self.in_transit.get(t) or self.parked.get(t)
         if where is not None:  # moving, or parked in host memory: it goes on (or ends) where it lands
             self._said_done(where[1]) if last else self._next_turn(where[1])
@@ -27,7 +28,6 @@ class EpisodeSteps:
         self._stop(inst)
         r = inst.unhold(t)
         if last:
-            rec.env_s += self.episodes[t][turn].env_s
             rec.finished = True
             self._start(inst)
             self._feed(RequestFinished(t, inst.idx))
@@ -41,7 +41,6 @@ class EpisodeSteps:
         """The last environment step of an episode that is moving or parked ended: it has no tokens left, so it
         finishes as soon as it is back in a batch."""
         rec = self.trajs[r.traj]
-        rec.env_s += self.episodes[r.traj][rec.turn].env_s
         rec.said_done = True
         r.target = r.gen_at_join
         r.waiting_env = False
@@ -50,7 +49,6 @@ class EpisodeSteps:
         rec = self.trajs[r.traj]
         done, nxt = self.episodes[r.traj][rec.turn], self.episodes[r.traj][rec.turn + 1]
         rec.turn += 1
-        rec.env_s += done.env_s
         r.gen_at_join += done.env_tokens
         r.env_owed += done.env_tokens
         r.target = r.gen_at_join + nxt.tokens
