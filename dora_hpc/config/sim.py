@@ -104,6 +104,9 @@ class HardwareSpec(Section):
     delta_ratio: float = Field(1.0, gt=0, le=1, description="train.publish_delta: the bytes of a version sent as "
                                "deltas over its whole bytes (an assumption; results/bench/weights measures it)")
     colocated_switch_s: float = Field(20, ge=0, description="colocated: rollout<->train switch (offload, reshard)")
+    trainer_start_s: float = Field(0.0, ge=0, description="seconds from the start until the trainer can run "
+                                   "its first step (it builds its model while rollout loads version 0 from the "
+                                   "model folder and generates); `plan` fits it from a run")
     engine_sleep_s: float = Field(2.0, ge=0, description="cluster.elastic: a borrowed instance frees its weights "
                                   "and KV pool before a train step (vLLM's sleep mode)")
     engine_wake_s: float = Field(5.0, ge=0, description="cluster.elastic: a borrowed instance re-allocates its KV "

@@ -382,10 +382,11 @@ class Simulator(Borrowing, EpisodeSteps):
             for inst in self.inst:
                 self._stopped(inst.idx).paused = True
                 self._start(inst)
-        begin = max([self.now, *self.drain_end.values()])  # borrowed instances drained and asleep
+        drained = max([self.now, *self.drain_end.values()])  # borrowed instances drained and asleep
+        begin = max(drained, self.cfg.sim.hardware.trainer_start_s)  # and the trainer's model built
         self.drain_end.clear()
         self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
-                           "train_s": dur, "drain_s": begin - self.now, "staleness": stale})
+                           "train_s": dur, "drain_s": drained - self.now, "staleness": stale})
         self._at(begin + dur, "trained", step)
 
     def _busy_now(self, inst: Instance) -> float:

@@ -82,11 +82,7 @@ def fit_run(run_dir: Path) -> Fit:
     tokens_by_step = _trained_tokens(trajs, consumed)
     order = np.argsort(train["step"])
     t0, t1, step_ids = train["t_start"][order], train["t_end"][order], train["step"][order]
-    timed = [(e - s, tokens_by_step[k]) for k, s, e in zip(step_ids.tolist(), t0, t1, strict=True)
-             if tokens_by_step.get(k)]
-    # the trainer's seconds per trained token: total time over total tokens (a step's time varies
-    # several-fold on a shared CPU, and the run's interval is made of the total: a median understates it)
-    s_per_token = float(sum(d for d, _ in timed) / sum(n for _, n in timed)) if timed else 0.0
+    s_per_token = _train_s_per_token(step_ids, t0, t1, tokens_by_step)
     sent = {c: v[ops["peer"] != FOLDER] for c, v in ops.items()}  # v0 from the model folder moves nothing
     load, sleeps = _durations(sent, "weight_load"), _durations(ops, "sleep")
     migr = ops["kind"] == "migration_in"
@@ -100,6 +96,7 @@ def fit_run(run_dir: Path) -> Fit:
                      colocated_switch_s=0.0,
                      kv_capacity_tokens=float(run.engine.kv_blocks * run.engine.block_size))
     n = len(train["step"])
+    trainer_start = _trainer_start(ops, float(t0[0]), float(steps["t_start"].min()), run.runtime.tick_s)
     sim_cfg = with_overrides(run, {
         "workload.prompt_len": prompt, "workload.response_len": response,
         **{f"workload.{k}": v for k, v in episodes.items()},
@@ -108,16 +105,37 @@ def fit_run(run_dir: Path) -> Fit:
         "sim.tick_s": run.runtime.tick_s, f"cluster.placement.{run.mode}": "disaggregated",  # ranks never share
         # borrowed instances as logged: a sleep's own time; a wake is the weight load, already in the cost
         "sim.hardware.engine_sleep_s": float(np.median(sleeps)) if len(sleeps) else 0.0,
-        "sim.hardware.engine_wake_s": 0.0, **_model_spec(run_dir, run)})
+        "sim.hardware.engine_wake_s": 0.0, "sim.hardware.trainer_start_s": trainer_start,
+        **_model_spec(run_dir, run)})
     span = float(t1[-1] - t1[0]) or 1.0  # the simulator's measured window: from the end of the first step
     trained = sum(tokens_by_step.get(k, 0) for k in step_ids.tolist()[1:])
     fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
               "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
-              "response_len_trend_per_step": _trend(trajs, consumed)} | episodes
+              "response_len_trend_per_step": _trend(trajs, consumed), "trainer_start_s": trainer_start} | episodes
     waits = None
     if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
         waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
     return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
+
+
+def _trainer_start(ops: dict, first_step: float, origin: float, tick_s: float) -> float:
+    """Seconds from the first engine step until the trainer could run its first step, where the trainer was
+    what kept it waiting: it builds its model while rollout loads version 0 from the model folder, and its
+    first step began after rank 0's logged waits for groups had ended. Where groups were what it waited for,
+    its own readiness is not observable and was earlier: 0, so the re-simulated groups set the start."""
+    waits = ops["kind"] == "trainer_wait"
+    ended = ops["t_end"][waits & (ops["t_end"] <= first_step + tick_s)]
+    if not len(ended) or first_step - float(ended.max()) <= tick_s:
+        return 0.0
+    return max(0.0, first_step - origin)
+
+
+def _train_s_per_token(step_ids: np.ndarray, t0: np.ndarray, t1: np.ndarray, tokens_by_step: dict[int, int]) -> float:
+    """The trainer's seconds per trained token: total time over total tokens (a step's time varies several-fold
+    on a shared CPU, and the run's interval is made of the total: a median understates it)."""
+    timed = [(e - s, tokens_by_step[k]) for k, s, e in zip(step_ids.tolist(), t0, t1, strict=True)
+             if tokens_by_step.get(k)]
+    return float(sum(d for d, _ in timed) / sum(n for _, n in timed)) if timed else 0.0
 
 
 def _model_spec(run_dir: Path, run: RunConfig) -> dict:
