@@ -81,3 +81,29 @@ def test_a_requeued_start_removes_only_the_stale_mpich_segments(tmp_path):
     with open(tmp_path / "mpich_shm_b911e98_0", "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live job's
         assert sorted(clear_stale_shm(tmp_path)) == ["mpich_shm_b911e98_1", "mpich_vci_b911e98_1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_b911e98_0", "mpich_shm_c0ffee_0", "other"]
+
+
+def test_a_start_whose_mpi_init_never_completes_exits_instead_of_holding_its_nodes(tmp_path):
+    """A rank's PMI server that accepts and never answers (as a stalled Slurm pmi2 exchange does) leaves
+    MPI_Init waiting: the rank's watchdog ends it with status 1 after DORA_HPC_MPI_INIT_TIMEOUT_S, naming
+    where it waited. A start whose MPI_Init completes lives on past that time."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        env = {**os.environ, "DORA_HPC_MPI_INIT_TIMEOUT_S": "3", "PMI_PORT": f"127.0.0.1:{server.getsockname()[1]}",
+               "PMI_RANK": "0", "PMI_SIZE": "2", "PMI_ID": "0"}
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "dora_hpc.runtime.main", str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and 3 <= time.time() - t0 < 30, (p.returncode, p.stderr[-2000:])
+    assert "Timeout (0:00:03)!" in p.stderr and "init_mpi" in p.stderr, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-c", "import time\nfrom dora_hpc.runtime.main import init_mpi\n"
+                        "MPI = init_mpi(2)\ntime.sleep(3)\nprint(MPI.COMM_WORLD.Get_size())"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr[-2000:]

@@ -9,7 +9,9 @@ The role comes from the world rank (runtime/roles.py). Invariants:
   warning -- reach any rank as a stop request: the rank sets a flag, rank 0 (told by the others) commits
   a checkpoint of the current step and ends the run, which exits 3; a second signal stops at once.
   Under the local launcher (DORA_HPC_HYDRA=1) SIGUSR1 is mpiexec's notice that a peer died, not a stop
-  request: the launcher decides what a death means (launch/local.py).
+  request: the launcher decides what a death means (launch/local.py);
+* MPI_Init that has not completed after MPI_INIT_TIMEOUT_S (a PMI exchange that never ends) exits the
+  rank with status 1, so the step ends and a Slurm job requeues and resumes instead of holding its nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 
 from .. import quiet_hf
 
+# seconds MPI_Init may take (DORA_HPC_MPI_INIT_TIMEOUT_S): a few on a healthy start, however loaded the node
+MPI_INIT_TIMEOUT_S = float(os.environ.get("DORA_HPC_MPI_INIT_TIMEOUT_S") or 120)
 STOP = threading.Event()     # a stop was requested by a signal (to this rank; rank 0: to any rank)
 STOP_SIGNAL: list[int] = []
 
@@ -160,11 +164,27 @@ def clear_stale_shm(shm: Path = Path("/dev/shm"), now: float | None = None) -> l
     return removed
 
 
+def init_mpi(timeout_s: float = MPI_INIT_TIMEOUT_S):
+    """MPI_Init (mpi4py's import) under a watchdog; returns mpi4py's MPI. Under Slurm's pmi2 plugin a
+    start's PMI exchange can stall for good (slurm/NOTES.md): the rank would wait in MPI_Init with its
+    nodes held until the time limit. Past ``timeout_s`` the rank prints "Timeout" and where it waited, and
+    exits 1; srun ends the step (--kill-on-bad-exit) and the job requeues and resumes. faulthandler's
+    watchdog is a C thread: MPI_Init holds the GIL, so a Python thread could not fire."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        from mpi4py import MPI
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return MPI
+
+
 def main(run_dir: str) -> int:
     if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and (gone := clear_stale_shm()):
         print(f"dora-hpc: removed {len(gone)} MPICH shared-memory segments a dead start left on "
               f"{os.uname().nodename}: {', '.join(gone)}", file=sys.stderr, flush=True)
-    from mpi4py import MPI
+    MPI = init_mpi()  # noqa: N806 - mpi4py's module, under its own name
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
