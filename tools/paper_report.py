@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "paper"
 SIM = ".venv/bin/dora-hpc simulate configs/sim/{0}.yaml --out results/sim/{0}"
 ABLATION = ".venv/bin/dora-hpc bench ablation configs/bench-modes.yaml --out results/bench/ablation"
+ABLATION_LONG = (".venv/bin/dora-hpc bench ablation configs/bench-long-context.yaml "
+                 "--out results/bench/ablation-long-context")
 TABLES = "see results/paper/tables/README.md"
 SOURCES = {"sim": "simulator", "toy": "CPU runtime, tiny model", "real": "CPU runtime, SmolLM2-135M",
            "none": "not measured"}
@@ -42,11 +44,13 @@ class Row:
 
 
 def ratio_row(item: str, paper: float, ours: float | None, source: str, command: str, why: str = "",
-              fmt: str = "{:.2f}x") -> Row:
-    """A row whose verdict is computed: within 10% of the paper's figure is reproduced."""
+              fmt: str = "{:.2f}x", effect: bool = False) -> Row:
+    """A row whose verdict is computed: within 10% of the paper's figure is reproduced. With ``effect``
+    (a ratio whose point is how far it is from 1, as the ablation's 1.10x) the effect itself must be
+    within 10%: ours - 1 against the paper's - 1."""
     if ours is None:
         return Row(item, fmt.format(paper), "—", "none", command, "not yet measured")
-    close = abs(ours / paper - 1) <= 0.10
+    close = abs((ours - 1) / (paper - 1) - 1) <= 0.10 if effect else abs(ours / paper - 1) <= 0.10
     return Row(item, fmt.format(paper), fmt.format(ours), source, command,
                "reproduced" if close else f"differs: {why}" if why else "differs")
 
@@ -146,10 +150,20 @@ def fig13() -> list[Row]:
         kv, re_ = a["variants"]["kv-migration"], a["variants"]["reprefill"]
         rows.append(ratio_row("KV-reuse ablation: step interval re-prefill / KV (toy, ~35-token contexts)", 183 / 166,
                               re_["mean_step_time_s"] / kv["mean_step_time_s"], "toy", ABLATION,
-                              "a migrated request carries ~35 tokens: re-prefill costs nothing to save"))
+                              "a migrated request carries ~35 tokens: re-prefill costs nothing to save", effect=True))
+    lc = load("results/bench/ablation-long-context/summary.json")
+    if lc:
+        kv, re_ = lc["variants"]["kv-migration"], lc["variants"]["reprefill"]
+        rows.append(ratio_row("KV-reuse ablation: step interval re-prefill / KV (toy, ~500-token contexts, "
+                              "5x slower pacing)", 183 / 166, re_["mean_step_time_s"] / kv["mean_step_time_s"], "toy",
+                              ABLATION_LONG, "KV saves rollout time (engine-seconds per trained token "
+                              f"{lc['ratios']['kv-migration/reprefill engine_s_per_trained_token'] - 1:+.1%}, "
+                              f"{re_['reprefill_tokens']:,.0f} re-prefilled tokens -> 0), but the trainer's real "
+                              "CPU step is most of the interval and hides it", effect=True))
     rows.append(Row("KV-reuse ablation: step interval re-prefill / KV (SmolLM2, long contexts)", "1.10x", "—",
                     "none", "—", "not measured: on 2 CPU cores a SmolLM2 train step over thousands-token "
-                    "contexts takes minutes, so a step interval would time the trainer, not the rollout"))
+                    "contexts takes minutes, so the run is trainer-bound: at each publish no older version "
+                    "has pending work and nothing migrates (results/bench/README.md)"))
     s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
     if s64 and s128:
         o64, o128 = s64["modes"]["dora"]["overheads"], s128["modes"]["dora"]["overheads"]

@@ -51,7 +51,7 @@ ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pair
 FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
            "bubble_fraction", "inter_instance_bubble", "max_staleness", "mean_staleness", "reprefill_tokens",
            "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s", "limit_share",
-           "slot_utilization_limit", "weight_load_share")
+           "slot_utilization_limit", "weight_load_share", "engine_s_per_trained_token")
 
 
 class BenchError(RuntimeError):
@@ -114,6 +114,9 @@ def figures(a: dict, cfg) -> dict:
         "migrations": a["migrations"],
         "engine_steps_per_trained_token": a["engine_steps_per_trained_token"],
         "instance_busy_s": a["instance_busy_s"],
+        # rollout's seconds per trained token: every instance's busy seconds in the window over its trained tokens
+        "engine_s_per_trained_token": a["instance_busy_s"] * n_inst / trained if (
+            trained := a["throughput_tokens_per_s"] * a["window_s"]) else 0.0,
         "limit_tokens_per_s": limit,
         "limit_share": a["throughput_tokens_per_s"] / limit if limit else 0.0,
         "slot_utilization_limit": min(1.0, limit / full_rate) if full_rate != float("inf") else 1.0,
@@ -158,9 +161,14 @@ def run_matrix(config: str, sets: list[str], cases: dict[str, list[str]], out: P
     return {c: _median(v) for c, v in runs.items()}, rows
 
 
+def ratios(rows: list[dict], a: str, b: str, key: str = "throughput_tokens_per_s") -> list[float]:
+    """row[a][key] / row[b][key] in each repeat (cases of one repeat ran back to back)."""
+    return [r[a][key] / r[b][key] for r in rows if a in r and b in r and r[b][key]]
+
+
 def ratio(rows: list[dict], a: str, b: str, key: str = "throughput_tokens_per_s") -> float | None:
-    """Median over repeats of row[a][key] / row[b][key] (cases of one repeat ran back to back)."""
-    vals = [r[a][key] / r[b][key] for r in rows if a in r and b in r and r[b][key]]
+    """The median over repeats of ``ratios``."""
+    vals = ratios(rows, a, b, key)
     return statistics.median(vals) if vals else None
 
 
@@ -222,13 +230,15 @@ def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeat
                              for case, s in spec["cases"].items()} | {"the paced pass": PACED})
     _fresh(out)
     med, rows = run_matrix(config, [*sets, "engine.pacing=true"], spec["cases"], out, repeats, console=console)
-    ratios = {}
-    for on, off in spec["pairs"]:
-        ratios[f"{on}/{off} throughput"] = ratio(rows, on, off)
-        ratios[f"{on}/{off} mean_step_time_s"] = ratio(rows, on, off, "mean_step_time_s")
-        ratios[f"{on}/{off} engine_steps_per_trained_token"] = ratio(rows, on, off, "engine_steps_per_trained_token")
+    keys = {"throughput": "throughput_tokens_per_s", "mean_step_time_s": "mean_step_time_s",
+            "engine_steps_per_trained_token": "engine_steps_per_trained_token",
+            "engine_s_per_trained_token": "engine_s_per_trained_token"}
+    by_repeat = {f"{on}/{off} {name}": ratios(rows, on, off, key)
+                 for on, off in spec["pairs"] for name, key in keys.items()}
     summary = {"ablation": which, "title": spec["title"], "config": config, "sets": sets, "repeats": repeats,
-               "machine": machine(), "variants": med, "ratios": ratios}
+               "machine": machine(), "variants": med,
+               "ratios": {k: statistics.median(v) if v else None for k, v in by_repeat.items()},
+               "ratios_by_repeat": by_repeat}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from .plots import plot_ablation
 
