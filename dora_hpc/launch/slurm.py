@@ -75,7 +75,8 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     ex = HetSlurmExecutor(folder, second, need_srun)
     srun_args = ["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--het-group=0,1"] if second is not None else [])
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
-                              "stderr_to_stdout": True, "setup": list(s.setup),
+                              "stderr_to_stdout": True,
+                              "setup": [*s.setup, f"export DORA_HPC_MPI_INIT_TIMEOUT_S={s.mpi_init_timeout_s:g}"],
                               "teardown": requeue_on_failure(run_dir, s.requeue_on_failure),
                               "additional_parameters": {"requeue": True, "signal": f"USR1@{s.signal_delay_s}",
                                                         **{k: v for k, v in first.items()

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from .. import quiet_hf
 
-# seconds MPI_Init may take (DORA_HPC_MPI_INIT_TIMEOUT_S): a few on a healthy start, however loaded the node
+# seconds MPI_Init may take (DORA_HPC_MPI_INIT_TIMEOUT_S; a Slurm job's script sets it from
+# slurm.mpi_init_timeout_s): a few on a healthy start of a few ranks, however loaded the node
 MPI_INIT_TIMEOUT_S = float(os.environ.get("DORA_HPC_MPI_INIT_TIMEOUT_S") or 120)
 STOP = threading.Event()     # a stop was requested by a signal (to this rank; rank 0: to any rank)
 STOP_SIGNAL: list[int] = []
