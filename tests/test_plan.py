@@ -101,3 +101,20 @@ def test_plan_fits_a_multi_turn_runs_episodes_and_checks_the_fit_on_them(tmp_pat
     # the logged env_s (a step's seconds in its worker) leaves out -- with env.workers=8 the same run fitted to
     # -4.3%; so a sanity bound here, not the single-turn 15%
     assert abs(check["relative_error"]) <= 0.3, check
+
+
+def test_the_trainer_start_is_fitted_only_where_the_trainer_kept_the_first_step_waiting():
+    """Rank 0's trainer_wait ops say when groups were ready. A first step that began later than that (by over
+    a tick) waited for the trainer building its model: its start is fitted, from the first engine step. One that
+    began as the waits ended waited for groups: 0, as for runs that logged no waits. (Times from two real runs.)"""
+    import numpy as np
+
+    from dora_hpc.sim.fit import _trainer_start
+
+    def ops(ends: list[float]) -> dict:
+        return {"kind": np.array(["trainer_wait"] * len(ends) + ["weight_load"]), "t_end": np.array([*ends, 3.0])}
+
+    single_turn = ops([2.53, 2.80, 3.63, 9.0])  # the last wait is a later step's
+    assert _trainer_start(single_turn, first_step=4.51, origin=2.53, tick_s=0.5) == pytest.approx(1.98)
+    assert _trainer_start(ops([2.55, 5.59, 7.35]), first_step=7.35, origin=2.59, tick_s=0.5) == 0.0  # multi-turn
+    assert _trainer_start(ops([]), first_step=4.51, origin=2.53, tick_s=0.5) == 0.0
