@@ -1,11 +1,11 @@
 """The tiered-supplementation A/B (issue 33): DORA with legacy top-up after the planner's migrations on a
 publish (``dora.supplement: after_migration``, the paper's §3.3 order and the default) against top-up before
 the planner (``before_rebalance``, the order dora_hpc used until 2026-12-03), each beside sync on the same
-seed, on the planner A/B's single-turn workloads, one seed each. Steady state: 40 steps, the first 2K left
+seed, on the planner A/B's single-turn workloads, 3 seeds each. Steady state: 40 steps, the first 2K left
 out. Each run also counts the legacy groups top-up admitted, at a publish and at other events (the only
 place the order can act is a publish).
 
-    .venv/bin/python results/sim/supplement/supplement.py     # ~8 min on 2 cores; writes summary.json
+    .venv/bin/python results/sim/supplement/supplement.py     # ~14 min on 2 cores; writes summary.json
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ sys.path.insert(0, str(HERE.parent / "planner"))
 import planner  # noqa: E402  (results/sim/planner/planner.py: its grouping of runs by scenario)
 
 SCENARIOS = {  # name: (config, overrides, base seed, K, seeds): the planner A/B's (results/sim/planner/)
-    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 1),
-    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 1),
+    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 3),
+    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 3),
     "heavy tail": ("configs/sim/paper-64.yaml", ["workload.response_len.sigma=1.6", "workload.response_len.max=65536",
-                                                 "dora.k=6"], 7, 6, 1),
+                                                 "dora.k=6"], 7, 6, 3),
     "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
                                                      "workload.response_len.sigma=1.2",
-                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 1),
+                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 3),
 }
 RUNS = {"sync": ("sync", []), "after_migration": ("dora", ["dora.supplement=after_migration"]),
         "before_rebalance": ("dora", ["dora.supplement=before_rebalance"])}
