@@ -43,14 +43,18 @@ class Row:
     verdict: str
 
 
+def close_to(ours: float, paper: float, effect: bool = False) -> bool:
+    """Within 10% of the paper's figure. With ``effect`` (a ratio whose point is how far it is from 1, as the
+    ablation's 1.10x) the effect itself must be within 10%: ours - 1 against the paper's - 1."""
+    return abs((ours - 1) / (paper - 1) - 1) <= 0.10 if effect else abs(ours / paper - 1) <= 0.10
+
+
 def ratio_row(item: str, paper: float, ours: float | None, source: str, command: str, why: str = "",
               fmt: str = "{:.2f}x", effect: bool = False) -> Row:
-    """A row whose verdict is computed: within 10% of the paper's figure is reproduced. With ``effect``
-    (a ratio whose point is how far it is from 1, as the ablation's 1.10x) the effect itself must be
-    within 10%: ours - 1 against the paper's - 1."""
+    """A row whose verdict is computed (``close_to``): reproduced, or differs and why."""
     if ours is None:
         return Row(item, fmt.format(paper), "—", "none", command, "not yet measured")
-    close = abs((ours - 1) / (paper - 1) - 1) <= 0.10 if effect else abs(ours / paper - 1) <= 0.10
+    close = close_to(ours, paper, effect)
     return Row(item, fmt.format(paper), fmt.format(ours), source, command,
                "reproduced" if close else f"differs: {why}" if why else "differs")
 
@@ -206,9 +210,8 @@ def production() -> list[Row]:
         bound = (f"tail-bound: DORA's trainer waits {wait:.0%} of the time for the window's oldest groups, so a "
                  f"step lasts at least the longest trajectory / (K + 1) and the speed-up stays under K + 1"
                  + (f" ({at_k}, seed 0)" if at_k else ""))
-        close = abs(dora / paper - 1) <= 0.10
         verdict = (f"agrees, under an assumed batch, split and hardware (the paper gives none): not a reproduction; "
-                   f"{bound}" if close else f"differs: {bound}; the paper's production K is not stated")
+                   f"{bound}" if close_to(dora, paper) else f"differs: {bound}; the paper's production K is not stated")
         rows.append(Row(item + " (median of 3 seeds; cluster.elastic in brackets)", f"{paper:.1f}x",
                         f"{dora:.2f}x ({elastic:.2f}x)", "sim", command, verdict))
     return rows

@@ -20,14 +20,10 @@ from dora_hpc.sim.metrics import summarize
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-SCENARIOS = {  # name: (config, overrides, K)
-    "paper-64": ("configs/sim/paper-64.yaml", [], 3),
-    "paper-128": ("configs/sim/paper-128.yaml", [], 3),
-    "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
-                                                     "workload.response_len.sigma=1.2",
-                                                     "workload.response_len.max=32768", "dora.k=4"], 4),
-}
-SEEDS = (0, 1, 2)
+sys.path.insert(0, str(HERE.parent / "planner"))
+import planner  # noqa: E402  (results/sim/planner/planner.py: its scenarios)
+
+SCENARIOS = {name: planner.SCENARIOS[name] for name in ("paper-64", "paper-128", "long reasoning")}
 VARIANTS = {"kv": "dora.kv_migration=true", "reprefill": "dora.kv_migration=false"}
 KEYS = ("mean_step_time_s", "throughput_tokens_per_s", "migrations", "reprefill_tokens", "rollout_only_fraction",
         "trainer_wait_fraction", "overheads", "max_staleness", "lost_groups", "duplicate_groups",
@@ -36,7 +32,7 @@ KEYS = ("mean_step_time_s", "throughput_tokens_per_s", "migrations", "reprefill_
 
 def simulate(job: tuple[str, str, int]) -> tuple[str, str, int, dict]:
     name, variant, seed = job
-    path, sets, k = SCENARIOS[name]
+    path, sets, _, k = SCENARIOS[name]
     cfg = load_config(ROOT / path, [*sets, VARIANTS[variant], f"seed={seed}", "sim.steps=40",
                                     f"sim.warmup_steps={2 * k}"])
     s = summarize(Simulator(cfg, "dora", timeline=False).run())
@@ -45,13 +41,14 @@ def simulate(job: tuple[str, str, int]) -> tuple[str, str, int, dict]:
 
 
 def main() -> None:
-    jobs = [(name, v, seed) for name in SCENARIOS for seed in SEEDS for v in VARIANTS]
+    jobs = [(name, v, base + i) for name, (_, _, base, _) in SCENARIOS.items() for i in range(planner.SEEDS)
+            for v in VARIANTS]
     with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2) as pool:
         done = pool.map(simulate, jobs)
     runs: dict = {}
     for name, variant, seed, row in done:
         runs.setdefault(name, {}).setdefault(str(seed), {})[variant] = row
-    out = {"what": __doc__.split("\n\n")[0], "seeds": list(SEEDS), "scenarios": {}}
+    out = {"what": __doc__.split("\n\n")[0], "seeds": sorted({seed for _, _, seed in jobs}), "scenarios": {}}
     for name, by_seed in runs.items():
         ratios = [r["reprefill"]["mean_step_time_s"] / r["kv"]["mean_step_time_s"] for r in by_seed.values()]
         out["scenarios"][name] = {

@@ -26,17 +26,10 @@ from dora_hpc.sim.metrics import summarize
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent / "planner"))
-import planner  # noqa: E402  (results/sim/planner/planner.py: its grouping of runs by scenario)
+import planner  # noqa: E402  (results/sim/planner/planner.py: its scenarios and grouping of runs)
 
-SCENARIOS = {  # name: (config, overrides, base seed, K, seeds): the planner A/B's (results/sim/planner/)
-    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3, 3),
-    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3, 3),
-    "heavy tail": ("configs/sim/paper-64.yaml", ["workload.response_len.sigma=1.6", "workload.response_len.max=65536",
-                                                 "dora.k=6"], 7, 6, 3),
-    "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
-                                                     "workload.response_len.sigma=1.2",
-                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4, 3),
-}
+SCENARIOS = {name: s for name, s in planner.SCENARIOS.items() if name != "agentic-64"}  # single-turn
+SEEDS = planner.SEEDS
 RUNS = {"sync": ("sync", []), "after_migration": ("dora", ["dora.supplement=after_migration"]),
         "before_rebalance": ("dora", ["dora.supplement=before_rebalance"])}
 TOPUPS: collections.Counter = collections.Counter()  # legacy groups admitted, by the event being handled
@@ -59,7 +52,7 @@ def _count_topups() -> None:
 
 def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
     name, label, seed = job
-    path, sets, _, k, _ = SCENARIOS[name]
+    path, sets, _, k = SCENARIOS[name]
     mode, extra = RUNS[label]
     TOPUPS.clear()
     cfg = load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}"])
@@ -72,7 +65,7 @@ def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
 
 
 def jobs() -> list[tuple[str, str, int]]:
-    return [(name, label, base + i) for name, (_, _, base, _, n) in SCENARIOS.items() for i in range(n)
+    return [(name, label, base + i) for name, (_, _, base, _) in SCENARIOS.items() for i in range(SEEDS)
             for label in RUNS]
 
 
