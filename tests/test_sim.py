@@ -256,6 +256,36 @@ def test_every_mode_runs_multi_turn_episodes_and_keeps_the_invariants(agentic_ru
     assert dora["throughput_tokens_per_s"] > agentic_runs["sync"]["throughput_tokens_per_s"]
 
 
+def test_environment_steps_queue_for_an_instances_workers_first_come_first_served(agentic_runs):
+    """workload.env_workers: an instance runs that many environment steps at once; the rest wait for the
+    earliest free worker in arrival order, none waits while a worker is free. A step's own seconds
+    (env_s) are unchanged, so only the episodes' wall time grows."""
+    steps: list[tuple[int, float, float, float]] = []  # (instance, submitted, start, end)
+    workers = 2
+
+    class Recorded(Simulator):
+        def _env_done_at(self, inst, secs):
+            end = super()._env_done_at(inst, secs)
+            steps.append((inst.idx, self.now, end - secs, end))
+            return end
+
+    s = summarize(Recorded(load_config(SMALL, [*AGENTIC, f"workload.env_workers={workers}"]), "dora",
+                           timeline=False).run())
+    waited = 0
+    for i in {x[0] for x in steps}:
+        mine = [x for x in steps if x[0] == i]
+        for k, (_, sub, start, _) in enumerate(mine):
+            busy = sum(1 for _, _, s0, e0 in mine[:k] if s0 <= start < e0 - 1e-9)  # (start is end - secs: rounded)
+            assert start >= sub - 1e-9 and busy < workers  # a free worker for it when it starts
+            if start > sub + 1e-9:  # it waited: every worker was taken when it came, by steps that came before it
+                waited += 1
+                assert sum(1 for x in mine[:k] if x[3] > sub) >= workers
+            assert all(x[2] <= start for x in mine[:k])  # first come, first started
+    assert waited > 0 and s["episodes"]["env_s_mean"] == pytest.approx(
+        agentic_runs["dora"]["episodes"]["env_s_mean"], rel=0.3)
+    assert s["throughput_tokens_per_s"] < agentic_runs["dora"]["throughput_tokens_per_s"]
+
+
 def test_a_held_episode_keeps_its_kv_without_compute_and_leaves_first_under_pressure():
     c = cost(kv_capacity_tokens=2000, prefill_per_token=1e-3, host_link=1e6)
     inst = Instance(0, c, kv_offload=True)

@@ -41,7 +41,8 @@ class WorkloadConfig(Section):
     """What one trajectory is. A multi-turn episode (``turns.max`` > 1) has a number of turns, each of
     ``response_len`` model tokens followed, except the last, by an environment step of ``env_latency_s``
     seconds that adds ``env_tokens`` tokens to the context; prompt + every turn's tokens stop at
-    ``max_episode_tokens``. ``turns.max: 1`` (the default) is single-turn: prompt -> response."""
+    ``max_episode_tokens``; an instance runs ``env_workers`` environment steps at once. ``turns.max: 1`` (the
+    default) is single-turn: prompt -> response."""
 
     prompt_len: LengthDist = LengthDist(median=128, sigma=0.3, max=512)
     response_len: LengthDist = LengthDist(median=256, sigma=1.0, max=4096)
@@ -49,6 +50,10 @@ class WorkloadConfig(Section):
     env_latency_s: SecondsDist = SecondsDist(median=0.0, max=1.0)
     env_tokens: LengthDist = LengthDist(median=1, sigma=0.0, max=1)
     max_episode_tokens: int = Field(1 << 20, ge=2, description="prompt + every turn's model and environment tokens")
+    env_workers: int | None = Field(None, ge=1, description="environment steps one instance runs at once (the "
+                                    "runtime's env.workers of a rollout rank); more wait for a free worker, first "
+                                    "come first served. Unset: every step starts at once (a pool larger than the "
+                                    "episodes in flight)")
 
 
 class ModelSpec(Section):

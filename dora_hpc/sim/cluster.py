@@ -160,7 +160,7 @@ class Simulator(Borrowing, EpisodeSteps):
             if not rec.said_done and (not last or turns[rec.turn].env_s > 0):  # held while its environment steps
                 r.waiting_env = True
                 inst.hold(r)
-                self._at(self.now + turns[rec.turn].env_s, "env", r.traj, rec.turn)
+                self._at(self._env_done_at(inst, turns[rec.turn].env_s), "env", r.traj, rec.turn)
                 continue
             rec.finished = True
             done.append(r.traj)

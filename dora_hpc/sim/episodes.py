@@ -5,11 +5,26 @@ turn (the environment says done, as in the runtime) ends the episode there. Part
 
 from __future__ import annotations
 
+import heapq
+
 from ..core.events import RequestFinished
 from .instance import SimError
 
 
 class EpisodeSteps:
+    def _env_done_at(self, inst, secs: float) -> float:
+        """When an environment step that ``inst`` starts now ends: at once on a free worker, else after the
+        earliest busy one (``workload.env_workers``; unset: never waits). The step runs where it started,
+        so a migration does not move it (the runtime runs it again at the destination: ``env_reruns``)."""
+        workers = self.cfg.workload.env_workers
+        if workers is None:
+            return self.now + secs
+        while inst.env_free and inst.env_free[0] <= self.now:
+            heapq.heappop(inst.env_free)
+        start = heapq.heappop(inst.env_free) if len(inst.env_free) >= workers else self.now
+        heapq.heappush(inst.env_free, start + secs)
+        return start + secs
+
     def _ev_env(self, t: int, turn: int) -> None:
         """Trajectory ``t``'s environment step after ``turn`` ended: its next turn starts where it is, or, after
         its last turn (the environment said done), it ends there."""

@@ -8,7 +8,7 @@ Invariants:
   and the trainer's seconds per trained token;
 * a multi-turn run (``env.name``) also fits its episodes from the trajectory rows: turns, model tokens per
   turn and environment tokens per step (log-normal, as above), and the environment's latency per step
-  (``episode_fit``);
+  (``episode_fit``), queued on the run's ``env.workers`` per rank;
 * the fit is checked before anything is recommended: the logged run re-simulated with the fitted model
   must give its measured train-step interval (the mean after the first step, as the simulator
   measures it) within FIT_TOLERANCE; the relative error is reported either way;
@@ -160,9 +160,10 @@ def _model_spec(run_dir: Path, run: RunConfig) -> dict:
 
 
 def _episodes(trajs: dict, run: RunConfig) -> dict:
-    """A multi-turn run's workload keys from its trajectory rows (``episode_fit``) and its episode cap."""
+    """A multi-turn run's workload keys from its trajectory rows (``episode_fit``), its episode cap and its
+    environment workers per rank (steps beyond them queue: the logged ``env_s`` is a step's own time)."""
     out = episode_fit(*(trajs[c] for c in ("turns", "env_spans", "env_s", "response_len")), run.env.timeout_s)
-    return out | {"max_episode_tokens": run.env.max_episode_tokens}
+    return out | {"max_episode_tokens": run.env.max_episode_tokens, "env_workers": run.env.workers}
 
 
 def episode_fit(turns: np.ndarray, spans: np.ndarray, env_s: np.ndarray, response_len: np.ndarray,

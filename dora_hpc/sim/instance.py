@@ -62,6 +62,7 @@ class Instance:
     held: dict[int, Req] = field(default_factory=dict)      # episodes between turns (KV resident unless owed)
     held_kv: float = 0.0                                     # their resident KV tokens
     waiting: deque[Req] = field(default_factory=deque)
+    env_free: list[float] = field(default_factory=list)      # when each busy environment worker is free (a heap)
     heap: list[tuple[int, int]] = field(default_factory=list)  # (finish step, traj), lazily cleaned
     steps: int = 0
     kv_base: float = 0.0            # sum(prompt + gen_at_join - join_step): kv = kv_base + n * steps
