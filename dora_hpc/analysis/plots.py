@@ -125,7 +125,8 @@ def stratified_png(path: Path, result: dict, title: str) -> Path:
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"n={n}", ha="center", va="bottom",
                     fontsize=6)
     ax.set_xticks(range(len(groups)), [g for g, _ in groups])
-    ax.set_xlabel(f"prompt difficulty: pass rate of its group (pass = reward >= {s['threshold']})")
+    of = "its prompt over the run" if s.get("difficulty_of") == "prompt" else "its group"
+    ax.set_xlabel(f"difficulty: pass rate of {of} (pass = reward >= {s['threshold']})")
     ax.set_ylabel("pass rate")
     ax.set_ylim(0, 1.1)
     ax.set_title(f"{title}: pass rate by staleness, naive and at equal difficulty (Table 1)", fontsize=9)

@@ -3,7 +3,8 @@ DORA K=3 run and of a partial-rollout run (analysis/staleness.py's ``stratified`
 here, which tools/paper_report.py puts in results/paper/README.md.
 
     .venv/bin/python results/paper/tables/tables.py results/paper/tables/analyze-dora-k3.json \
-        results/paper/tables/analyze-partial.json 4      # the runs' group size
+        results/paper/tables/analyze-partial.json 4 \
+        results/paper/tables/rollout-bound/analyze-dora-k3-paced.json  # 4: the runs' group size
 
 A verdict weighs each difference against its sampling error: a stratum's pass-rate gap counts as a
 measured degradation only past two standard errors of the difference of two proportions.
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+FEW = 30  # responses: fewer at staleness 0 or 1 (a handful of groups) and a median gap is not a finding
 
 
 def _gaps(strat: dict) -> list[dict]:
@@ -99,13 +101,20 @@ def _fig14b(strat: dict) -> dict:
     if 0 not in med or 1 not in med:
         return {"ours": json.dumps(med), "verdict": "not measurable: no staleness-0 or staleness-1 responses"}
     more = med[1] / med[0] - 1
+    n = {int(s): c["n"] for s, c in strat["naive"]["by_staleness"].items()}
     text = " / ".join(f"s={s}: {v:.0f}" for s, v in sorted(med.items())) + f" tokens (s=1 vs 0: {more:+.0%})"
-    return {"ours": text, "verdict": ("reproduced: stale responses are longer" if more > 0.10 else
-                                      "differs: stale responses are not markedly longer") + " (paper +47%)",
-            "median_length_by_staleness": med}
+    few = min(n.get(0, 0), n.get(1, 0)) < FEW
+    verdict = ("too few to tell: " if few else "") + (
+        ("stale responses are longer" if few else "reproduced: stale responses are longer") if more > 0.10
+        else ("stale responses are not markedly longer" if few else "differs: stale responses are not markedly "
+              "longer"))
+    return {"ours": text, "verdict": verdict + f" (paper +47%), on {n.get(0, 0)} / {n.get(1, 0)} responses at "
+            "staleness 0 / 1", "median_length_by_staleness": med}
 
 
-def main(dora_json: str, partial_json: str, group_size: str) -> None:
+def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None) -> None:
+    """``rollout_bound_json``: the same DORA run with rollout paced to be the bottleneck (README); its tables go
+    under ``rollout_bound``, beside the main run's."""
     dora = json.loads(Path(dora_json).read_text())["stratified"]
     partial = json.loads(Path(partial_json).read_text())["stratified"]
     g = int(group_size)
@@ -113,10 +122,17 @@ def main(dora_json: str, partial_json: str, group_size: str) -> None:
                "table2": _table(partial, "paper: |gap| <= 0.33 pt", g),
                "table3": _table3(dora), "fig14b": _fig14b(dora), "sources": [dora_json, partial_json],
                "staleness": {"dora": dora["naive"]["by_staleness"], "partial": partial["naive"]["by_staleness"]}}
+    if rollout_bound_json:
+        paced = json.loads(Path(rollout_bound_json).read_text())["stratified"]
+        summary["rollout_bound"] = {"table1": _table(paced, "paper: |gap| < 0.6 pt", g), "table3": _table3(paced),
+                                    "fig14b": _fig14b(paced), "source": rollout_bound_json,
+                                    "staleness": paced["naive"]["by_staleness"]}
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    for k in ("table1", "table2", "table3", "fig14b"):
-        print(k, summary[k]["ours"], "->", summary[k]["verdict"])
+    for name, tables in (("", summary), ("rollout-bound ", summary.get("rollout_bound", {}))):
+        for k in ("table1", "table2", "table3", "fig14b"):
+            if k in tables:
+                print(name + k, tables[k]["ours"], "->", tables[k]["verdict"])
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
