@@ -103,13 +103,11 @@ def _fig14b(strat: dict) -> dict:
     more = med[1] / med[0] - 1
     n = {int(s): c["n"] for s, c in strat["naive"]["by_staleness"].items()}
     text = " / ".join(f"s={s}: {v:.0f}" for s, v in sorted(med.items())) + f" tokens (s=1 vs 0: {more:+.0%})"
-    few = min(n.get(0, 0), n.get(1, 0)) < FEW
-    verdict = ("too few to tell: " if few else "") + (
-        ("stale responses are longer" if few else "reproduced: stale responses are longer") if more > 0.10
-        else ("stale responses are not markedly longer" if few else "differs: stale responses are not markedly "
-              "longer"))
-    return {"ours": text, "verdict": verdict + f" (paper +47%), on {n.get(0, 0)} / {n.get(1, 0)} responses at "
-            "staleness 0 / 1", "median_length_by_staleness": med}
+    longer = more > 0.10
+    label = "too few to tell" if min(n.get(0, 0), n.get(1, 0)) < FEW else "reproduced" if longer else "differs"
+    finding = "stale responses are longer" if longer else "stale responses are not markedly longer"
+    return {"ours": text, "verdict": f"{label}: {finding} (paper +47%), on {n.get(0, 0)} / {n.get(1, 0)} responses "
+            "at staleness 0 / 1", "median_length_by_staleness": med}
 
 
 def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None) -> None:
