@@ -50,6 +50,22 @@ def test_engine_logprobs_equal_trainer_logprobs_so_the_first_ratio_is_one(tiny):
     assert m["tokens"] == sum(len(s.response) for s in samples) and m["grad_norm"] > 0
 
 
+def test_trainer_logprobs_equal_the_engines_when_prompts_differ_in_length(tiny):
+    """The trainer's LM head runs from the batch's first response position only; every row's response
+    logprobs are still the engine's, whatever its prompt's length."""
+    engine = Engine(tiny, kv_blocks=256, seed=2)
+    for i, n in enumerate((2, 5, 11, 17)):
+        engine.add(i, [3 + (5 * j + i) % 200 for j in range(n)], SamplingParams(max_tokens=6 + i, ignore_eos=True), 0)
+    samples = []
+    while engine.has_work():
+        samples += [Trajectory(f.req_id, f.req_id, -1, f.prompt, f.response, f.logprobs, 0.0) for f in engine.step()]
+    with torch.no_grad():
+        lp, mask = GRPOTrainer(tiny, GRPOConfig())._token_logprobs(samples)
+    for row, m, s in zip(lp, mask, samples, strict=True):
+        assert int(m.sum()) == len(s.response)
+        assert row[: len(s.response)].tolist() == pytest.approx(s.logprobs, abs=1e-4)
+
+
 def test_decoupled_takes_the_ppo_clip_step_on_fresh_samples_and_every_step_reports_its_statistics(tiny):
     """Staleness 0 (the engine sampled under the trainer's weights, float32): the decoupled objective's
     step equals PPO-clip's to float noise; the step's new statistics are there and sane."""

@@ -14,8 +14,9 @@ Invariants every backend keeps:
   its Hugging Face name, on CPU in the publish dtype, without any rank holding the whole model; publishing
   and the rollout engines never see a backend's own shard or name. ``full_state_dict`` returns every
   weight whole, on every trainer rank: for checkpoints and export only;
-* ``logits`` returns full-vocabulary float logits [B, L, V] of this rank's micro-batch, on the device the
-  backend computes on (the objective follows them there);
+* ``logits`` returns full-vocabulary float logits [B, keep, V] of the last ``keep`` positions (all L when
+  ``keep`` is 0) of this rank's micro-batch, on the device the backend computes on (the objective follows
+  them there);
 * sharded backends communicate inside forward and backward, so every trainer rank runs the same number
   of micro-batches in a step (``micro_batches`` agrees on it; a rank short of data runs empty ones);
 * after the last backward every rank holds, for the parameters it owns, the gradient of the *global* loss
@@ -98,7 +99,7 @@ class TrainBackend:
         """The samples this rank trains on, given the ones it received (TP peers train on their union)."""
         return samples
 
-    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False, keep: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
     def micro_batches(self, n_local: int) -> int:

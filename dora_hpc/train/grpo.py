@@ -142,14 +142,15 @@ class GRPOTrainer:
         for i, s in enumerate(batch):
             ids[i, : lens[i]] = torch.tensor(s.prompt + s.response)
             attn[i, : lens[i]] = 1
-        logits = self.backend.logits(ids, attn, reference) / self.cfg.temperature  # on the backend's device
-        dev = logits.device
+        first = min(len(s.prompt) for s in batch) - 1  # no logits before the first response position
+        logits = self.backend.logits(ids, attn, reference, keep=width - first) / self.cfg.temperature
+        dev = logits.device  # the backend's
         r_max = max(len(s.response) for s in batch)
         out = torch.zeros(len(batch), r_max, device=dev)
         mask = torch.zeros(len(batch), r_max, device=dev)
         for i, s in enumerate(batch):
             p, r = len(s.prompt), len(s.response)
-            lp = torch.log_softmax(logits[i, p - 1 : p + r - 1], dim=-1)
+            lp = torch.log_softmax(logits[i, p - 1 - first : p + r - 1 - first], dim=-1)
             out[i, :r] = lp.gather(1, torch.tensor(s.response, device=dev)[:, None])[:, 0]
             mask[i, :r] = torch.tensor(s.model_mask(), device=dev) if s.env_spans else 1
             if entropy is not None:

@@ -150,13 +150,15 @@ class MegatronBackend(TrainBackend):
         dist.all_gather_object(shares, samples, group=self.tp_group)
         return [s for share in shares for s in share]
 
-    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        """Right-padded batches: a causal mask keeps every real token's logits independent of the padding."""
+    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False, keep: int = 0) -> torch.Tensor:
+        """Right-padded batches: a causal mask keeps every real token's logits independent of the padding.
+        GPTModel's output layer runs on every position; ``keep`` slices its result."""
         model = self.ref if reference else self.model
         b, n = ids.shape
         pos = torch.arange(n, device=self.device)[None].expand(b, -1)
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=self.device), 1)[None, None]
-        return model(ids.to(self.device), pos, causal).float()
+        out = model(ids.to(self.device), pos, causal)
+        return (out[:, -keep:] if keep else out).float()
 
     def micro_batches(self, n_local: int) -> int:
         """TP peers hold the same union of samples; replicas (data-parallel) sum gradients after backward."""

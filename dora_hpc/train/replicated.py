@@ -30,10 +30,11 @@ class ReplicatedBackend(TrainBackend):
         if self.opts.activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False, keep: int = 0) -> torch.Tensor:
+        """The LM head runs on the kept positions only (``logits_to_keep``: 0 keeps all)."""
         model = self.ref if reference else self.model
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
+            out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), logits_to_keep=keep)
         return out.logits.float()
 
     def micro_batches(self, n_local: int) -> int:
