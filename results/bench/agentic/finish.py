@@ -4,7 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-from dora_hpc.bench.convergence_bench import (CASES, LOSSES, _eval, heldout_path, machine, run_dir, summarize)
+from dora_hpc.bench.convergence_bench import CASES, LOSSES, _eval, heldout_path, machine, run_dir, summarize
 from dora_hpc.bench.modes_bench import run_case
 from dora_hpc.bench.plots import plot_convergence
 

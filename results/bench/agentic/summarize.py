@@ -11,5 +11,6 @@ summary = summarize(out, [0], 5, losses, which) | {"config": config, "sets": [],
                                                     "machine": machine(), "title": title}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 plot_convergence(summary, out / "convergence.png")
-print(json.dumps({c: {k: v for k, v in d.items() if k not in ("curves", "times", "mean")} for c, d in summary["cases"].items()}, indent=1))
+brief = {c: {k: v for k, v in d.items() if k not in ("curves", "times", "mean")} for c, d in summary["cases"].items()}
+print(json.dumps(brief, indent=1))
 print(json.dumps(summary.get("heldout"), indent=1))
