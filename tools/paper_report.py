@@ -173,9 +173,11 @@ def fig13() -> list[Row]:
                               "tenth of the margin: our re-prefill is compute-bound at 50% MFU, ~1% of instance "
                               "time", fmt="{:.3f}x", effect=True))
     rows.append(Row("KV-reuse ablation: step interval re-prefill / KV (SmolLM2, long contexts)", "1.10x", "—",
-                    "none", "—", "not measured: on 2 CPU cores a SmolLM2 train step over thousands-token "
-                    "contexts takes minutes, so the run is trainer-bound: at each publish no older version "
-                    "has pending work and nothing migrates (results/bench/README.md)"))
+                    "none", ".venv/bin/dora-hpc run configs/bench-long-context-smollm2.yaml", "not measured: "
+                    "a run of it migrates 2 requests in 12 steps, rollout-bound (the trainer waited 52%): on 2 CPU "
+                    "cores the SmolLM2 trainer takes ~4 samples a step, so a version's requests fit one instance "
+                    "and the planner has no instance to release; what migrates is a version spread over several (the "
+                    "toy's 48 requests a step; paper-64's DAPO batch, 8,192) (results/bench/README.md)"))
     s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
     if s64 and s128:
         o64, o128 = s64["modes"]["dora"]["overheads"], s128["modes"]["dora"]["overheads"]
