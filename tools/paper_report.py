@@ -176,8 +176,9 @@ def fig13() -> list[Row]:
                     "none", ".venv/bin/dora-hpc run configs/bench-long-context-smollm2.yaml", "not measured: "
                     "a run of it migrates 2 requests in 12 steps, rollout-bound (the trainer waited 52%): on 2 CPU "
                     "cores the SmolLM2 trainer takes ~4 samples a step, so a version's requests fit one instance "
-                    "and the planner has no instance to release; what migrates is a version spread over several (the "
-                    "toy's 48 requests a step; paper-64's DAPO batch, 8,192) (results/bench/README.md)"))
+                    "and the planner has no instance to release (2 slots an instance: 7); the simulator fitted to "
+                    "that run puts >= 20 at TBS 4, 4 slots, 24 steps: ~35 min a run, the ablation 3-4 h here "
+                    "(results/bench/ablation-long-context-smollm2)"))
     s64, s128 = load("results/sim/paper-64/summary.json"), load("results/sim/paper-128/summary.json")
     if s64 and s128:
         o64, o128 = s64["modes"]["dora"]["overheads"], s128["modes"]["dora"]["overheads"]
