@@ -48,6 +48,8 @@ def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_
     assert p.returncode == 2 and "CONFIG is required" in p.stderr
     p = bench("ablation", "configs/tiny-cpu.yaml", "--ablation", "nope", "--out", str(tmp_path / "z"))
     assert p.returncode == 2 and "nope" in p.stderr and not (tmp_path / "z").exists()
+    p = bench("ablation", "configs/tiny-cpu.yaml", "--run-timeout", "0", "--out", str(tmp_path / "u"))
+    assert p.returncode == 2 and "--run-timeout" in p.stderr and not (tmp_path / "u").exists()
     p = bench("convergence", "configs/tiny-cpu.yaml", "--losses", "ppo_clip,adam", "--out", str(tmp_path / "w"))
     assert p.returncode == 2 and "adam" in p.stderr and not (tmp_path / "w").exists()
     p = bench("convergence", "configs/tiny-cpu.yaml", "--cases", "dora-k2", "--out", str(tmp_path / "v"))
@@ -117,3 +119,13 @@ def test_bench_convergence_reads_reward_curves_from_the_logs_and_scores_held_out
     v = s["heldout"]["verdict"]["dora-k2"]
     assert v["gain_over_initial_by_seed"]["0"] == final["greedy"]["mean_reward"] - initial["greedy"]["mean_reward"]
     assert "held-out greedy mean reward" in p.stdout
+
+
+def test_a_run_past_run_timeout_fails_the_bench_naming_its_log_and_leaves_no_rank_running(tmp_path):
+    out = tmp_path / "t"
+    p = bench("ablation", "configs/tiny-cpu.yaml", "--repeats", "1", "--run-timeout", "6", "--out", str(out),
+              "--set", "train.max_steps=200", timeout=120)
+    assert p.returncode == 1 and "--run-timeout" in p.stderr and "kv-migration-r0.log" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the timed-out run still alive: {left}"

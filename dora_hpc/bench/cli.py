@@ -48,7 +48,7 @@ def bench_modes_cmd(args: argparse.Namespace, console: Console) -> None:
     if unknown:
         raise ConfigError(f"--modes: unknown {unknown}; choose from {','.join(mb.CASES)}")
     s = mb.bench_modes(args.config, Path(args.out), args.overrides, args.repeats, modes,
-                       unpaced=not args.no_unpaced, console=console)
+                       unpaced=not args.no_unpaced, console=console, timeout_s=args.run_timeout)
     print_cases(console, s["modes"], s["ratios"])
 
 
@@ -58,7 +58,7 @@ def bench_ablation_cmd(args: argparse.Namespace, console: Console) -> None:
     if args.ablation not in mb.ABLATIONS:
         raise ConfigError(f"--ablation: unknown {args.ablation!r}; choose from {','.join(mb.ABLATIONS)}")
     s = mb.bench_ablation(args.config, Path(args.out), args.overrides, args.repeats, console=console,
-                          which=args.ablation)
+                          which=args.ablation, timeout_s=args.run_timeout)
     print_cases(console, s["variants"], s["ratios"])
 
 
@@ -112,6 +112,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         if args.config is None:
             raise ConfigError(f"bench {args.what}: CONFIG is required (e.g. configs/bench-modes.yaml)")
         load_config(args.config, args.overrides)  # a bad config fails here, not in the first run
+        if args.run_timeout <= 0:
+            raise ConfigError(f"--run-timeout: must be > 0 seconds, got {args.run_timeout:g}")
     try:
         run(args, console)
     except BenchError as e:
@@ -160,6 +162,8 @@ def add_parser(sub) -> None:
                         "(the trainer answering weight requests during its step vs between steps)")
     b.add_argument("--out", help="output directory (default results/<what>)")
     b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
+    b.add_argument("--run-timeout", type=float, default=1800, metavar="S",
+                   help="modes/ablation: fail a run (naming its log) that is still running after S seconds")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
     b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")
     b.set_defaults(func=cmd_bench)

@@ -17,6 +17,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..config import ConfigError, load_config, parse_overrides
@@ -80,7 +81,13 @@ def run_case(config: str, sets: list[str], run_dir: Path, timeout_s: float) -> d
     cmd = [sys.executable, "-m", "dora_hpc.cli", "run", config, "--run-dir", str(run_dir)]
     cmd += [a for s in sets for a in ("--set", s)]
     with log.open("w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            raise BenchError(f"{run_dir.name}: still running after {timeout_s:g} s (--run-timeout); "
+                             f"see {log}") from None
     if code != 0:
         raise BenchError(f"{run_dir.name}: dora-hpc run exited {code}; see {log}")
     a = analyze(run_dir)
@@ -88,6 +95,19 @@ def run_case(config: str, sets: list[str], run_dir: Path, timeout_s: float) -> d
     if bad:
         raise BenchError(f"{run_dir.name}: invariants broken {bad}; see {log}")
     return a
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End a ``dora-hpc run`` and its ranks: its launcher takes a first SIGTERM as "checkpoint and stop" and a
+    second as "end every rank now", so no rank outlives the run however far it got."""
+    for _ in range(2):
+        proc.terminate()
+        time.sleep(0.5)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def figures(a: dict, cfg) -> dict:
@@ -187,18 +207,20 @@ def machine() -> dict:
 
 
 def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3,
-                modes: list[str] | None = None, unpaced: bool = True, console=None) -> dict:
+                modes: list[str] | None = None, unpaced: bool = True, console=None,
+                timeout_s: float = 1800) -> dict:
     sets = list(sets or [])
     cases = {m: CASES[m] for m in (modes or CASES)}
     refuse_overridden(sets, {f"--modes {m}": (s, "choose the cases with --modes") for m, s in cases.items()}
                       | {"the paced pass": PACED})
     _fresh(out)
-    paced, rows = run_matrix(config, [*sets, "engine.pacing=true"], cases, out, repeats, console=console)
+    paced, rows = run_matrix(config, [*sets, "engine.pacing=true"], cases, out, repeats, timeout_s=timeout_s,
+                             console=console)
     summary: dict = {"config": config, "sets": sets, "repeats": repeats, "machine": machine(), "modes": paced,
                      "ratios": _mode_ratios(rows)}
     if unpaced:
         raw, raw_rows = run_matrix(config, [*sets, "engine.pacing=false"], cases, out, 1, tag="unpaced",
-                                   console=console)
+                                   timeout_s=timeout_s, console=console)
         summary["unpaced"] = {"modes": raw, "ratios": _mode_ratios(raw_rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from .plots import plot_modes
@@ -218,7 +240,7 @@ def _mode_ratios(rows: list[dict]) -> dict:
 
 
 def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3, console=None,
-                   which: str = "kv-migration") -> dict:
+                   which: str = "kv-migration", timeout_s: float = 1800) -> dict:
     """One mechanism on and off, the same runs otherwise. kv-migration: DORA migrating with KV vs by
     re-prefill (paper §4: 183 s -> 166 s); weight-serving: the trainer answering weight requests during
     its step vs only between steps (one_step and DORA K=2)."""
@@ -229,7 +251,8 @@ def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeat
     refuse_overridden(sets, {f"--ablation {which} (its case {case})": (s, "the ablation's cases choose it")
                              for case, s in spec["cases"].items()} | {"the paced pass": PACED})
     _fresh(out)
-    med, rows = run_matrix(config, [*sets, "engine.pacing=true"], spec["cases"], out, repeats, console=console)
+    med, rows = run_matrix(config, [*sets, "engine.pacing=true"], spec["cases"], out, repeats,
+                           timeout_s=timeout_s, console=console)
     keys = {"throughput": "throughput_tokens_per_s", "mean_step_time_s": "mean_step_time_s",
             "engine_steps_per_trained_token": "engine_steps_per_trained_token",
             "engine_s_per_trained_token": "engine_s_per_trained_token"}
