@@ -321,6 +321,24 @@ def test_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
     # The launcher names the rank it saw die first. MPICH sometimes takes a peer down within the same
     # millisecond, so the name is right in most runs but not all (see launch/local.py DeathWatch).
     assert re.search(r"rank \d \((orchestrator|trainer|rollout)\) died first", err), err[-2000:]
+    if "rank 1 (trainer) died first" in err:  # and how: the trainer was SIGKILLed
+        assert "rank 1 (trainer) died first, killed by SIGKILL" in err, err[-2000:]
+
+
+def test_the_rank_shell_leaves_a_signal_death_for_the_launcher_to_name(tmp_path):
+    """A rank killed by a signal (the kernel's OOM killer sends SIGKILL) leaves its exit status in
+    pids/rank-N.status, which the launcher's line turns into the signal's name; a rank that exits by
+    itself leaves none."""
+    from dora_hpc.launch.local import RANK_SHELL, killed_by
+
+    env = {**os.environ, "PMI_RANK": "3", "DORA_HPC_PID_DIR": str(tmp_path)}
+    die = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    p = subprocess.run(["/bin/sh", "-c", RANK_SHELL, sys.executable, "-c", die], env=env)
+    assert p.returncode == 137 and (tmp_path / "rank-3.status").read_text().strip() == "137"
+    assert killed_by(tmp_path / "rank-3.status").startswith(", killed by SIGKILL (the kernel's out-of-memory")
+    p = subprocess.run(["/bin/sh", "-c", RANK_SHELL, sys.executable, "-c", "raise SystemExit(3)"],
+                       env=env | {"PMI_RANK": "4"})
+    assert p.returncode == 3 and killed_by(tmp_path / "rank-4.status") == ""
 
 
 @pytest.mark.slow

@@ -65,8 +65,10 @@ RESUMABLE = 75  # exit code (sysexits' EX_TEMPFAIL): stopped by a cause outside 
 
 
 # each rank's parent under mpiexec: it ignores the signals the rank handles itself (the rank installs
-# its own handlers) and exits with the rank's status (128+N when signal N killed it), never by a signal
-RANK_SHELL = "trap '' INT TERM USR1; \"$0\" \"$@\"; exit $?"
+# its own handlers) and exits with the rank's status (128+N when signal N killed it), never by a signal;
+# a status over 128 it also leaves in pids/rank-N.status, so the launcher can name the signal
+RANK_SHELL = ("trap '' INT TERM USR1; \"$0\" \"$@\"; s=$?; "
+              "[ $s -gt 128 ] && echo $s > \"$DORA_HPC_PID_DIR/rank-$PMI_RANK.status\"; exit $s")
 
 
 class LaunchError(RuntimeError):
@@ -161,6 +163,7 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), "/bin/sh", "-c", RANK_SHELL,
            sys.executable, "-m", "dora_hpc.runtime.main", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DORA_HPC_HYDRA": "1",
+           "DORA_HPC_PID_DIR": str(pid_dir),
            "DORA_HPC_TTY": "1" if sys.stderr.isatty() else "0"}  # rank 0 draws a live dashboard on a TTY
     env.pop("SLURM_JOB_ID", None)  # a local run inside an allocation is still a local run (signals)
     # a session of its own: a terminal's Ctrl-C or a signal to our process group reaches this launcher
@@ -222,13 +225,24 @@ def outcome(code: int, cfg: RunConfig, run_dir: Path, watcher: DeathWatch, asked
     if code != 0 and watcher.first_dead is not None:
         r = watcher.first_dead
         role = Roles(n, cfg.cluster.trainer_ranks).role(r)
-        sys.stderr.write(f"dora-hpc: rank {r} ({role}) died first; mpiexec ended the whole job\n")
+        sys.stderr.write(f"dora-hpc: rank {r} ({role}) died first{killed_by(pid_dir / f'rank-{r}.status')}; "
+                         "mpiexec ended the whole job\n")
     if code == 0 and (run_dir / "preempted.json").exists():
         step = json.loads((run_dir / "preempted.json").read_text())["checkpoint_step"]
         sys.stderr.write(f"dora-hpc: stopped at checkpoint step-{step}; continue with: "
                          f"dora-hpc run --resume --run-dir {run_dir}\n")
         return PREEMPTED
     return code
+
+
+def killed_by(status_file: Path) -> str:
+    """", killed by SIGNAME" from a rank's exit status as its shell left it ("" when it left none)."""
+    try:
+        sig = signal.Signals(int(status_file.read_text()) - 128)
+    except (OSError, ValueError):
+        return ""
+    oom = " (the kernel's out-of-memory killer sends it: see dmesg)" if sig == signal.SIGKILL else ""
+    return f", killed by {sig.name}{oom}"
 
 
 class DeathWatch(threading.Thread):
