@@ -109,3 +109,25 @@ def test_analyze_without_a_train_step_exits_2_on_one_line(tmp_path, case):
             "killed before its first train step": "no train step logged (the run stopped before its first step, "
             "or no train shard is readable); shards read: 1 traj, 1 events, 0 train; 1 unfinished traj-*.h5.tmp "
             "skipped; no traj shard from rollout rank 3; no events shard from rollout rank 3"}[case] in line
+
+
+def test_analyze_names_the_ranks_with_no_clean_exit_on_record(tmp_path):
+    """A killed rank's rows since its last shard are gone: a rank whose pids/rank-N has no newer .done
+    is named under `missing`, so a count that looks low (migrations, engine steps) is read as partial."""
+    import os
+
+    build(tmp_path)
+    assert not any("clean exit" in m for m in analyze(tmp_path)["missing"])  # no pids/: nothing known
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    for r in range(4):
+        (pids / f"rank-{r}").write_text(str(1000 + r))
+    for r in (0, 1):
+        (pids / f"rank-{r}.done").write_text("ok")
+    (pids / "rank-3.done").write_text("ok")
+    os.utime(pids / "rank-3.done", (1, 1))  # a .done of an earlier launch: older than this launch's pid file
+    assert analyze(tmp_path)["missing"][-1] == ("no clean exit on record for ranks 2, 3 (still running, or killed): "
+                                                "what they logged since the last shard is not here")
+    for r in (2, 3):
+        (pids / f"rank-{r}.done").write_text("ok")
+    assert not any("clean exit" in m for m in analyze(tmp_path)["missing"])

@@ -48,9 +48,20 @@ def _rank(path: str | Path) -> int:
     return int(Path(path).name.split("-")[1][1:])  # traj-r3-00001.h5 -> 3
 
 
-def missing_logs(scans: dict[str, ShardScan], cfg: dict) -> list[str]:
+def unclean_ranks(run_dir: Path) -> list[int]:
+    """Ranks of the latest launch with no clean exit on record: each rank writes ``pids/rank-N`` at start
+    and ``pids/rank-N.done`` (newer) when it ends cleanly, after its last shard. Such a rank is still
+    running, or was killed, and what it buffered since its last shard is not in the logs."""
+    pids = run_dir / "pids"
+    started = sorted(int(p.name[5:]) for p in pids.glob("rank-*") if p.name[5:].isdigit()) if pids.is_dir() else []
+    return [r for r in started if not (done := pids / f"rank-{r}.done").exists()
+            or done.stat().st_mtime < (pids / f"rank-{r}").stat().st_mtime]  # a .done of an earlier launch
+
+
+def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = None) -> list[str]:
     """What the logs lack, one phrase each: unreadable shards, unfinished writes (``*.h5.tmp``: a writer
-    stopped mid-write) and rollout ranks that left no shard of a kind. Empty for a complete run."""
+    stopped mid-write), rollout ranks that left no shard of a kind, and ranks with no clean exit on
+    record (``unclean_ranks``). Empty for a complete run."""
     out = [f"skipped {Path(p).name} ({why})" for s in scans.values() for p, why in s.bad.items()]
     out += [f"{s.tmp_skipped} unfinished {kind}-*.h5.tmp skipped" for kind, s in scans.items() if s.tmp_skipped]
     cluster = cfg.get("cluster", {})
@@ -62,6 +73,10 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict) -> list[str]:
         if absent:
             out.append(f"no {kind} shard from rollout rank{'s' if len(absent) > 1 else ''} "
                        + ", ".join(map(str, absent)))
+    if run_dir is not None and (unclean := unclean_ranks(run_dir)):
+        many = len(unclean) > 1
+        out.append(f"no clean exit on record for rank{'s' if many else ''} {', '.join(map(str, unclean))} (still "
+                   f"running, or killed): what {'they' if many else 'it'} logged since the last shard is not here")
     return out
 
 
@@ -117,7 +132,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         **loss_stats(tsteps),
         "tokens_per_s_by_step": tokens_per_s_by_step(tsteps),
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
-        "missing": missing_logs(scans, cfg),
+        "missing": missing_logs(scans, cfg, run_dir),
     }
     if plots is not None:
         from .plots import write_plots
@@ -130,8 +145,9 @@ def _nothing(run_dir: Path, scans: dict, cfg: dict) -> str:
     if not any(s.files or s.bad or s.tmp_skipped for s in scans.values()):
         return f"{run_dir}: nothing to analyse: no HDF5 shard in it (is it a run directory?)"
     read = ", ".join(f"{len(s.files)} {kind}" for kind, s in scans.items())
+    why = "".join(f"; {m}" for m in missing_logs(scans, cfg, run_dir))
     return (f"{run_dir}: nothing to analyse: no train step logged (the run stopped before its first step, or no "
-            f"train shard is readable); shards read: {read}" + "".join(f"; {m}" for m in missing_logs(scans, cfg)))
+            f"train shard is readable); shards read: {read}{why}")
 
 
 def effective(hist, consumed: dict, tsteps: dict) -> tuple[dict, dict]:
