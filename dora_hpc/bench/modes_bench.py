@@ -17,7 +17,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ..config import ConfigError, load_config, parse_overrides
@@ -97,17 +96,18 @@ def run_case(config: str, sets: list[str], run_dir: Path, timeout_s: float) -> d
     return a
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """End a ``dora-hpc run`` and its ranks: its launcher takes a first SIGTERM as "checkpoint and stop" and a
-    second as "end every rank now", so no rank outlives the run however far it got."""
-    for _ in range(2):
+def _end(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """End a ``dora-hpc run`` and its ranks: its launcher takes a first SIGTERM as "checkpoint and stop"
+    (resumable with ``--resume``) and, ``grace_s`` later, a second as "end every rank now"."""
+    for wait_s in (grace_s, 30):
         proc.terminate()
-        time.sleep(0.5)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()  # the launcher itself: mpiexec and every rank die with it (PR_SET_PDEATHSIG)
+    proc.wait()
 
 
 def figures(a: dict, cfg) -> dict:
