@@ -14,6 +14,7 @@ from rich.console import Console
 from ..config import ConfigError, load_config
 from ..errors import fail
 from .modes_bench import CASES as MODE_CASES
+from .modes_bench import RUN_TIMEOUT_S
 
 
 def bench_engine_cmd(args: argparse.Namespace, console: Console) -> None:
@@ -162,7 +163,7 @@ def add_parser(sub) -> None:
                         "(the trainer answering weight requests during its step vs between steps)")
     b.add_argument("--out", help="output directory (default results/<what>)")
     b.add_argument("--trajectories", type=int, default=1_000_000, help="analysis: size of the synthetic log")
-    b.add_argument("--run-timeout", type=float, default=1800, metavar="S",
+    b.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, metavar="S",
                    help="modes/ablation: fail a run (naming its log) that is still running after S seconds")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
     b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")

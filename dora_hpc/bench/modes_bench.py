@@ -54,6 +54,9 @@ FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction
            "slot_utilization_limit", "weight_load_share", "engine_s_per_trained_token")
 
 
+RUN_TIMEOUT_S = 1800.0  # a run still going after this fails the benchmark (--run-timeout)
+
+
 class BenchError(RuntimeError):
     """A benchmark run that failed or broke an invariant; the message names its log."""
 
@@ -156,7 +159,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def run_matrix(config: str, sets: list[str], cases: dict[str, list[str]], out: Path, repeats: int,
-               tag: str = "", timeout_s: float = 1800, console=None) -> tuple[dict, list[dict]]:
+               tag: str = "", timeout_s: float = RUN_TIMEOUT_S, console=None) -> tuple[dict, list[dict]]:
     """Every case ``repeats`` times, interleaved; returns ({case: median figures}, per-repeat rows)."""
     from rich.progress import Progress
 
@@ -208,7 +211,7 @@ def machine() -> dict:
 
 def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3,
                 modes: list[str] | None = None, unpaced: bool = True, console=None,
-                timeout_s: float = 1800) -> dict:
+                timeout_s: float = RUN_TIMEOUT_S) -> dict:
     sets = list(sets or [])
     cases = {m: CASES[m] for m in (modes or CASES)}
     refuse_overridden(sets, {f"--modes {m}": (s, "choose the cases with --modes") for m, s in cases.items()}
@@ -240,7 +243,7 @@ def _mode_ratios(rows: list[dict]) -> dict:
 
 
 def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeats: int = 3, console=None,
-                   which: str = "kv-migration", timeout_s: float = 1800) -> dict:
+                   which: str = "kv-migration", timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """One mechanism on and off, the same runs otherwise. kv-migration: DORA migrating with KV vs by
     re-prefill (paper §4: 183 s -> 166 s); weight-serving: the trainer answering weight requests during
     its step vs only between steps (one_step and DORA K=2)."""
