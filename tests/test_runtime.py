@@ -341,6 +341,25 @@ def test_the_rank_shell_leaves_a_signal_death_for_the_launcher_to_name(tmp_path)
     assert p.returncode == 3 and killed_by(tmp_path / "rank-4.status") == ""
 
 
+def test_the_launcher_ends_the_job_only_after_the_dead_ranks_shell_recorded_its_signal(tmp_path):
+    """Ending the job kills every rank's shell; DeathWatch waits for the first dead rank's shell to exit
+    first, so the status it writes as it exits is there to name the signal (a shell slow to write it,
+    as on a loaded machine, lost that race and the line named no signal)."""
+    from dora_hpc.launch.local import DeathWatch, Roles
+
+    rank = (f"import os, time; open('{tmp_path}/rank-1', 'w').write(str(os.getpid())); time.sleep(0.5); "
+            "os.kill(os.getpid(), 9)")
+    shell = subprocess.Popen(["/bin/sh", "-c", f'"{sys.executable}" -c "{rank}"; s=$?; sleep 0.5; '
+                              f'echo $s > {tmp_path}/rank-1.status'])
+    (tmp_path / "rank-0").write_text(str(os.getpid()))
+    seen = []
+    watcher = DeathWatch(tmp_path, Roles(2, 1), on_death=lambda: seen.append((tmp_path / "rank-1.status").exists()))
+    watcher.start()
+    shell.wait(timeout=30)
+    watcher.join(timeout=30)
+    assert watcher.first_dead == 1 and seen == [True]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plane", ["mpi", "torch"])
 def test_close_returns_when_a_run_ends_with_buffers_in_flight(plane):

@@ -258,6 +258,7 @@ class DeathWatch(threading.Thread):
         self.pid_dir, self.roles, self.on_death = pid_dir, roles, on_death
         self.first_dead: int | None = None
         self.fenced: list[int] = []  # rollout ranks that died and were left to rank 0
+        self.shells: dict[int, int | None] = {}  # each rank's parent: the RANK_SHELL that records its status
         self._halt = threading.Event()
 
     @staticmethod
@@ -266,6 +267,13 @@ class DeathWatch(threading.Thread):
             return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
         except (OSError, IndexError):
             return False
+
+    @staticmethod
+    def _parent(pid: int) -> int | None:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
 
     def _marked(self, r: int, kind: str) -> bool:
         return (self.pid_dir / f"rank-{r}.{kind}").exists()
@@ -277,6 +285,7 @@ class DeathWatch(threading.Thread):
                 name = f.name.removeprefix("rank-")
                 if name.isdigit() and int(name) not in pids and f.read_text().strip():
                     pids[int(name)] = int(f.read_text())
+                    self.shells[int(name)] = self._parent(pids[int(name)])
             if len(pids) == self.roles.size:
                 dead = [r for r, pid in pids.items() if r not in self.fenced
                         and not self._alive(pid) and not self._marked(r, "done")]
@@ -295,6 +304,10 @@ class DeathWatch(threading.Thread):
         # a rank killed by a signal leaves no marker; prefer it over secondary failures
         silent = [r for r in dead if not self._marked(r, "cleanup") and not self._marked(r, "failed")]
         self.first_dead = min(silent or [r for r in dead if not self._marked(r, "cleanup")] or dead)
+        # its shell writes the signal to rank-N.status as it exits; ending the job first could kill it before
+        shell, deadline = self.shells.get(self.first_dead), time.monotonic() + 2
+        while shell is not None and self._alive(shell) and time.monotonic() < deadline:
+            time.sleep(0.002)
         if self.on_death is not None:
             self.on_death()
 
