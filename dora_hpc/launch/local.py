@@ -262,18 +262,21 @@ class DeathWatch(threading.Thread):
         self._halt = threading.Event()
 
     @staticmethod
-    def _alive(pid: int) -> bool:
+    def _stat(pid: int) -> list[str]:
+        """/proc/PID/stat's fields after the command name: state, parent pid, ... ([] once it is gone)."""
         try:
-            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
+        except OSError:
+            return []
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        return DeathWatch._stat(pid)[:1] not in ([], ["Z"], ["X"])
 
     @staticmethod
     def _parent(pid: int) -> int | None:
-        try:
-            return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return None
+        fields = DeathWatch._stat(pid)
+        return int(fields[1]) if len(fields) > 1 else None
 
     def _marked(self, r: int, kind: str) -> bool:
         return (self.pid_dir / f"rank-{r}.{kind}").exists()
@@ -284,8 +287,9 @@ class DeathWatch(threading.Thread):
             for f in self.pid_dir.glob("rank-*"):
                 name = f.name.removeprefix("rank-")
                 if name.isdigit() and int(name) not in pids and f.read_text().strip():
-                    pids[int(name)] = int(f.read_text())
-                    self.shells[int(name)] = self._parent(pids[int(name)])
+                    r = int(name)
+                    pids[r] = int(f.read_text())
+                    self.shells[r] = self._parent(pids[r])
             if len(pids) == self.roles.size:
                 dead = [r for r, pid in pids.items() if r not in self.fenced
                         and not self._alive(pid) and not self._marked(r, "done")]
