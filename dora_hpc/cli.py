@@ -28,6 +28,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set dora.k=3 (repeatable)")
 
 
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from .sim.report import render_table, simulate_modes, suggest_split, write_outputs
 
@@ -52,6 +59,19 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         (out / "sensitivity.md").write_text(markdown_table(rows))
         console.print(markdown_table(rows))
         console.print(f"wrote {out / 'sensitivity.json'}, {out / 'sensitivity.md'}")
+        return 0
+    if args.frontier:
+        from .sim.frontier import frontier, markdown_table, plot
+
+        seeds, ks = _ints(args.seeds, "--seeds"), _ints(args.ks, "--ks")
+        rows = frontier(cfg, seeds, ks, console=console)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "frontier.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
+                                                       "seeds": list(seeds), "points": rows}, indent=2) + "\n")
+        (out / "frontier.md").write_text(markdown_table(rows))
+        plot(rows, f"{args.config} {' '.join(args.overrides)}: seeds {','.join(map(str, seeds))}", out / "frontier.png")
+        console.print(markdown_table(rows))
+        console.print(f"wrote {out / 'frontier.json'}, {out / 'frontier.md'}, {out / 'frontier.png'}")
         return 0
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     bad = [m for m in modes if m not in MODES]
@@ -115,8 +135,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     inv = ", ".join(f"{k}={v}" for k, v in a["invariants"].items() if k != "offenders")
     console.print(f"run finished: {a['steps']} steps, {a['consumed']} trajectories trained on; mean reward "
                   f"{rewards[0]:.3f} (step 0) -> {rewards[-1]:.3f} (step {len(rewards) - 1}); staleness "
-                  f"{a['staleness']['histogram']}; {a['migrations']} migrations, {a['reprefill_tokens']} "
-                  f"re-prefilled tokens; max {a['max_live_versions']} versions live at once"
+                  f"{a['staleness']['histogram']} (mean {a['staleness']['mean']:.2f}); {a['migrations']} migrations, "
+                  f"{a['reprefill_tokens']} re-prefilled tokens; max {a['max_live_versions']} versions live at once"
                   + (f"; logprob gap rollout vs trainer <= {a['logprob_gap']['max']:.1e}"
                      if a["logprob_gap"]["max"] is not None else ""))
     if a["turns"]["max"] > 1:  # multi-turn episodes (env.name)
@@ -232,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep the rollout/train split for DORA and print the best one")
     p.add_argument("--sensitivity", action="store_true",
                    help="sweep tail weight, length cap, K, RBS, train and prefill speed (sync, partial, dora)")
+    p.add_argument("--frontier", action="store_true",
+                   help="tokens/s against mean staleness: DORA's admission levels at each K, with sync, one-step and "
+                   "partial (frontier.json, .md, .png)")
+    p.add_argument("--seeds", default="0", help="--frontier: comma-separated seeds (default 0)")
+    p.add_argument("--ks", default="1,2,3", help="--frontier: comma-separated K values (default 1,2,3; the config's "
+                   "own K is always added)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.set_defaults(func=cmd_simulate)
     r = sub.add_parser("run", help="a real training run: orchestrator + trainer + rollout ranks under mpiexec")

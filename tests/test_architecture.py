@@ -119,12 +119,6 @@ def test_no_import_cycle_between_modules():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_file_over_400_lines():
-    long = {p.relative_to(PKG).as_posix(): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, long
-
-
 def test_no_function_over_60_lines():
     import ast
 

@@ -27,6 +27,8 @@ CASES: dict[str, list[str]] = {
     "dora-k1": ["mode=dora", "dora.k=1"], "dora-k2": ["mode=dora", "dora.k=2"], "dora-k3": ["mode=dora", "dora.k=3"],
     "dora-k2-auto": ["mode=dora", "dora.k=2", "batch.rbs=auto"],  # in flight: what the slots and the window allow
     "dora-elastic": ["mode=dora", "dora.k=2", "cluster.elastic=true"],  # trainer ranks host borrowed instances
+    "dora-k2-lean": ["mode=dora", "dora.k=2", "dora.admission=lean"],  # hold what keeps slots and trainer busy
+    "dora-k2-eager": ["mode=dora", "dora.k=2", "dora.admission=eager"],  # fill the window, whatever the default
 }
 SERVE, BETWEEN = "runtime.serve_weights_while_training=true", "runtime.serve_weights_while_training=false"
 ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pairs whose ratios are reported
@@ -234,8 +236,8 @@ def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: 
 
 def _mode_ratios(rows: list[dict]) -> dict:
     out = {}
-    for dora in ("dora-k1", "dora-k2", "dora-k3", "dora-k2-auto", "dora-elastic"):
-        for base in ("sync", "one_step", "partial", "oversample"):
+    for dora in ("dora-k1", "dora-k2", "dora-k3", "dora-k2-auto", "dora-elastic", "dora-k2-lean"):
+        for base in ("sync", "one_step", "partial", "oversample", "dora-k2", "dora-k2-eager"):
             v = ratio(rows, dora, base)
             if v is not None:
                 out[f"{dora}/{base}"] = v

@@ -49,7 +49,17 @@ class BatchConfig(Section):
 class DoraConfig(Section):
     k: int = Field(2, ge=0, description="staleness bound K")
     kv_migration: bool = Field(True, description="migrate requests with their KV (False: re-prefill)")
-    legacy_topup: bool = True
+    legacy_topup: bool | None = Field(
+        None, description="fill idle slots of legacy versions with prompts under that version (the paper's second "
+        "tier of supplementation); unset: on under admission=eager, off under lean, where such groups start out "
+        "stale and become the window's stragglers (results/sim/staleness/)")
+    admission: Literal["eager", "lean"] = Field(
+        "eager", description="how many groups are held untrained: eager admits what RBS and the window allow (the "
+        "window fills: staleness sits near K); lean admits only what the slots can start now, caps the groups held "
+        "at what keeps the trainer busy (learned from the run, or dora.hold) and tags a group when it can start "
+        "(docs/invariants.md)")
+    hold: float | None = Field(None, ge=1, description="admission=lean: groups held untrained (pending or "
+                               "complete), in units of TBS, instead of the learned cap (the frontier sweeps it)")
     supplement: Literal["before_rebalance", "after_migration"] = Field(
         "after_migration", description="when legacy top-up runs after a new version is published: after the "
         "planner's re-partition and migrations, as the paper's tiered supplementation does (§3.3), or before it "

@@ -55,6 +55,7 @@ class TrajView:
     version: int
     instance: int | None = None
     parked: int | None = None  # its KV waits in the host memory of this (borrowed) instance's node
+    started: bool = False      # it was dispatched once (a lost instance's trajectory restarts under its tag)
 
 
 class ClusterView:
@@ -222,12 +223,37 @@ class ClusterView:
         self.queues.setdefault(version, deque()).extend(moved)
         return moved
 
+    def retag_unstarted(self, version: int) -> list[tuple[int, int]]:
+        """Move every group queued whole under an older version (none of its samples ever started) to
+        ``version``'s queue, behind what waits there; returns (group_id, old version) for each."""
+        moved: list[tuple[int, int]] = []
+        for v in [v for v in self.queues if v < version]:
+            q, seen = self.queues[v], {}
+            for tid in q:
+                t = self.trajs[tid]
+                if not t.started:
+                    seen[t.group_id] = seen.get(t.group_id, 0) + 1
+            whole = {gid for gid, n in seen.items() if n == self.group_size}
+            if not whole:
+                continue
+            keep, move = deque(), []
+            for tid in q:
+                (move if self.trajs[tid].group_id in whole else keep).append(tid)
+            self.queues[v] = keep
+            if not keep:
+                del self.queues[v]
+            for tid in move:
+                self.trajs[tid].version = version
+            self.queues.setdefault(version, deque()).extend(move)
+            moved += [(gid, v) for gid in sorted(whole)]
+        return moved
+
     def _put(self, traj_id: int, instance: int) -> None:
         inst, t = self.instances[instance], self.trajs[traj_id]
         if not inst.ready or inst.version != t.version or inst.free < 1:
             raise AssertionError(f"trajectory {traj_id} (v{t.version}) cannot run on instance {instance}")
         inst.active.add(traj_id)
-        t.instance = instance
+        t.instance, t.started = instance, True
         self._refresh(instance)
 
     def _refresh(self, i: int) -> None:

@@ -10,6 +10,7 @@ train step starts.
 from __future__ import annotations
 
 from . import planner
+from .admission import LeanHold
 from .events import TRAINER, AssignVersion, Command, KvPressure, Migrate, Tick
 from .ledger import GroupState, Ledger
 from .policy_base import Policy, PolicyConfig, Traits
@@ -25,6 +26,11 @@ class Dora(Policy):
     version that has no work left); requests move with their KV. Admission is tiered: the latest
     version first (up to RBS), legacy versions only into idle slots and only with a step of slack in
     the window.
+
+    Admission (``cfg.admission``): ``eager`` admits whatever RBS and the window allow, so the window
+    fills and staleness sits near K; ``lean`` (core/admission.py) admits only groups the slots can start
+    now, caps the groups held untrained at a learned ``hold``, and at each publish moves groups still
+    queued whole to the new version: a group takes its version when it can start to generate.
 
     Elastic (``borrowed`` instances on the trainer's accelerators): they serve while the trainer waits
     for the window; before a train step each gives its accelerators back -- its requests migrate with
@@ -45,6 +51,7 @@ class Dora(Policy):
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
         self.window = VersionWindow(cfg.k, cfg.tbs)
+        self.lean = LeanHold(cfg.tbs, cfg.k, cfg.hold) if cfg.admission == "lean" else None
         self.ticks = 0
 
     def admit(self, version: int) -> int:
@@ -61,6 +68,8 @@ class Dora(Policy):
                 raise ResumeError(f"dora: the checkpoint's window (K={window['k']}, unconsumed {kept}) is not the "
                                   f"one its ledger gives (K={self.cfg.k}, unconsumed {stored})")
         super().restore(ledger, plan, window)
+        if self.lean is not None and window is not None and window.get("hold") and self.cfg.hold is None:
+            self.lean = LeanHold(self.cfg.tbs, self.cfg.k, hold=int(window["hold"]))
         live = _unconsumed(ledger)
         self.window = VersionWindow(self.cfg.k, self.cfg.tbs, latest=plan.version, next_step=plan.version,
                                     unconsumed=live)
@@ -86,8 +95,17 @@ class Dora(Policy):
         out = self._train() + self._admit()
         return out + (self._rebalance_if_idle(instance) if instance is not None else [])
 
+    def snapshot(self) -> dict:
+        out = super().snapshot()
+        if self.lean is not None:
+            out["window"]["hold"] = self.lean.hold
+        return out
+
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
+        if self.lean is not None:
+            self.lean.on_trainer_free(self.n_complete(), self._can_train())
+            self._retag_unstarted()
         wake = [] if self._can_train() else self._wake()  # a step that starts at once would put them back to sleep
         if self.cfg.topup_after_rebalance:  # the paper's tiers: fresh work, then migration, then legacy top-up
             return wake + self._admit(legacy=False) + self._rebalance() + self._admit() + self._train()
@@ -140,17 +158,35 @@ class Dora(Policy):
         versions into their idle slots; then every queue is placed."""
         latest, g = self.latest, self.cfg.group_size
         fresh = self.cfg.rbs - self.pending_groups if self.cfg.rbs is not None else self.capacity()
-        for _ in range(min(fresh, self.window.room(latest))):
+        fresh = min(fresh, self.window.room(latest))
+        if self.lean is not None:  # only what the slots can start now, up to the groups it may hold
+            fresh = self.lean.room(self._held(), min(fresh, self.capacity()))
+        for _ in range(fresh):
             self.admit(latest)
         if self.cfg.legacy_topup and legacy:
             for v in sorted(self.window.live_versions, reverse=True):
                 if v == latest:
                     continue
                 idle = self.view.free_slots(v) - self.view.queued_count(v)
-                while idle >= g and self.window.room(v, slack=1) > 0:
+                while idle >= g and self.window.room(v, slack=1) > 0 and (
+                        self.lean is None or self._held() < self.lean.hold):
                     self.admit(v)
                     idle -= g
         return self._place_all()
+
+    def _held(self) -> int:
+        """Groups whose update is not yet published: admitted and not consumed (pending or complete), and
+        the batch in the trainer. What lean admission caps: a group admitted with ``held`` before it is
+        consumed about ``held // TBS`` steps after the latest version, so its staleness is about that."""
+        return sum(self.window.unconsumed.values()) + (self.cfg.tbs if self.trainer_busy else 0)
+
+    def _retag_unstarted(self) -> None:
+        """Lean: groups of older versions still queued whole (no sample started) take the latest version,
+        which they will start under; the window only gets roomier (a group moves to a newer version)."""
+        for gid, old in self.view.retag_unstarted(self.latest):
+            self.ledger.retag(gid, self.latest)
+            self.window.drop(old)
+            self.window.admit(self.latest)
 
     def on_lost(self) -> list[Command]:
         return self._rebalance() + self._admit() + self._train()

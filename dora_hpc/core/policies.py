@@ -219,15 +219,16 @@ def make_policy(run_config, instances: int, mode: str | None = None, borrowed: i
     accelerators; the only place a RunConfig becomes a PolicyConfig."""
     mode = mode or run_config.mode
     b, d, traits = run_config.batch, run_config.dora, traits_of(mode, run_config.dora.k)
+    legacy_topup = d.admission == "eager" if d.legacy_topup is None else d.legacy_topup
     rbs = b.rbs
     if rbs == "auto":  # a mode with a fixed batch (the simulator compares every mode) takes what fills the slots
         rbs = None if traits.auto_rbs else max(b.tbs, instances * run_config.cluster.max_num_seqs // b.group_size)
     cfg = PolicyConfig(tbs=b.tbs, rbs=rbs if traits.uses_rbs else b.tbs, group_size=b.group_size,
                        n_instances=instances, slots=run_config.cluster.max_num_seqs, k=d.k,
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
-                       oldest_first=d.planner == "straggler", legacy_topup=d.legacy_topup,
+                       oldest_first=d.planner == "straggler", legacy_topup=legacy_topup,
                        topup_after_rebalance=d.supplement == "after_migration", filter_groups=b.filter_groups,
-                       borrowed=borrowed)
+                       borrowed=borrowed, admission=d.admission, hold=d.hold)
     return policy_for(mode, cfg)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from .admission import ADMISSIONS
 from .cluster import ClusterView
 from .events import (
     FOLDER,
@@ -72,12 +73,16 @@ class PolicyConfig:
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
     borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
     #                               after the dedicated ones; they sleep while it trains
+    admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py)
+    hold: float | None = None     # Dora, lean: groups held untrained, in units of TBS (None: learned)
 
     def __post_init__(self) -> None:
         if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):
             raise ValueError(f"need 1 <= tbs <= rbs, got tbs={self.tbs}, rbs={self.rbs}")
         if self.group_size < 1 or self.k < 0:
             raise ValueError("group_size must be >= 1 and k >= 0")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if self.filter_groups and self.group_size < 2:
             raise ValueError("filter_groups needs group_size >= 2 (a group of one always has equal rewards)")
 

@@ -50,12 +50,19 @@ def _env(s: dict, i: int) -> str:
     return f"({waiting[i]} env)" if waiting and waiting[i] else ""
 
 
+def mean_staleness(s: dict) -> str:
+    """The mean staleness of the groups consumed so far ("-" before the first step)."""
+    n = sum(s["stale"].values())
+    return f"{sum(int(k) * c for k, c in s['stale'].items()) / n:.2f}" if n else "-"
+
+
 def line(s: dict) -> str:
     """One plain status line (logs, Slurm)."""
     inst = " ".join(_label(*x) + _env(s, i) for i, x in enumerate(s["instances"]))
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
-            f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} | reward {reward}")
+            f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "
+            f"reward {reward}")
 
 
 def panel(s: dict):
@@ -80,7 +87,7 @@ def panel(s: dict):
     queued = "  ".join(f"v{v}: {n}" for v, n in s["queued"].items()) or "-"
     stale = "  ".join(f"{k}: {n}" for k, n in s["stale"].items()) or "-"
     return Group(head, bar, inst, Text(f"queued per version: {queued}"),
-                 Text(f"staleness of consumed groups (staleness: groups): {stale}"))
+                 Text(f"staleness of consumed groups (staleness: groups): {stale}   mean {mean_staleness(s)}"))
 
 
 class Dashboard:
