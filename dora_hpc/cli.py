@@ -61,17 +61,10 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"wrote {out / 'sensitivity.json'}, {out / 'sensitivity.md'}")
         return 0
     if args.frontier:
-        from .sim.frontier import frontier, markdown_table, plot
+        from .sim.frontier import write_frontier
 
-        seeds, ks = _ints(args.seeds, "--seeds"), _ints(args.ks, "--ks")
-        rows = frontier(cfg, seeds, ks, console=console)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "frontier.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
-                                                       "seeds": list(seeds), "points": rows}, indent=2) + "\n")
-        (out / "frontier.md").write_text(markdown_table(rows))
-        plot(rows, f"{args.config} {' '.join(args.overrides)}: seeds {','.join(map(str, seeds))}", out / "frontier.png")
-        console.print(markdown_table(rows))
-        console.print(f"wrote {out / 'frontier.json'}, {out / 'frontier.md'}, {out / 'frontier.png'}")
+        write_frontier(cfg, out, _ints(args.seeds, "--seeds"), _ints(args.ks, "--ks"),
+                       f"{args.config} {' '.join(args.overrides)}", console)
         return 0
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     bad = [m for m in modes if m not in MODES]

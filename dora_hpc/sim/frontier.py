@@ -10,6 +10,7 @@ off for eager and for learned lean at the config's K.
 
 from __future__ import annotations
 
+import json
 import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -130,3 +131,17 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_frontier(cfg: RunConfig, out: Path, seeds: tuple[int, ...], ks: tuple[int, ...], title: str,
+                   console: Console) -> list[dict]:
+    """Run the frontier and write frontier.json, .md and .png under ``out``."""
+    rows = frontier(cfg, seeds, ks, console=console)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps({"config": title, "seeds": list(seeds), "points": rows},
+                                                  indent=2) + "\n")
+    (out / "frontier.md").write_text(markdown_table(rows))
+    plot(rows, f"{title}: seeds {','.join(map(str, seeds))}", out / "frontier.png")
+    console.print(markdown_table(rows))
+    console.print(f"wrote {out / 'frontier.json'}, {out / 'frontier.md'}, {out / 'frontier.png'}")
+    return rows
