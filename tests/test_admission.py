@@ -1,5 +1,5 @@
 """Lean admission (core/admission.py, dora.admission: lean): staleness <= K still holds by construction, the
-groups held untrained never exceed the cap, a group queued whole takes the version it starts under, and
+pipeline never runs deeper than its cap, a group queued whole takes the version it starts under, and
 when rollout outpaces the trainer lean trains fresher groups than eager, which fills the window."""
 
 import random
@@ -9,19 +9,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from random_driver import RandomDriver
 
-from dora_hpc.core.admission import LeanHold
+from dora_hpc.core.admission import LeanDepth
 from dora_hpc.core.cluster import ClusterView
 from dora_hpc.core.policies import PolicyConfig, policy_for
 
 
 class HoldChecked(RandomDriver):
-    """After every event: lean's groups held untrained (unconsumed + the batch in training) are within its cap."""
+    """After every event: the pipeline's depth (unconsumed groups + the batch in training) is within lean's cap."""
 
     def feed(self, event) -> None:
         super().feed(event)
         lean = self.p.lean
-        assert self.p._held() <= lean.hold, f"held {self.p._held()} > hold {lean.hold} after {event}"
-        assert lean.tbs <= lean.hold <= lean.ceiling
+        assert self.p._in_pipeline() <= lean.depth, f"depth {self.p._in_pipeline()} > cap {lean.depth} after {event}"
+        assert lean.tbs <= lean.depth <= lean.ceiling
 
 
 @st.composite
@@ -31,12 +31,12 @@ def lean_configs(draw):
     return PolicyConfig(tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
                         slots=draw(st.integers(1, 6)), k=k, rebalance_every=draw(st.integers(1, 3)),
                         borrowed=draw(st.integers(0, 2)), legacy_topup=draw(st.booleans()),
-                        filter_groups=False, admission="lean", hold=draw(st.none() | st.floats(1.0, k + 2.0)))
+                        filter_groups=False, admission="lean", depth=draw(st.none() | st.floats(1.0, k + 2.0)))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=lean_configs(), seed=st.integers(0, 2**32 - 1), lose=st.integers(0, 2))
-def test_lean_keeps_staleness_within_k_and_holds_no_more_than_its_cap(cfg, seed, lose):
+def test_lean_keeps_staleness_within_k_and_the_pipeline_within_its_cap(cfg, seed, lose):
     lose = min(lose, cfg.n_instances - 1)
     driver = HoldChecked(policy_for("dora", cfg), random.Random(seed), lose=lose)
     driver.run(steps=10)  # raises InvariantBroken: staleness > K, a split or lost group, a deadlock
@@ -44,46 +44,46 @@ def test_lean_keeps_staleness_within_k_and_holds_no_more_than_its_cap(cfg, seed,
     assert max(driver.staleness) <= cfg.k
 
 
-def _mean_staleness(k: int, seed: int, admission: str, hold: float | None = None) -> float:
-    cfg = PolicyConfig(tbs=4, rbs=None, group_size=2, n_instances=4, slots=4, k=k, admission=admission, hold=hold,
+def _mean_staleness(k: int, seed: int, admission: str, depth: float | None = None) -> float:
+    cfg = PolicyConfig(tbs=4, rbs=None, group_size=2, n_instances=4, slots=4, k=k, admission=admission, depth=depth,
                        legacy_topup=admission == "eager")
     driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
     driver.run(steps=30)  # a train step ends as often as any one request: rollout can outpace the trainer
     return statistics.mean(driver.staleness[4 * 2 * (k + 1):])  # past the window's fill
 
 
-def test_the_groups_held_set_the_mean_staleness_and_k_only_bounds_it():
+def test_the_pipeline_depth_sets_the_mean_staleness_and_k_only_bounds_it():
     for k in (2, 3):
         eager = statistics.mean(_mean_staleness(k, s, "eager") for s in range(3))
         learned = statistics.mean(_mean_staleness(k, s, "lean") for s in range(3))
-        one_batch = statistics.mean(_mean_staleness(k, s, "lean", hold=1.0) for s in range(3))
-        two_batches = statistics.mean(_mean_staleness(k, s, "lean", hold=2.0) for s in range(3))
+        one_batch = statistics.mean(_mean_staleness(k, s, "lean", depth=1.0) for s in range(3))
+        two_batches = statistics.mean(_mean_staleness(k, s, "lean", depth=2.0) for s in range(3))
         assert eager > k - 0.1, eager          # eager fills the window: nearly every group is K stale
         assert one_batch == 0                  # nothing admitted while the trainer trains: synchronous
         assert 0.7 < two_batches < 1.1         # the next batch is made while this one trains
         assert learned < eager - 0.3, (learned, eager)  # learned: between (it pays staleness for no trainer wait)
 
 
-def test_the_learned_hold_shrinks_with_surplus_and_grows_when_the_cap_starved_the_trainer():
-    lean = LeanHold(tbs=8, k=3)
-    assert lean.hold == 16                        # a batch in training and the next one in the making
+def test_the_learned_depth_shrinks_with_surplus_and_grows_when_the_cap_starved_the_trainer():
+    lean = LeanDepth(tbs=8, k=3)
+    assert lean.depth == 16                        # a batch in training and the next one in the making
     lean.on_trainer_free(complete=14, can_train=True)
-    assert lean.hold == 13                        # 6 groups to spare: half of them (rounded up) go
+    assert lean.depth == 13                        # 6 groups to spare: half of them (rounded up) go
     lean.on_trainer_free(complete=5, can_train=False)
-    assert lean.hold == 13                        # short, but the cap withheld nothing: not its doing
-    assert lean.room(held=10, wanted=5) == 3 and lean.capped
+    assert lean.depth == 13                        # short, but the cap withheld nothing: not its doing
+    assert lean.room(in_pipeline=10, wanted=5) == 3 and lean.capped
     lean.on_trainer_free(complete=5, can_train=False)
-    assert lean.hold == 16 and not lean.capped    # short by 3 while capped: 3 more
+    assert lean.depth == 16 and not lean.capped    # short by 3 while capped: 3 more
     for _ in range(10):
-        lean.room(held=lean.hold, wanted=1)
+        lean.room(in_pipeline=lean.depth, wanted=1)
         lean.on_trainer_free(complete=0, can_train=False)
-    assert lean.hold == lean.ceiling == 40        # never past what the window could hold
+    assert lean.depth == lean.ceiling == 40        # never past what the window could hold
     for _ in range(20):
         lean.on_trainer_free(complete=30, can_train=True)
-    assert lean.hold == 8                         # never below one batch
-    fixed = LeanHold(tbs=8, k=3, fixed=1.5)
+    assert lean.depth == 8                         # never below one batch
+    fixed = LeanDepth(tbs=8, k=3, fixed=1.5)
     fixed.on_trainer_free(complete=30, can_train=True)
-    assert fixed.hold == 12                       # dora.hold: not learned
+    assert fixed.depth == 12                      # dora.depth: not learned
 
 
 def test_a_group_queued_whole_takes_the_version_it_will_start_under():
@@ -99,12 +99,12 @@ def test_a_group_queued_whole_takes_the_version_it_will_start_under():
 def test_lean_retags_whole_queued_groups_at_a_publish_and_the_window_follows():
     from dora_hpc.core.events import InstanceReady, RequestFinished, Start, StartTrain, VersionPublished
 
-    cfg = PolicyConfig(tbs=1, rbs=None, group_size=2, n_instances=2, slots=2, k=3, admission="lean", hold=3.0)
+    cfg = PolicyConfig(tbs=1, rbs=None, group_size=2, n_instances=2, slots=2, k=3, admission="lean", depth=3.0)
     p = policy_for("dora", cfg)
     p.on(Start())
     p.on(InstanceReady(0, 0))
     p.on(InstanceReady(1, 0))
-    assert p._held() == 2 and p.window.unconsumed == {0: 2}  # two groups fill the 4 slots
+    assert p._in_pipeline() == 2 and p.window.unconsumed == {0: 2}  # two groups fill the 4 slots
     out = p.on(RequestFinished(0, 0)) + p.on(RequestFinished(1, 0))
     step = [c for c in out if isinstance(c, StartTrain)]
     assert step and step[0].group_ids == (0,)

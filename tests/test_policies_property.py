@@ -30,8 +30,8 @@ def configs(draw, mode: str):
     borrowed = draw(st.integers(0, 3)) if mode == "dora" else 0  # cluster.elastic
     k = draw(st.integers(0, 3))
     admission = draw(st.sampled_from(["eager", "lean"])) if mode == "dora" else "eager"
-    hold = draw(st.none() | st.floats(1.0, k + 2.0)) if admission == "lean" else None
-    return PolicyConfig(borrowed=borrowed, admission=admission, hold=hold,
+    depth = draw(st.none() | st.floats(1.0, k + 2.0)) if admission == "lean" else None
+    return PolicyConfig(borrowed=borrowed, admission=admission, depth=depth,
         tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
         slots=draw(st.integers(1, 6)), k=k,
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),

@@ -1,21 +1,22 @@
-"""Lean admission (``dora.admission: lean``): hold the fewest groups that keep the slots and the trainer busy.
+"""Lean admission (``dora.admission: lean``): keep the pipeline as shallow as the slots and the trainer allow.
 
-The window (core/window.py) bounds staleness by K; what sets the *mean* is how many groups are held
-untrained -- admitted and not yet consumed, pending or complete. By Little's law mean staleness is about
-that number over TBS, so eager admission, which fills the window, trains nearly every group at K. Lean
-admission caps the groups held at ``hold`` and learns ``hold`` from the run's own events:
+The window (core/window.py) bounds staleness by K; what sets the *mean* is the pipeline's depth: the groups
+whose update is not yet published -- the batch in training, plus the groups admitted and not consumed
+(pending or complete). A group admitted behind ``d`` such groups is consumed about ``d // TBS`` steps after
+the latest version, so that is its staleness. Eager admission fills the window, so nearly every group is
+trained at K. Lean admission caps the depth and learns the cap from the run's own events:
 
-* the trainer becomes free (a VersionPublished) and cannot start for want of complete groups, while the
-  cap held an admission back since the last train step: ``hold`` grows by the groups it is short (the
-  next step needs them and the tail held too few);
-* the trainer becomes free and could take its batch with groups to spare: ``hold`` shrinks by half the
+* the trainer becomes free (a VersionPublished) and must wait for complete groups while the cap withheld
+  an admission since the last train step: the cap grows by the groups it is short;
+* the trainer becomes free and can take its batch with groups to spare: the cap shrinks by half the
   surplus (those groups would only have waited, growing staler).
 
-``hold`` stays within [TBS, TBS * (K + 1)] (below TBS no step could start; above it the window binds).
-A fixed ``hold`` (``dora.hold``, in units of TBS) turns the learning off: the frontier sweeps it.
+The cap stays within [TBS, TBS * (K + 2)]: at TBS nothing is admitted while the trainer trains (sync); past
+K + 1 steps of unconsumed groups plus the batch in training the window binds anyway. A fixed cap
+(``dora.depth``, in units of TBS) turns the learning off: the frontier (results/sim/staleness/) sweeps it.
 
-Invariants: pure (event counts only, no clock); the cap only ever withholds admissions, so staleness
-<= K still holds by the window's construction; a learned ``hold`` is part of the policy's snapshot.
+Invariants: pure (event counts only, no clock); the cap only ever withholds admissions the window allows,
+so staleness <= K holds by the window's construction; a learned cap is part of the policy's snapshot.
 """
 
 from __future__ import annotations
@@ -26,30 +27,30 @@ ADMISSIONS = ("eager", "lean")
 
 
 @dataclass
-class LeanHold:
+class LeanDepth:
     tbs: int
     k: int
-    fixed: float | None = None    # dora.hold: groups held = round(fixed * TBS), not learned
-    hold: int = 0                 # groups that may be held untrained (pending + complete); 0: the start value
-    capped: bool = False          # the cap withheld an admission since the last train step
+    fixed: float | None = None    # dora.depth: the cap is round(fixed * TBS), not learned
+    depth: int = 0                # the cap, in groups (0: start at two batches: one in training, one in the making)
+    capped: bool = False          # the cap withheld an admission since the trainer was last free
 
     def __post_init__(self) -> None:
         if self.fixed is not None:
-            self.hold = self._clamp(round(self.fixed * self.tbs))
-        elif not self.hold:
-            self.hold = self._clamp(2 * self.tbs)  # a batch in training and the next one in the making
+            self.depth = self._clamp(round(self.fixed * self.tbs))
+        elif not self.depth:
+            self.depth = self._clamp(2 * self.tbs)
 
     @property
     def ceiling(self) -> int:
-        return self.tbs * (self.k + 2)  # the window's K + 1 steps of unconsumed groups and the batch in training
+        return self.tbs * (self.k + 2)
 
-    def _clamp(self, hold: int) -> int:
-        return max(self.tbs, min(self.ceiling, hold))
+    def _clamp(self, depth: int) -> int:
+        return max(self.tbs, min(self.ceiling, depth))
 
-    def room(self, held: int, wanted: int) -> int:
-        """How many of ``wanted`` groups may be admitted with ``held`` untrained now; records whether the
-        cap withheld any."""
-        room = max(0, min(wanted, self.hold - held))
+    def room(self, in_pipeline: int, wanted: int) -> int:
+        """How many of ``wanted`` groups may be admitted with ``in_pipeline`` groups not yet in published
+        weights; records whether the cap withheld any."""
+        room = max(0, min(wanted, self.depth - in_pipeline))
         if room < wanted:
             self.capped = True
         return room
@@ -59,10 +60,7 @@ class LeanHold:
         next step start now)."""
         if self.fixed is None:
             if can_train:
-                self.hold = self._clamp(self.hold - (complete - self.tbs + 1) // 2)
+                self.depth = self._clamp(self.depth - (complete - self.tbs + 1) // 2)
             elif complete < self.tbs and self.capped:
-                self.hold = self._clamp(self.hold + self.tbs - complete)
+                self.depth = self._clamp(self.depth + self.tbs - complete)
         self.capped = False
-
-    def to_dict(self) -> dict:
-        return {"hold": self.hold}

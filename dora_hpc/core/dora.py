@@ -10,7 +10,7 @@ train step starts.
 from __future__ import annotations
 
 from . import planner
-from .admission import LeanHold
+from .admission import LeanDepth
 from .events import TRAINER, AssignVersion, Command, KvPressure, Migrate, Tick
 from .ledger import GroupState, Ledger
 from .policy_base import Policy, PolicyConfig, Traits
@@ -29,7 +29,8 @@ class Dora(Policy):
 
     Admission (``cfg.admission``): ``eager`` admits whatever RBS and the window allow, so the window
     fills and staleness sits near K; ``lean`` (core/admission.py) admits only groups the slots can start
-    now, caps the groups held untrained at a learned ``hold``, and at each publish moves groups still
+    now, caps the pipeline's depth (groups not yet in published weights) at a learned cap, and at each
+    publish moves groups still
     queued whole to the new version: a group takes its version when it can start to generate.
 
     Elastic (``borrowed`` instances on the trainer's accelerators): they serve while the trainer waits
@@ -51,7 +52,7 @@ class Dora(Policy):
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
         self.window = VersionWindow(cfg.k, cfg.tbs)
-        self.lean = LeanHold(cfg.tbs, cfg.k, cfg.hold) if cfg.admission == "lean" else None
+        self.lean = LeanDepth(cfg.tbs, cfg.k, cfg.depth) if cfg.admission == "lean" else None
         self.ticks = 0
 
     def admit(self, version: int) -> int:
@@ -68,8 +69,8 @@ class Dora(Policy):
                 raise ResumeError(f"dora: the checkpoint's window (K={window['k']}, unconsumed {kept}) is not the "
                                   f"one its ledger gives (K={self.cfg.k}, unconsumed {stored})")
         super().restore(ledger, plan, window)
-        if self.lean is not None and window is not None and window.get("hold") and self.cfg.hold is None:
-            self.lean = LeanHold(self.cfg.tbs, self.cfg.k, hold=int(window["hold"]))
+        if self.lean is not None and window is not None and window.get("depth") and self.cfg.depth is None:
+            self.lean = LeanDepth(self.cfg.tbs, self.cfg.k, depth=int(window["depth"]))
         live = _unconsumed(ledger)
         self.window = VersionWindow(self.cfg.k, self.cfg.tbs, latest=plan.version, next_step=plan.version,
                                     unconsumed=live)
@@ -98,7 +99,7 @@ class Dora(Policy):
     def snapshot(self) -> dict:
         out = super().snapshot()
         if self.lean is not None:
-            out["window"]["hold"] = self.lean.hold
+            out["window"]["depth"] = self.lean.depth
         return out
 
     def on_published(self) -> list[Command]:
@@ -159,8 +160,8 @@ class Dora(Policy):
         latest, g = self.latest, self.cfg.group_size
         fresh = self.cfg.rbs - self.pending_groups if self.cfg.rbs is not None else self.capacity()
         fresh = min(fresh, self.window.room(latest))
-        if self.lean is not None:  # only what the slots can start now, up to the groups it may hold
-            fresh = self.lean.room(self._held(), min(fresh, self.capacity()))
+        if self.lean is not None:  # only what the slots can start now, within the depth cap
+            fresh = self.lean.room(self._in_pipeline(), min(fresh, self.capacity()))
         for _ in range(fresh):
             self.admit(latest)
         if self.cfg.legacy_topup and legacy:
@@ -169,15 +170,14 @@ class Dora(Policy):
                     continue
                 idle = self.view.free_slots(v) - self.view.queued_count(v)
                 while idle >= g and self.window.room(v, slack=1) > 0 and (
-                        self.lean is None or self._held() < self.lean.hold):
+                        self.lean is None or self._in_pipeline() < self.lean.depth):
                     self.admit(v)
                     idle -= g
         return self._place_all()
 
-    def _held(self) -> int:
-        """Groups whose update is not yet published: admitted and not consumed (pending or complete), and
-        the batch in the trainer. What lean admission caps: a group admitted with ``held`` before it is
-        consumed about ``held // TBS`` steps after the latest version, so its staleness is about that."""
+    def _in_pipeline(self) -> int:
+        """The pipeline's depth: groups whose update is not yet published -- admitted and not consumed
+        (pending or complete), and the batch in the trainer. What lean admission caps (core/admission.py)."""
         return sum(self.window.unconsumed.values()) + (self.cfg.tbs if self.trainer_busy else 0)
 
     def _retag_unstarted(self) -> None:

@@ -74,7 +74,7 @@ class PolicyConfig:
     borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
     #                               after the dedicated ones; they sleep while it trains
     admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py)
-    hold: float | None = None     # Dora, lean: groups held untrained, in units of TBS (None: learned)
+    depth: float | None = None    # Dora, lean: the pipeline depth's cap in units of TBS (None: learned)
 
     def __post_init__(self) -> None:
         if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):

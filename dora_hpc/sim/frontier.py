@@ -3,8 +3,8 @@ sync, one-step off-policy and partial rollout as reference points (``dora-hpc si
 
 Each point is one simulation over the config's steady-state window, seeds run apart (the table gives each
 seed's figures and their median). Admission levels: ``eager`` (the window fills), ``lean`` with the cap
-learned from the run, and ``lean`` held at a fixed ``dora.hold`` (groups whose update is not yet
-published -- the batch in training plus those admitted -- in units of TBS). Legacy top-up is run on and
+learned from the run, and ``lean`` at a fixed ``dora.depth`` (the pipeline's depth: groups whose update
+is not yet published -- the batch in training plus those admitted -- in units of TBS). Legacy top-up is run on and
 off for eager and for learned lean at the config's K.
 """
 
@@ -22,7 +22,7 @@ from ..config import RunConfig, with_overrides
 from .cluster import Simulator
 from .metrics import summarize
 
-HOLDS = (1.25, 1.5, 2.0, 2.5, 3.0)
+DEPTHS = (1.25, 1.5, 2.0, 2.5, 3.0)
 REFERENCES = ("sync", "one_step", "partial")
 
 
@@ -36,8 +36,8 @@ def points(cfg: RunConfig, ks: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
         if own:
             variants += [("eager, no legacy top-up", {"dora.admission": "eager", "dora.legacy_topup": False}),
                          ("lean, legacy top-up", {"dora.admission": "lean", "dora.legacy_topup": True})]
-        variants += [(f"lean hold {h:g}", {"dora.admission": "lean", "dora.hold": h})
-                     for h in HOLDS if h <= k + 2 and (own or h in (1.5, 2.0))]
+        variants += [(f"lean depth {h:g}", {"dora.admission": "lean", "dora.depth": h})
+                     for h in DEPTHS if h <= k + 2 and (own or h in (1.5, 2.0))]
         out += [{"label": f"K={k} {name}", "mode": "dora", "k": k, "changes": {"dora.k": k, **ch}}
                 for name, ch in variants]
     return out
@@ -47,11 +47,11 @@ def _run(cfg: RunConfig, point: dict, seed: int) -> dict:
     c = with_overrides(cfg, {**point["changes"], "seed": seed})
     sim = Simulator(c, point["mode"], timeline=False).run()
     r = summarize(sim)
-    hold = getattr(sim.policy, "lean", None)
+    lean = getattr(sim.policy, "lean", None)
     return {"seed": seed, "throughput_tokens_per_s": r["throughput_tokens_per_s"],
             "mean_staleness": r["mean_staleness"], "max_staleness": r["max_staleness"],
             "trainer_wait_fraction": r["trainer_wait_fraction"], "slot_utilization": r["slot_utilization"],
-            "staleness_histogram": _histogram(sim), "learned_hold": hold.hold / c.batch.tbs if hold else None}
+            "staleness_histogram": _histogram(sim), "learned_depth": lean.depth / c.batch.tbs if lean else None}
 
 
 def _histogram(sim: Simulator) -> dict[str, int]:
@@ -87,15 +87,15 @@ def frontier(cfg: RunConfig, seeds: tuple[int, ...] = (0,), ks: tuple[int, ...] 
 def markdown_table(rows: list[dict]) -> str:
     eager = {r["k"]: r["throughput_tokens_per_s"] for r in rows if r["label"].endswith(" eager")}
     lines = ["| point | tokens/s | of eager at its K | mean staleness | max | trainer waits (capacity / tail / window) "
-             "| learned hold |", "|---|---:|---:|---:|---:|---|---:|"]
+             "| depth (learned) |", "|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         share = f"{r['throughput_tokens_per_s'] / eager[r['k']]:.1%}" if r["k"] in eager else ""
         w = r["runs"][0]["trainer_wait_fraction"]
         waits = " / ".join(f"{w[x]:.0%}" for x in ("capacity", "tail", "window"))
-        held = [x["learned_hold"] for x in r["runs"] if x["learned_hold"] is not None]
-        hold = f"{statistics.median(held):.2f}" if held else ""
+        depths = [x["learned_depth"] for x in r["runs"] if x["learned_depth"] is not None]
+        depth = f"{statistics.median(depths):.2f}" if depths else ""
         lines.append(f"| {r['label']} | {r['throughput_tokens_per_s']:,.0f} | {share} | {r['mean_staleness']:.2f} | "
-                     f"{max(x['max_staleness'] for x in r['runs'])} | {waits} | {hold} |")
+                     f"{max(x['max_staleness'] for x in r['runs'])} | {waits} | {depth} |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,11 +108,11 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colors = {1: "tab:blue", 2: "tab:orange", 3: "tab:green", 4: "tab:red"}
     for k in sorted({r["k"] for r in rows if r["k"] is not None}):
-        holds = sorted((r for r in rows if r["k"] == k and "hold" in r["label"]), key=lambda r: r["mean_staleness"])
-        ax.plot([r["mean_staleness"] for r in holds], [r["throughput_tokens_per_s"] for r in holds], "-o",
-                color=colors.get(k, "grey"), ms=4, label=f"K={k}: lean at a fixed hold")
+        fixed = sorted((r for r in rows if r["k"] == k and "depth" in r["label"]), key=lambda r: r["mean_staleness"])
+        ax.plot([r["mean_staleness"] for r in fixed], [r["throughput_tokens_per_s"] for r in fixed], "-o",
+                color=colors.get(k, "grey"), ms=4, label=f"K={k}: lean at a fixed depth")
         for r in rows:
-            if r["k"] == k and "hold" not in r["label"]:
+            if r["k"] == k and "depth" not in r["label"]:
                 marker = {"eager": "s", "lean": "*", "eager, no legacy top-up": "D", "lean, legacy top-up": "P"}[
                     r["label"].split(" ", 1)[1]]
                 ax.plot(r["mean_staleness"], r["throughput_tokens_per_s"], marker, color=colors.get(k, "grey"),
