@@ -33,7 +33,10 @@ def test_plan_fits_a_real_run_and_recommends_the_next_split(tmp_path, run_dir):
     check = result["fit_check"]
     assert check["within"] and abs(check["relative_error"]) <= 0.15, check
     assert f"{check['relative_error']:+.1%}" in p.stdout  # the fit-check figure is in the output
-    assert "recommended: --set cluster.rollout_instances=" in p.stdout
+    assert "recommended (the least stale within 2% of the fastest): --set cluster.rollout_instances=" in p.stdout
+    assert result["recommended"] in [r["set"] for r in result["candidates"]]
+    assert {r["set"]["dora.admission"] for r in result["candidates"]} == {"eager", "lean"}
+    assert "mean staleness" in p.stdout
     assert "(keeps the run's dora.k=2; --vary k also weighs K" in p.stdout  # K is not swept unasked
     assert all("dora.k" not in r["set"] for r in result["candidates"])  # every row keeps the run's K
     assert result["k"] == {"run": 2, "varied": False, "uses_k": True}
@@ -63,8 +66,8 @@ def test_plan_varies_k_only_when_asked_and_says_what_the_recommendation_does_to_
     assert result["k"] == {"run": 2, "varied": True, "uses_k": True}
     assert {r["set"]["dora.k"] for r in result["candidates"]} == {1, 2, 3, 4}  # K-1, K, K+1, 2K
     assert all(r["max_staleness"] <= r["set"]["dora.k"] for r in result["candidates"])
-    best = result["candidates"][0]["set"]["dora.k"]
-    line = next(x for x in p.stdout.splitlines() if x.startswith("recommended:"))
+    best = result["recommended"]["dora.k"]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("recommended"))
     assert f"--set dora.k={best}" in line
     assert ("(keeps the run's dora.k=2)" in line) if best == 2 else (f"CHANGES K: dora.k 2 -> {best}" in line)
     assert "max staleness" in p.stdout

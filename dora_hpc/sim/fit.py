@@ -25,6 +25,7 @@ import numpy as np
 
 from ..analysis.utilization import op_seconds
 from ..config import RunConfig, validate, with_overrides
+from ..core.admission import ADMISSIONS
 from ..core.events import FOLDER
 from ..core.policies import traits_of
 from ..store.shards import read_table
@@ -33,6 +34,7 @@ from .costs import CostModel
 from .metrics import summarize
 
 FIT_TOLERANCE = 0.15
+RECOMMEND_WITHIN = 0.98  # plan recommends the least stale candidate this close to the fastest
 
 
 @dataclass(frozen=True)
@@ -236,8 +238,10 @@ def simulate(fit: Fit, cfg: RunConfig) -> dict:
 
 
 def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: bool = False) -> dict:
-    """The fit check, then a sweep of splits and, where the mode has them, elastic on/off and rbs as set or
-    auto; the best first. K stays the run's: a larger K buys tokens/s with staleness, which can cost reward
+    """The fit check, then a sweep of splits and, where the mode has them, elastic on/off, rbs as set or
+    auto and admission eager or lean; the fastest first. The recommendation is the least stale of those
+    within RECOMMEND_WITHIN of the fastest (staleness can cost reward; a few percent of tokens/s is
+    within the fit's error). K stays the run's: a larger K buys tokens/s with staleness, which can cost reward
     (docs/training.md), so it is swept (K-1, K, K+1, 2K) only with ``vary_k``."""
     fit = fit_run(run_dir)
     again = simulate(fit, fit.cfg)
@@ -254,19 +258,24 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
         for k in sorted({max(0, k0 - 1), k0, k0 + 1, 2 * k0}) if sweep_k else [k0]:
             for elastic in (False, True) if traits.elastic else (False,):
                 for rbs in sorted({fit.cfg.batch.rbs, "auto"}, key=str) if traits.auto_rbs else [fit.cfg.batch.rbs]:
-                    candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
-                                       "cluster.elastic": elastic, "batch.rbs": rbs}
-                                      | ({"dora.k": k} if sweep_k else {}))
+                    for admission in ADMISSIONS if traits.uses_k else (None,):
+                        candidates.append({"cluster.rollout_instances": n, "cluster.trainer_ranks": total - n,
+                                           "cluster.elastic": elastic, "batch.rbs": rbs}
+                                          | ({"dora.admission": admission} if admission else {})
+                                          | ({"dora.k": k} if sweep_k else {}))
     rows = []
     for sets in candidates:
         c = with_overrides(base, {k: v for k, v in sets.items() if k != "cluster.trainer_ranks"})
         s = simulate(replace(fit, cfg=c), c)
         rows.append({"set": sets, "predicted_tokens_per_s": s["throughput_tokens_per_s"],
                      "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"],
+                     "mean_staleness": s["mean_staleness"],
                      "predicted_trainer_wait": s["trainer_wait_fraction"], "weights": s["weights"]})
         if progress:
             progress()
     rows.sort(key=lambda r: -r["predicted_tokens_per_s"])
+    near = [r for r in rows if r["predicted_tokens_per_s"] >= RECOMMEND_WITHIN * rows[0]["predicted_tokens_per_s"]]
+    recommended = min(near, key=lambda r: (r["mean_staleness"], -r["predicted_tokens_per_s"]))
     return {"run_dir": str(run_dir), "fit_check": {"measured_step_s": fit.measured_step_s,
                                                    "simulated_step_s": again["mean_step_time_s"],
                                                    "relative_error": error, "within": bool(abs(error) <= FIT_TOLERANCE),
@@ -274,5 +283,6 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
                                                    "simulated_trainer_wait": again["trainer_wait_fraction"],
                                                    "measured_trainer_wait": fit.measured_waits},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
-            "candidates": rows, "n_candidates": len(candidates),
+            "candidates": rows, "n_candidates": len(candidates), "recommended": recommended["set"],
+            "recommend_within": RECOMMEND_WITHIN,
             "k": {"run": k0, "varied": bool(sweep_k), "uses_k": traits.uses_k}}

@@ -39,16 +39,20 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   + "; re-simulated: " + _waits(check["simulated_trainer_wait"]), soft_wrap=True, highlight=False)
     table = Table(title=f"predicted, {result['accelerators']} accelerators (measured "
                         f"{result['measured_tokens_per_s']:,.0f} trained tokens/s)")
-    for col in ("rank", "--set", "tokens/s", "max staleness", "step s", "trainer waits", "kept GB/trainer"):
+    for col in ("rank", "--set", "tokens/s", "mean staleness", "max staleness", "step s", "trainer waits",
+                "kept GB/trainer"):
         table.add_column(col, justify="right" if col != "--set" else "left", overflow="fold")
     for i, row in enumerate(result["candidates"][:8], 1):
         sets = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in row["set"].items())
-        table.add_row(str(i), sets, f"{row['predicted_tokens_per_s']:,.0f}", str(row["max_staleness"]),
+        mark = " (recommended)" if row["set"] == result["recommended"] else ""
+        table.add_row(f"{i}{mark}", sets, f"{row['predicted_tokens_per_s']:,.0f}", f"{row['mean_staleness']:.2f}",
+                      str(row["max_staleness"]),
                       f"{row['predicted_step_s']:.2f}", _waits(row["predicted_trainer_wait"]),
                       f"{row['weights']['kept_gb_per_trainer_rank']:.2f}")
     console.print(table)
-    best = result["candidates"][0]["set"]
-    console.print("recommended: " + " ".join(
+    best = result["recommended"]
+    within = f"{1 - result['recommend_within']:.0%}"
+    console.print(f"recommended (the least stale within {within} of the fastest): " + " ".join(
         f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items())
                   + _k_note(result["k"], best),
                   soft_wrap=True, highlight=False)  # one line, to copy whole
