@@ -152,7 +152,8 @@ def add_parser(sub) -> None:
     b.add_argument("--seeds", default="0,1", help="convergence: comma-separated seeds (their spread is the noise)")
     b.add_argument("--losses", default="ppo_clip", help="convergence: comma-separated objectives, each running "
                    "every case: ppo_clip, ppo_clip+truncate, decoupled, decoupled+truncate, decoupled+mask, gspo")
-    b.add_argument("--cases", help="convergence: comma-separated subset of sync,dora-k1,dora-k2,dora-k3,partial "
+    b.add_argument("--cases", help="convergence: comma-separated subset of sync,dora-k1,dora-k2,dora-k3,"
+                   "dora-k3-eager,dora-k3-lean,partial "
                    "with sync (default sync,dora-k1,dora-k3)")
     b.add_argument("--eval", type=int, default=0, metavar="N", help="convergence: score each run's final "
                    "checkpoint and each seed's initial model on N held-out prompts (dora-hpc eval; 0: none)")

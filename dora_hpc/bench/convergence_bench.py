@@ -29,6 +29,8 @@ CASES: dict[str, list[str]] = {
     "dora-k1": ["mode=dora", "dora.k=1"],
     "dora-k2": ["mode=dora", "dora.k=2"],
     "dora-k3": ["mode=dora", "dora.k=3"],
+    "dora-k3-eager": ["mode=dora", "dora.k=3", "dora.admission=eager"],
+    "dora-k3-lean": ["mode=dora", "dora.k=3", "dora.admission=lean"],
     "partial": ["mode=partial"],
 }
 DEFAULT_CASES = ["sync", "dora-k1", "dora-k3"]
@@ -119,6 +121,7 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
         c["reach"]["median_step"] = statistics.median(r["step"] for r in hit) if len(hit) == len(seeds) else None
     noise = max(found[base]["final_by_seed"]) - min(found[base]["final_by_seed"])
     verdict = {c: {"gap_to_sync": found[c]["final"] - found[base]["final"],
+                   "gap_se": paired_se(found[c]["final_by_seed"], found[base]["final_by_seed"]),
                    "within_noise": abs(found[c]["final"] - found[base]["final"]) <= noise}
                for c in found if c != base}
     summary = {"seeds": seeds, "tail_steps": tail, "baseline": base, "sync_seed_spread": noise,
@@ -126,6 +129,12 @@ def summarize(out: Path, seeds: list[int], tail: int = 5, losses: list[str] | No
     if "heldout_final" in found[base]:
         summary["heldout"] = heldout_verdict(found, base, out, seeds)
     return summary
+
+
+def paired_se(a: list[float], b: list[float]) -> float | None:
+    """The standard error of the mean of the seed-by-seed differences a - b (None under two seeds)."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    return statistics.stdev(d) / len(d) ** 0.5 if len(d) >= 2 else None
 
 
 def rollout_figures(run: Path) -> dict:
@@ -142,6 +151,7 @@ def rollout_figures(run: Path) -> dict:
             "env_time_fraction": a["env_time_fraction"], "env_errors": a["env_errors"],
             "multi_version_episodes": a["multi_version_episodes"],
             "two_turn_share_v0": float((v0 >= 2).mean()) if len(v0) else 0.0,
+            "staleness_histogram": a["staleness"]["histogram"], "mean_staleness": a["staleness"]["mean"],
             "invariants": {k: v for k, v in a["invariants"].items() if k != "offenders"}}
 
 
@@ -152,6 +162,8 @@ def heldout_verdict(found: dict, base: str, out: Path, seeds: list[int]) -> dict
     noise = max(found[base]["heldout_final_by_seed"].values()) - min(found[base]["heldout_final_by_seed"].values())
     return {"initial_by_seed": initial, "sync_seed_spread": noise,
             "verdict": {c: {"gap_to_sync": found[c]["heldout_final"] - found[base]["heldout_final"],
+                            "gap_se": paired_se([found[c]["heldout_final_by_seed"][str(s)] for s in seeds],
+                                                [found[base]["heldout_final_by_seed"][str(s)] for s in seeds]),
                             "within_noise": abs(found[c]["heldout_final"] - found[base]["heldout_final"]) <= noise,
                             "gain_over_initial_by_seed": {s: v - initial[s] for s, v in
                                                           found[c]["heldout_final_by_seed"].items() if s in initial}}
