@@ -178,6 +178,8 @@ def test_resume_from_any_checkpoint_keeps_invariants(mode, data, seed, before, a
     assert set(plan.redispatch) >= lost
     policy = policy_for(mode, cfg)
     policy.restore(ledger, plan, snapshot.get("window"))  # a windowed policy checks the stored window
+    if getattr(policy, "lean", None) is not None and cfg.depth is None:
+        assert policy.lean.depth == snapshot["window"]["depth"]  # lean admission's learned cap is kept
     second = RandomDriver.resumed(policy, rng, snapshot["ledger"], plan.requeue)
     second.run(steps=version + 6)
     second.check_nothing_lost()

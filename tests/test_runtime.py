@@ -93,6 +93,27 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
     assert overlap == 0 if mode in ("sync", "partial", "oversample") else mode != "dora" or overlap > 0
 
 
+@pytest.mark.slow
+def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp_path):
+    """The README's run with 6 rollout instances (twice its slots): eager fills the window, so after the fill
+    nearly every group is trained K=2 steps stale whatever the capacity; lean holds the batch in training and
+    what keeps the slots busy; its learned depth cap is in the checkpoint (the window's snapshot)."""
+    means = {}
+    for admission in ("eager", "lean"):
+        p, run_dir = run(tmp_path, "dora", "--set", f"dora.admission={admission}", "--set",
+                         "cluster.rollout_instances=6", "--set", "cluster.accelerators=8", steps=10, name=admission)
+        assert p.returncode == 0, p.stderr[-3000:]
+        a = analyze(run_dir)
+        inv = a["invariants"]
+        assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"]) == (0,) * 4
+        assert inv["mixed_version_trajectories"] == 0 and a["staleness"]["max"] <= 2
+        means[admission] = a["staleness"]["mean"]
+        assert f"(mean {a['staleness']['mean']:.2f})" in p.stdout  # the closing line says it
+    assert means["eager"] > 1.5 and means["lean"] < means["eager"] - 0.4, means
+    state = json.loads((tmp_path / "lean" / "checkpoints" / "step-10" / "state.json").read_text())
+    assert state["orchestrator"]["window"]["depth"] >= 4  # the learned cap, in groups (TBS 4)
+
+
 def engine_steps_during_training(run_dir, grace_s=0.05):
     """Non-empty engine steps that start inside a train step (after a grace for the Pause message)."""
     from dora_hpc.store.shards import read_table
