@@ -43,7 +43,7 @@ def points(cfg: RunConfig, ks: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
     return out
 
 
-def _run(cfg: RunConfig, point: dict, seed: int) -> dict:
+def run_point(cfg: RunConfig, point: dict, seed: int) -> dict:
     c = with_overrides(cfg, {**point["changes"], "seed": seed})
     sim = Simulator(c, point["mode"], timeline=False).run()
     r = summarize(sim)
@@ -71,7 +71,7 @@ def frontier(cfg: RunConfig, seeds: tuple[int, ...] = (0,), ks: tuple[int, ...] 
     with ProcessPoolExecutor(max_workers=workers) as pool, \
             Progress(console=console or Console(stderr=True), transient=True) as progress:
         task = progress.add_task("frontier", total=len(jobs))
-        futures = {pool.submit(_run, cfg, p, s): pts.index(p) for p, s in jobs}
+        futures = {pool.submit(run_point, cfg, p, s): pts.index(p) for p, s in jobs}
         for fut in as_completed(futures):
             runs[futures[fut]].append(fut.result())
             progress.advance(task)
