@@ -68,7 +68,9 @@ def test_the_learned_depth_shrinks_with_surplus_and_grows_when_the_cap_starved_t
     lean = LeanDepth(tbs=8, k=3)
     assert lean.depth == 16                        # a batch in training and the next one in the making
     lean.on_trainer_free(complete=14, can_train=True)
-    assert lean.depth == 13                        # 6 groups to spare: half of them (rounded up) go
+    assert lean.depth == 16                        # 6 groups to spare: under an eighth of them is nothing
+    lean.on_trainer_free(complete=32, can_train=True)
+    assert lean.depth == 13                        # 24 to spare: an eighth of them go
     lean.on_trainer_free(complete=5, can_train=False)
     assert lean.depth == 13                        # short, but the cap withheld nothing: not its doing
     assert lean.room(in_pipeline=10, wanted=5) == 3 and lean.capped

@@ -8,8 +8,13 @@ trained at K. Lean admission caps the depth and learns the cap from the run's ow
 
 * the trainer becomes free (a VersionPublished) and must wait for complete groups while the cap withheld
   an admission since the last train step: the cap grows by the groups it is short;
-* the trainer becomes free and can take its batch with groups to spare: the cap shrinks by half the
-  surplus (those groups would only have waited, growing staler).
+* the trainer becomes free and can take its batch with groups to spare: the cap shrinks by an eighth of
+  the surplus (those groups would only have waited, growing staler).
+
+The gains are asymmetric on purpose: a shortfall idles the whole trainer until the batch's stragglers
+finish, a surplus group costs that one group a step of staleness. Shrinking by half the surplus left the
+trainer short at half the publishes on paper-128 (95.5% of eager's tokens/s); by an eighth, 98.7%
+(results/sim/staleness/README.md; the other workloads there were not used to choose it).
 
 The cap stays within [TBS, TBS * (K + 2)]: at TBS nothing is admitted while the trainer trains (sync); past
 K + 1 steps of unconsumed groups plus the batch in training the window binds anyway. A fixed cap
@@ -24,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ADMISSIONS = ("eager", "lean")
+SHRINK = 8  # a surplus shrinks the cap by 1/SHRINK of itself a publish; a shortfall grows it by all of itself
 
 
 @dataclass
@@ -60,7 +66,7 @@ class LeanDepth:
         next step start now)."""
         if self.fixed is None:
             if can_train:
-                self.depth = self._clamp(self.depth - (complete - self.tbs + 1) // 2)
+                self.depth = self._clamp(self.depth - (complete - self.tbs) // SHRINK)
             elif complete < self.tbs and self.capped:
                 self.depth = self._clamp(self.depth + self.tbs - complete)
         self.capped = False
