@@ -192,13 +192,16 @@ def test_elastic_needs_dora_disaggregated():
 # -- multi-turn episodes (workload.turns) ------------------------------------------------------------------
 def test_single_turn_workloads_give_exactly_the_figures_of_before_episodes(small_runs):
     """tests/data/sim-small-single-turn.json: every mode on configs/sim/small.yaml (and DORA elastic) as the
-    simulator gave them at commit dfd7fa5, before it knew episodes. turns.max 1 must change nothing."""
+    simulator gave them at commit dfd7fa5, before it knew episodes (DORA's under dora.admission: eager, the
+    default then). turns.max 1 must change nothing."""
     import json
     from pathlib import Path
 
     gold = json.loads((Path(__file__).parent / "data" / "sim-small-single-turn.json").read_text())
-    elastic = summarize(Simulator(load_config(SMALL, ["cluster.elastic=true"]), "dora").run())
-    for mode, s in {**small_runs, "dora-elastic": elastic}.items():
+    eager = {"dora": summarize(Simulator(load_config(SMALL, ["dora.admission=eager"]), "dora").run()),
+             "dora-elastic": summarize(Simulator(load_config(SMALL, ["cluster.elastic=true", "dora.admission=eager"]),
+                                                 "dora").run())}
+    for mode, s in {**small_runs, **eager}.items():
         got = json.loads(json.dumps(s, sort_keys=True))
         assert {k: got[k] for k in gold[mode]} == gold[mode], mode
         assert "episodes" not in got

@@ -322,6 +322,11 @@ the paper's scale, simulated time), the CPU runtime with the tiny model (real pr
 the CPU runtime with SmolLM2-135M (a real model). Nothing was tuned toward the paper's numbers. A verdict
 is computed where the paper gives a number: within 10% of it is *reproduced*.
 
+Every DORA figure below was measured under `dora.admission: eager` (the window fills: staleness at K), the
+default until 2026-12-04; DORA now admits lean by default (docs/invariants.md, 2), so a row's command
+reproduces its figure with `--set dora.admission=eager`. The report at the lean operating point is issue 46's
+(results/sim/staleness/ has the simulator's frontier).
+
 This file is written by `tools/paper_report.py` from the committed summaries (the measurements
 themselves take hours; each row's command re-runs one):
 
