@@ -22,6 +22,7 @@ from dora_hpc.core.events import (
     KvPressure,
     Migrate,
     Offload,
+    Progress,
     RequestFinished,
     Restore,
     Sleep,
@@ -222,6 +223,9 @@ class RandomDriver:
             return
         if r < 0.03:
             self.feed(Tick())
+        elif r < 0.04 and self.where:  # an instance reports its requests' progress (the work planner's input)
+            i = self.rng.choice(sorted(set(self.where.values())))
+            self.feed(Progress(i, tuple((t, self.rng.randrange(200)) for t, j in self.where.items() if j == i)))
         elif r < 0.05 and self.version.count(None) < len(self.version):
             i = self.rng.choice([i for i, v in enumerate(self.version) if v is not None])
             self.feed(KvPressure(i, self.rng.random()))
@@ -235,7 +239,7 @@ class RandomDriver:
             i = self.where.pop(t)
             self.finished.add(t)
             self.rewards[t] = float(self.rng.random() < 0.5)  # groups of equal rewards are common
-            self.feed(RequestFinished(t, i, self.rewards[t]))
+            self.feed(RequestFinished(t, i, self.rewards[t], tokens=self.rng.randrange(1, 200)))
         else:
             step, self.train_step = self.train_step, None
             self.steps_done += 1

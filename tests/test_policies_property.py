@@ -32,6 +32,7 @@ def configs(draw, mode: str):
     admission = draw(st.sampled_from(["eager", "lean"])) if mode == "dora" else "eager"
     depth = draw(st.none() | st.floats(1.0, k + 2.0)) if admission == "lean" else None
     return PolicyConfig(borrowed=borrowed, admission=admission, depth=depth,
+                        by_work=mode == "dora" and draw(st.booleans()),
         tbs=tbs, rbs=rbs, group_size=draw(st.integers(1, 4)), n_instances=draw(st.integers(1, 5)),
         slots=draw(st.integers(1, 6)), k=k,
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),

@@ -137,3 +137,32 @@ def test_plan_uses_peer_weights_when_a_peer_holds_the_version():
         view.enqueue_group(g, 1)
     cmds = plan(view, latest=1)
     assert {c.source for c in cmds if isinstance(c, AssignVersion)} == {2}
+
+
+def test_the_work_estimate_is_the_mean_residual_length_of_the_responses_seen():
+    from dora_hpc.core.work import WorkEstimate
+
+    w = WorkEstimate()
+    assert w.remaining(7) == 1.0 and w.expected() == 1.0  # nothing finished yet: every request alike
+    for t, n in enumerate([10, 20, 30, 100]):
+        w.finished(t, n)
+    assert w.expected() == 40.0
+    w.progress(((7, 0), (8, 25), (9, 150)))
+    assert w.remaining(7) == 40.0            # not started: the mean length
+    assert w.remaining(8) == 65 - 25         # longer than 25: 30 and 100, mean 65
+    assert w.remaining(9) == 150             # past every finished length: as much again
+    w.finished(8, 0)                          # its length unreported: forgotten, not counted
+    assert 8 not in w.decoded and w.lengths == [10, 20, 30, 100]
+
+
+def test_the_work_planner_weighs_versions_by_decode_tokens_left_within_the_same_bounds():
+    from dora_hpc.core.planner import VersionLoad, target_counts
+
+    # v0: 4 long stragglers decoding and 1 request queued (a lost instance's); v1 (latest): 16 queued
+    count = {0: VersionLoad(active=4, queued=1), 1: VersionLoad(active=0, queued=16)}
+    work = {0: VersionLoad(4, 1, work=4 * 900.0 + 300.0), 1: VersionLoad(0, 16, work=16 * 300.0)}
+    assert target_counts(6, 4, count, latest=1) == {0: 1, 1: 5}
+    assert target_counts(6, 4, work, latest=1) == {0: 2, 1: 4}  # its work fills the two instances it can use
+    # a legacy version with nothing queued keeps what its requests need either way (lower = upper bound)
+    alone = {0: VersionLoad(6, 0, work=6 * 5000.0), 1: VersionLoad(0, 16, work=16.0)}
+    assert target_counts(6, 4, alone, latest=1) == {0: 2, 1: 4}

@@ -67,10 +67,12 @@ class DoraConfig(Section):
         "(the order results/sim/supplement/ compares; docs/architecture.md)")
     kv_threshold: float = Field(0.9, gt=0, le=1)
     rebalance_every: int = Field(1, ge=1, description="rebalance every N driver ticks")
-    planner: Literal["proportional", "straggler"] = Field(
+    planner: Literal["proportional", "straggler", "work"] = Field(
         "proportional", description="how the planner shares instances among versions: in proportion to pending "
-        "work (the paper's §3.3), or oldest version first -- the work the next train steps consume gets every "
-        "instance its requests can fill before newer versions get more than they need (docs/architecture.md)")
+        "requests, or to their decode tokens left (work: estimated from each request's progress and the lengths "
+        "seen so far, the paper's §3.3; core/work.py), or oldest version first -- the work the next train steps "
+        "consume gets every instance its requests can fill before newer versions get more than they need "
+        "(docs/architecture.md)")
 
 
 DEFAULT_PLACEMENT: dict[str, str] = {m: traits_of(m, 0).placement for m in MODES}  # each policy's own

@@ -198,7 +198,8 @@ class Dora(Policy):
         return out
 
     def _rebalance(self) -> list[Command]:
-        return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first)
+        return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first,
+                            self.work if self.cfg.by_work else None)
 
     def train_wait(self) -> str | None:
         """As Policy's, and ``"window"`` when the gate needs older groups; that wait counts as

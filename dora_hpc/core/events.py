@@ -44,6 +44,7 @@ class RequestFinished:
     traj_id: int
     instance: int
     reward: float = 0.0
+    tokens: int = 0  # response tokens it generated (0: not reported): the work planner's length distribution
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,16 @@ class InstanceLost:
     in_transit: tuple[int, ...] = ()
 
 
-Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick | InstanceLost
+@dataclass(frozen=True)
+class Progress:
+    """Instance ``instance`` reports the tokens its live requests have decoded so far, as (traj_id, tokens):
+    what the work planner (core/work.py) estimates their remaining decode from."""
+
+    instance: int
+    decoded: tuple[tuple[int, int], ...]
+
+
+Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick | InstanceLost | Progress
 
 
 # -------------------------------------------------------------------------------------- commands out

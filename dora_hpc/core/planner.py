@@ -1,5 +1,9 @@
 """Rebalancing planner: instances per version in proportion to pending work, and the moves to get there.
 
+Pending work (``by_work``, ``dora.planner: work``): a version's weight is the decode tokens its requests have
+left (core/work.py: from their progress and the lengths seen so far; a queued request counts the mean
+length), not their number; the bounds stay in requests and slots.
+
 Invariants:
 * ``target_counts`` gives every version with live requests at least one instance and never fewer
   than its active requests need (``ceil(active / slots)``), so consolidation always fits; it never
@@ -24,22 +28,34 @@ from dataclasses import dataclass
 
 from .cluster import ClusterView
 from .events import TRAINER, AssignVersion, Command, Migrate
+from .work import WorkEstimate
 
 
 @dataclass(frozen=True)
 class VersionLoad:
     active: int
     queued: int
+    work: float | None = None  # decode tokens left (by_work); None: weigh by requests
 
     @property
     def total(self) -> int:
         return self.active + self.queued
 
+    @property
+    def weight(self) -> float:
+        return self.total if self.work is None else self.work
 
-def version_loads(view: ClusterView, latest: int) -> dict[int, VersionLoad]:
+
+def version_loads(view: ClusterView, latest: int, work: WorkEstimate | None = None) -> dict[int, VersionLoad]:
     versions = {inst.target for inst in view.instances if inst.target is not None}
     versions |= {v for v, q in view.queues.items() if q} | {latest}
-    return {v: VersionLoad(view.active_count(v), view.queued_count(v)) for v in versions}
+    out = {v: VersionLoad(view.active_count(v), view.queued_count(v)) for v in versions}
+    if work is None:
+        return out
+    left = dict.fromkeys(versions, 0.0)
+    for tid, t in view.trajs.items():
+        left[t.version] += work.remaining(tid) if t.instance is not None else work.expected()
+    return {v: VersionLoad(ld.active, ld.queued, left[v]) for v, ld in out.items()}
 
 
 def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int,
@@ -60,15 +76,17 @@ def target_counts(n: int, slots: int, loads: dict[int, VersionLoad], latest: int
             target[v] += max(0, min(upper[v] - target[v], n - sum(target.values())))
     for _ in range(n - sum(target.values())):
         open_ = [v for v in target if target[v] < upper[v]] or [latest]
-        best = max(open_, key=lambda v: (loads[v].total / (target[v] + 1), v == latest, v))
+        best = max(open_, key=lambda v: (loads[v].weight / (target[v] + 1), v == latest, v))
         target[best] += 1
     return target
 
 
-def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bool = False) -> list[Command]:
+def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bool = False,
+         work: WorkEstimate | None = None) -> list[Command]:
     """The AssignVersion + Migrate commands that move today's partition toward ``target_counts``; freed
-    instances go to starved versions latest first, or (``oldest_first``) oldest first."""
-    loads = version_loads(view, latest)
+    instances go to starved versions latest first, or (``oldest_first``) oldest first; ``work``: weigh
+    versions by their decode tokens left instead of their requests."""
+    loads = version_loads(view, latest, work)
     target = target_counts(len(view.live), view.instances[0].slots, loads, latest, oldest_first)
     current = {v: len(view.hosts(v)) for v in target}
     starved = {v: target[v] - current[v] for v in target

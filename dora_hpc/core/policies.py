@@ -226,7 +226,7 @@ def make_policy(run_config, instances: int, mode: str | None = None, borrowed: i
     cfg = PolicyConfig(tbs=b.tbs, rbs=rbs if traits.uses_rbs else b.tbs, group_size=b.group_size,
                        n_instances=instances, slots=run_config.cluster.max_num_seqs, k=d.k,
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
-                       oldest_first=d.planner == "straggler", legacy_topup=legacy_topup,
+                       oldest_first=d.planner == "straggler", by_work=d.planner == "work", legacy_topup=legacy_topup,
                        topup_after_rebalance=d.supplement == "after_migration", filter_groups=b.filter_groups,
                        borrowed=borrowed, admission=d.admission, depth=d.depth)
     return policy_for(mode, cfg)

@@ -22,6 +22,7 @@ from .events import (
     InstanceLost,
     InstanceReady,
     KvPressure,
+    Progress,
     RequestFinished,
     Start,
     StartTrain,
@@ -30,6 +31,7 @@ from .events import (
 )
 from .ledger import Ledger
 from .resume import ResumePlan
+from .work import WorkEstimate
 
 MODES = ("sync", "one_step", "partial", "oversample", "dora")
 TRAIN_WAITS = ("capacity", "tail", "window")  # what an idle trainer may wait for (Policy.train_wait)
@@ -68,6 +70,7 @@ class PolicyConfig:
     rebalance_every: int = 1      # Dora: rebalance every N Ticks
     carry_kv: bool = True         # Dora: migrate with KV (False: re-prefill at the destination)
     oldest_first: bool = False    # Dora: the planner serves the oldest version's pending work first (straggler)
+    by_work: bool = False         # Dora: the planner apportions by decode tokens left (core/work.py), not requests
     legacy_topup: bool = True     # Dora: fill idle legacy slots with (window-admitted) prompts
     topup_after_rebalance: bool = True  # Dora: on a publish, legacy top-up follows the planner's migrations
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
@@ -107,6 +110,7 @@ class Policy:
         self.complete: dict[int, deque[int]] = {}  # version -> complete, unconsumed group ids
         self.pending_groups = 0  # admitted groups with unfinished samples
         self.rewards: dict[int, set[float]] = {}  # filter_groups: distinct rewards of each pending group
+        self.work = WorkEstimate()  # decode tokens left per live request (dora.planner: work)
 
     # -- the one entry point -----------------------------------------------------------------------
     def on(self, event: Event) -> list[Command]:
@@ -119,10 +123,12 @@ class Policy:
                     return []  # a load that a Sleep cancelled (drivers need not send it)
                 self.view.ready(instance, version)
                 return self.on_ready(instance)
-            case RequestFinished(traj_id, _, reward):
+            case RequestFinished(traj_id, _, reward, tokens):
                 if traj_id not in self.view.trajs:
+                    self.work.forget(traj_id)
                     return []  # it finished while our Abort was on the way (a dropped group): nothing to do
                 t = self.view.remove(traj_id)
+                self.work.finished(traj_id, tokens)
                 out: list[Command] = []
                 if self.cfg.filter_groups:
                     self.rewards.setdefault(t.group_id, set()).add(reward)
@@ -143,9 +149,14 @@ class Policy:
                 return self.on_published()
             case KvPressure() | Tick():
                 return self.on_pressure(event)
+            case Progress(_, decoded):
+                self.work.progress(decoded)
+                return []
             case InstanceLost(instance, in_transit):
                 if self.view.instances[instance].lost:
                     return []
+                for t in (*self.view.instances[instance].active, *in_transit):
+                    self.work.forget(t)  # it starts again from its prompt
                 out: list[Command] = list(self.view.lose(instance, in_transit))
                 if all(inst.lost for inst in self.view.instances):
                     raise ValueError("every rollout instance is lost")

@@ -217,7 +217,7 @@ class Orchestrator(OpLog):
         self.checkpoints.done(src, msg.traj_id)
         self.finished_tokens += msg.response_len
         self.figures.on_done(msg.response_len, msg.kv_transfer_s, msg)
-        self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward))
+        self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward, msg.response_len))
         if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
             self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
 

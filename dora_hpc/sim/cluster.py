@@ -37,6 +37,7 @@ from ..core.events import (
     KvPressure,
     Migrate,
     Offload,
+    Progress,
     RequestFinished,
     Restore,
     Sleep,
@@ -135,7 +136,15 @@ class Simulator(Borrowing, EpisodeSteps):
         for cmd in self.policy.on(event):
             self._execute(cmd)
 
+    def _model_tokens(self, t: int) -> int:
+        return sum(x.tokens for x in self.episodes[t])
+
     def _ev_tick(self) -> None:
+        if self.policy.cfg.by_work:  # what the work planner estimates decode left from
+            for inst in self.inst:
+                reqs = [*inst.reqs.values(), *inst.waiting, *inst.held.values()]
+                if reqs:
+                    self._feed(Progress(inst.idx, tuple((r.traj, inst.generated(r)) for r in reqs)))
         self._feed(Tick())
         self._at(self.now + self.cfg.sim.tick_s, "tick")
 
@@ -166,7 +175,7 @@ class Simulator(Borrowing, EpisodeSteps):
             done.append(r.traj)
         self._start(inst)
         for t in done:
-            self._feed(RequestFinished(t, i))
+            self._feed(RequestFinished(t, i, tokens=self._model_tokens(t)))
         self._check_kv(inst)
 
     def _ev_arrive(self, t: int, seq: int) -> None:

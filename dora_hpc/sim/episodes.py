@@ -45,7 +45,7 @@ class EpisodeSteps:
         if last:
             rec.finished = True
             self._start(inst)
-            self._feed(RequestFinished(t, inst.idx))
+            self._feed(RequestFinished(t, inst.idx, tokens=self._model_tokens(t)))
             return
         self._next_turn(r)
         inst.admit(r, front=True)
