@@ -64,7 +64,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         from .sim.frontier import write_frontier
 
         write_frontier(cfg, out, _ints(args.seeds, "--seeds"), _ints(args.ks, "--ks"),
-                       f"{args.config} {' '.join(args.overrides)}", console)
+                       f"{args.config} {' '.join(args.overrides)}", console, args.workers)
         return 0
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     bad = [m for m in modes if m not in MODES]
@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens/s against mean staleness: DORA's admission levels at each K, with sync, one-step and "
                    "partial (frontier.json, .md, .png)")
     p.add_argument("--seeds", default="0", help="--frontier: comma-separated seeds (default 0)")
+    p.add_argument("--workers", type=int, default=2, help="--frontier: simulations run at once (default 2)")
     p.add_argument("--ks", default="1,2,3", help="--frontier: comma-separated K values (default 1,2,3; the config's "
                    "own K is always added)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")

@@ -134,9 +134,9 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def write_frontier(cfg: RunConfig, out: Path, seeds: tuple[int, ...], ks: tuple[int, ...], title: str,
-                   console: Console) -> list[dict]:
+                   console: Console, workers: int = 2) -> list[dict]:
     """Run the frontier and write frontier.json, .md and .png under ``out``."""
-    rows = frontier(cfg, seeds, ks, console=console)
+    rows = frontier(cfg, seeds, ks, workers=workers, console=console)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps({"config": title, "seeds": list(seeds), "points": rows},
                                                   indent=2) + "\n")

@@ -2,7 +2,8 @@
 against eager (tokens/s share and mean staleness), and DORA against partial rollout at the config's split
 (eager's ratio and lean's). Each workload's runs are the frontier's points (dora_hpc/sim/frontier.py).
 
-    .venv/bin/python results/sim/staleness/targets.py > results/sim/staleness/targets.json   # ~25 min, 2 cores
+    .venv/bin/python results/sim/staleness/targets.py [SEEDS [WORKERS]] > results/sim/staleness/targets.json
+    (SEEDS default 0,1,2; WORKERS default 2)
 """
 
 import json
@@ -21,13 +22,14 @@ WORKLOADS = {"paper-64": ("configs/sim/paper-64.yaml", []), "paper-128": ("confi
 POINTS = {"partial": {"mode": "partial", "changes": {}},
           "eager": {"mode": "dora", "changes": {"dora.admission": "eager"}},
           "lean": {"mode": "dora", "changes": {"dora.admission": "lean"}}}
-SEEDS = (0, 1, 2)
+SEEDS = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (0, 1, 2)
+WORKERS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 
 
 def main() -> None:
     jobs = {(w, p, s): (load_config(path, sets), POINTS[p], s)
             for w, (path, sets) in WORKLOADS.items() for p in POINTS for s in SEEDS}
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    with ProcessPoolExecutor(max_workers=WORKERS) as pool:
         futures = {key: pool.submit(run_point, *args) for key, args in jobs.items()}
         runs = {key: f.result() for key, f in futures.items()}
     out = {}
