@@ -269,7 +269,7 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
         s = simulate(replace(fit, cfg=c), c)
         rows.append({"set": sets, "predicted_tokens_per_s": s["throughput_tokens_per_s"],
                      "predicted_step_s": s["mean_step_time_s"], "max_staleness": s["max_staleness"],
-                     "mean_staleness": s["mean_staleness"],
+                     "mean_staleness": s["mean_staleness_steady"],
                      "predicted_trainer_wait": s["trainer_wait_fraction"], "weights": s["weights"]})
         if progress:
             progress()

@@ -9,6 +9,8 @@ Definitions (also in results/sim/README.md):
   (core: Policy.train_wait): "capacity" (requests queued for a rollout slot), "tail" (nothing queued:
   the batch's last requests are decoding), "window" (TBS groups complete, but the staleness window
   needs older ones still decoding);
+* mean_staleness: over every step, the fill included; mean_staleness_steady: over the steps started in the
+  measured window (what the frontier and plan report);
 * slot_utilization: integral of live sequences / (instances x max_num_seqs x window), borrowed
   instances included (asleep while the trainer trains);
 * bubble_fraction: the C.3 bubble, (max_i L_i - L_i) / max_i L_i averaged over decode slots, in
@@ -135,6 +137,8 @@ def summarize(sim: Simulator) -> dict:
         "inter_instance_bubble": sum(bubbles) / len(bubbles) if bubbles else 0.0,
         "max_staleness": max((x for s in sim.steps for x in s["staleness"]), default=0),
         "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
+        "mean_staleness_steady": sum(sum(s["staleness"]) for s in sim.steps[w:]) / ((len(sim.steps) - w)
+                                                                                  * cfg.batch.tbs),
         "lost_groups": lost,
         "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
         "mixed_version_trajectories": mixed,
