@@ -193,7 +193,7 @@ def test_elastic_needs_dora_disaggregated():
 def test_single_turn_workloads_give_exactly_the_figures_of_before_episodes(small_runs):
     """tests/data/sim-small-single-turn.json: every mode on configs/sim/small.yaml (and DORA elastic) as the
     simulator gave them at commit dfd7fa5, before it knew episodes (DORA's under dora.admission: eager, the
-    default then). turns.max 1 must change nothing."""
+    default, pinned). turns.max 1 must change nothing."""
     import json
     from pathlib import Path
 

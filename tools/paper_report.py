@@ -323,9 +323,8 @@ the CPU runtime with SmolLM2-135M (a real model). Nothing was tuned toward the p
 is computed where the paper gives a number: within 10% of it is *reproduced*.
 
 Every DORA figure below was measured under `dora.admission: eager` (the window fills: staleness at K), the
-default until 2026-12-04; DORA now admits lean by default (docs/invariants.md, 2), so a row's command
-reproduces its figure with `--set dora.admission=eager`. The report at the lean operating point is issue 46's
-(results/sim/staleness/ has the simulator's frontier).
+default. `dora.admission: lean` holds the pipeline shallower (docs/invariants.md, 2); results/sim/staleness/
+and results/bench/staleness/ compare the two, and the report at lean's operating point is issue 46's.
 
 This file is written by `tools/paper_report.py` from the committed summaries (the measurements
 themselves take hours; each row's command re-runs one):

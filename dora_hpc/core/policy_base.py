@@ -76,7 +76,7 @@ class PolicyConfig:
     filter_groups: bool = False   # Dora: a complete group whose rewards are all equal is filtered (DAPO)
     borrowed: int = 0             # Dora: instances on the trainer's accelerators (cluster.elastic), numbered
     #                               after the dedicated ones; they sleep while it trains
-    admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py); RunConfig: lean
+    admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py)
     depth: float | None = None    # Dora, lean: the pipeline depth's cap in units of TBS (None: learned)
 
     def __post_init__(self) -> None:
