@@ -30,8 +30,8 @@ class Dora(Policy):
     Admission (``cfg.admission``): ``eager`` admits whatever RBS and the window allow, so the window
     fills and staleness sits near K; ``lean`` (core/admission.py) admits only groups the slots can start
     now, caps the pipeline's depth (groups not yet in published weights) at a learned cap, and at each
-    publish moves groups still
-    queued whole to the new version: a group takes its version when it can start to generate.
+    publish moves groups still queued whole to the new version: a group takes its version when it can
+    start to generate.
 
     Elastic (``borrowed`` instances on the trainer's accelerators): they serve while the trainer waits
     for the window; before a train step each gives its accelerators back -- its requests migrate with
@@ -198,8 +198,7 @@ class Dora(Policy):
         return out
 
     def _rebalance(self) -> list[Command]:
-        return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first,
-                            self.work if self.cfg.by_work else None)
+        return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first, self.work)
 
     def train_wait(self) -> str | None:
         """As Policy's, and ``"window"`` when the gate needs older groups; that wait counts as

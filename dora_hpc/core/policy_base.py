@@ -110,7 +110,7 @@ class Policy:
         self.complete: dict[int, deque[int]] = {}  # version -> complete, unconsumed group ids
         self.pending_groups = 0  # admitted groups with unfinished samples
         self.rewards: dict[int, set[float]] = {}  # filter_groups: distinct rewards of each pending group
-        self.work = WorkEstimate()  # decode tokens left per live request (dora.planner: work)
+        self.work = WorkEstimate() if cfg.by_work else None  # decode tokens left per live request (planner: work)
 
     # -- the one entry point -----------------------------------------------------------------------
     def on(self, event: Event) -> list[Command]:
@@ -125,10 +125,12 @@ class Policy:
                 return self.on_ready(instance)
             case RequestFinished(traj_id, _, reward, tokens):
                 if traj_id not in self.view.trajs:
-                    self.work.forget(traj_id)
+                    if self.work:
+                        self.work.forget(traj_id)
                     return []  # it finished while our Abort was on the way (a dropped group): nothing to do
                 t = self.view.remove(traj_id)
-                self.work.finished(traj_id, tokens)
+                if self.work:
+                    self.work.finished(traj_id, tokens)
                 out: list[Command] = []
                 if self.cfg.filter_groups:
                     self.rewards.setdefault(t.group_id, set()).add(reward)
@@ -150,13 +152,15 @@ class Policy:
             case KvPressure() | Tick():
                 return self.on_pressure(event)
             case Progress(_, decoded):
-                self.work.progress(decoded)
+                if self.work:
+                    self.work.progress(decoded)
                 return []
             case InstanceLost(instance, in_transit):
                 if self.view.instances[instance].lost:
                     return []
-                for t in (*self.view.instances[instance].active, *in_transit):
-                    self.work.forget(t)  # it starts again from its prompt
+                if self.work:
+                    for t in (*self.view.instances[instance].active, *in_transit):
+                        self.work.forget(t)  # it starts again from its prompt
                 out: list[Command] = list(self.view.lose(instance, in_transit))
                 if all(inst.lost for inst in self.view.instances):
                     raise ValueError("every rollout instance is lost")

@@ -36,16 +36,19 @@ class WorkEstimate:
         for traj_id, tokens in decoded:
             self.decoded[traj_id] = tokens
 
+    def _suffix_sums(self) -> list[int]:
+        if self._suffix is None:
+            self._suffix = list(accumulate(reversed(self.lengths)))[::-1] + [0]
+        return self._suffix
+
     def expected(self) -> float:
         """A request not started yet: the mean finished length (1 before any finished)."""
-        return sum(self.lengths) / len(self.lengths) if self.lengths else 1.0
+        return self._suffix_sums()[0] / len(self.lengths) if self.lengths else 1.0
 
     def remaining(self, traj_id: int) -> float:
         g = self.decoded.get(traj_id, 0)
         if not self.lengths:
             return 1.0
-        if self._suffix is None:
-            self._suffix = list(accumulate(reversed(self.lengths)))[::-1] + [0]
         i = bisect.bisect_right(self.lengths, g)
         longer = len(self.lengths) - i
-        return self._suffix[i] / longer - g if longer else float(max(g, 1))
+        return self._suffix_sums()[i] / longer - g if longer else float(max(g, 1))

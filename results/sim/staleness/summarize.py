@@ -16,12 +16,14 @@ from dora_hpc.sim.frontier import markdown_table, plot
 HERE = Path(__file__).parent
 
 
+def histogram_mean(h: dict[str, int]) -> float:
+    return sum(int(k) * n for k, n in h.items()) / sum(h.values())
+
+
 def steady(point: dict) -> float:
     """The median over seeds of the steady-state mean staleness (each run's histogram of the steps started
     in the measured window; runs before the frontier reported it as its mean)."""
-    def mean(h: dict) -> float:
-        return sum(int(k) * n for k, n in h.items()) / sum(h.values())
-    return statistics.median(mean(r["staleness_histogram"]) for r in point["runs"])
+    return statistics.median(histogram_mean(r["staleness_histogram"]) for r in point["runs"])
 
 
 def rewrite_steady(folder: Path) -> None:
@@ -30,8 +32,7 @@ def rewrite_steady(folder: Path) -> None:
         for r in p["runs"]:
             if "mean_staleness_all_steps" not in r:
                 r["mean_staleness_all_steps"] = r["mean_staleness"]
-                h = r["staleness_histogram"]
-                r["mean_staleness"] = sum(int(k) * n for k, n in h.items()) / sum(h.values())
+                r["mean_staleness"] = histogram_mean(r["staleness_histogram"])
         p["mean_staleness"] = statistics.median(r["mean_staleness"] for r in p["runs"])
     (folder / "frontier.json").write_text(json.dumps(d, indent=2) + "\n")
     (folder / "frontier.md").write_text(markdown_table(d["points"]))
