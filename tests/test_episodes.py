@@ -89,7 +89,13 @@ def test_a_trainer_ranks_borrowed_instance_runs_episodes_through_their_environme
     assert a["steps"] == 5 and a["consumed"] == 5 * 4 * 4 and a["env_errors"] == 0, p.stdout[-2000:]
     t = read_table(tmp_path / "run", "traj", "trajectories", ["turns", "env_s"], with_rank=True)
     borrowed = t["rank"] == 1  # the trainer rank wrote the rows of the episodes that ended on it
-    assert borrowed.any() and (t["turns"][borrowed] > 1).any() and (t["env_s"][borrowed] > 0).all()
+    assert borrowed.any() and (t["env_s"][borrowed] > 0).all()
+    # an environment step ran in the trainer rank's pool: an episode ended there after more than one turn, or
+    # one waiting on its environment there was drained with the instance (which of the two is timing's call)
+    ops = read_table(tmp_path / "run", "events", "ops", with_rank=True)
+    drained = [d for r, k, d in zip(ops["rank"], ops["kind"], ops["detail"], strict=True)
+               if r == 1 and k == "migration_out" and "waiting_env" in str(d)]
+    assert (t["turns"][borrowed] > 1).any() or drained, (t["turns"][borrowed], a["migrations"])
 
 
 @pytest.mark.slow

@@ -96,20 +96,24 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
 @pytest.mark.slow
 def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp_path):
     """The README's run with 6 rollout instances (twice its slots): eager fills the window, so after the fill
-    nearly every group is trained K=2 steps stale whatever the capacity; lean holds the batch in training and
-    what keeps the slots busy; its learned depth cap is in the checkpoint (the window's snapshot)."""
+    nearly every group is trained K=2 steps stale whatever the capacity. Lean caps the pipeline's depth: at a
+    fixed cap of one batch (dora.depth=1) nothing is admitted while the trainer trains, so every group is
+    trained on the version it was tagged with (staleness 0, whatever the timing); the learned cap sits between
+    and is in the checkpoint (the window's snapshot). How far below eager the learned cap lands depends on the
+    machine's timing (1.375 and 1.525 against 1.70 on two runs), so only the order is asserted."""
     means = {}
-    for admission in ("eager", "lean"):
-        p, run_dir = run(tmp_path, "dora", "--set", f"dora.admission={admission}", "--set",
-                         "cluster.rollout_instances=6", "--set", "cluster.accelerators=8", steps=10, name=admission)
+    for name, sets, steps in (("eager", ["dora.admission=eager"], 10), ("lean", ["dora.admission=lean"], 10),
+                              ("depth1", ["dora.admission=lean", "dora.depth=1"], 4)):
+        sets = [a for s in sets + ["cluster.rollout_instances=6", "cluster.accelerators=8"] for a in ("--set", s)]
+        p, run_dir = run(tmp_path, "dora", *sets, steps=steps, name=name)
         assert p.returncode == 0, p.stderr[-3000:]
         a = analyze(run_dir)
         inv = a["invariants"]
         assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"]) == (0,) * 4
         assert inv["mixed_version_trajectories"] == 0 and a["staleness"]["max"] <= 2
-        means[admission] = a["staleness"]["mean"]
+        means[name] = a["staleness"]["mean"]
         assert f"(mean {a['staleness']['mean']:.2f})" in p.stdout  # the closing line says it
-    assert means["eager"] > 1.5 and means["lean"] < means["eager"] - 0.2, means  # measured: 1.70 and 1.375
+    assert means["eager"] > 1.5 and means["depth1"] == 0 and means["lean"] < means["eager"], means
     state = json.loads((tmp_path / "lean" / "checkpoints" / "step-10" / "state.json").read_text())
     assert state["orchestrator"]["window"]["depth"] >= 4  # the learned cap, in groups (TBS 4)
 
