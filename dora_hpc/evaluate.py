@@ -148,10 +148,10 @@ class _EvalEpisodes:
     a finished episode is kept as (reward, turns, environment error, tokens after the prompt)."""
 
     def __init__(self, cfg: RunConfig, engine, task, model_dir: Path) -> None:
-        from .runtime.episodes import Episodes
+        from .runtime.episodes import make_episodes
 
         self.cfg, self.engine, self.task, self.info, self.done = cfg, engine, task, {}, {}
-        self.episodes = Episodes(self, model_dir)
+        self.episodes = make_episodes(self, model_dir)
 
     def finish(self, f, kv_frac: float) -> None:
         info = self.info.pop(f.req_id)
@@ -167,10 +167,10 @@ class _EvalEpisodes:
             for s in range(samples):
                 req = seed_base + i * samples + s
                 budget = max(1, min(self.task.max_tokens(req), self.cfg.env.max_episode_tokens - len(p)))
-                self.engine.add(req, p, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=budget,
-                                                       ignore_eos=self.task.ignore_eos), self.engine.version, hold=True)
-                self.info[req] = {}
-                self.episodes.start(req, self.info[req], g)
+                self.info[req] = {"n_migrations": 0}
+                self.episodes.begin(req, p, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=budget,
+                                                           ignore_eos=self.task.ignore_eos), self.engine.version,
+                                    self.info[req], g)
                 keys[req] = (g, s)
         reported = 0
         while self.info:

@@ -340,6 +340,14 @@ class RunConfig(Section):
         if self.env.multi_turn and self.env.max_episode_tokens > kv_tokens:
             raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) exceeds an instance's KV pool "
                              f"(engine.kv_blocks x engine.block_size = {kv_tokens} tokens)")
+        if self.env.name == "openai_agent":
+            if self.cluster.elastic:
+                raise ValueError("env.name: openai_agent does not run with cluster.elastic (an agent homed on a "
+                                 "trainer rank would wait out every train step)")
+            if self.env.workers < self.cluster.max_num_seqs:
+                raise ValueError(f"env.workers ({self.env.workers}) < cluster.max_num_seqs "
+                                 f"({self.cluster.max_num_seqs}): under openai_agent each episode's agent holds a "
+                                 f"worker for its whole run; set env.workers to at least cluster.max_num_seqs")
         if self.train.publish_dtype == "float32" and self.engine.dtype != "float32":
             raise ValueError(f"train.publish_dtype=float32 needs engine.dtype=float32: an engine in "
                              f"{self.engine.dtype} cannot hold float32 weights, so their checksum cannot hold")

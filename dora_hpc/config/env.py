@@ -11,8 +11,9 @@ from .base import Section
 
 class EnvConfig(Section):
     name: str = Field("none", description="the environment of each episode: none (one turn: prompt -> "
-                      "response), retry, python_tool, toy_turns, or skyrl:<id> (a skyrl-gym environment, "
-                      "pip install skyrl-gym)")
+                      "response), retry, python_tool, toy_turns, openai_agent (the user's agent, env.args.agent, "
+                      "calls an OpenAI-compatible endpoint), skyrl:<id> (a skyrl-gym environment, "
+                      "pip install skyrl-gym) or module:Class")
     max_turns: int = Field(4, ge=1, description="model turns per episode at most")
     timeout_s: float = Field(30.0, gt=0, description="an environment step slower than this ends its episode "
                              "with reward 0 and a recorded error (the worker is replaced)")
@@ -22,7 +23,12 @@ class EnvConfig(Section):
                                     "tokens; an episode that reaches it ends (finish_reason episode_cap)")
     network: bool = Field(False, description="environment workers (and every tool they start) may reach the "
                           "network; false: each worker runs in a network namespace of its own, with none")
-    args: dict[str, Any] = Field(default_factory=dict, description="passed to the environment's constructor")
+    args: dict[str, Any] = Field(default_factory=dict, description="passed to the environment's constructor "
+                                 "(openai_agent: ``agent`` names the agent, 'module:function'; the rest are passed "
+                                 "to it)")
+    listen: str = Field("127.0.0.1", description="openai_agent: the address each rollout rank's OpenAI-compatible "
+                        "endpoint binds (0.0.0.0: agents on other hosts may call it; each call still needs its "
+                        "episode's key)")
 
     @property
     def multi_turn(self) -> bool:

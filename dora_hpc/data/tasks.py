@@ -56,6 +56,14 @@ class EvenTokensTask:
         """The environment's messages as tokens: the numbers in their contents (mod the vocabulary)."""
         return [int(t) % self.vocab for m in messages for t in m["content"].split() if t.lstrip("-").isdigit()]
 
+    def chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """An agent's first chat call as the prompt's tokens: the numbers in the messages' contents."""
+        return self.render_env(messages, -1)
+
+    def encode(self, text: str, first: bool = False) -> list[int]:
+        """A text completion's prompt (or the part that extends an episode) as tokens: its numbers."""
+        return self.render_env([{"role": "user", "content": text}], -1)
+
     def ground_truth(self, group_id: int) -> None:
         return None
 

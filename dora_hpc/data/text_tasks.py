@@ -42,9 +42,21 @@ class TextTask:
         msgs.append({"role": "user", "content": f"{q}\n{hint}" if hint else q})
         return msgs
 
-    def _chat(self, msgs: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=True)
+    def _chat(self, msgs: list[dict], generation_prompt: bool, tools: list | None = None) -> list[int]:
+        ids = self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """An agent's first chat call as the prompt's tokens: the chat template (with ``tools``) and the next
+        assistant turn's header; without a template, the contents on lines of their own."""
+        if getattr(self.tok, "chat_template", None):
+            return self._chat(messages, True, tools)
+        return self.tok("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
+
+    def encode(self, text: str, first: bool = False) -> list[int]:
+        """A text completion's prompt (``first``: special tokens as the tokenizer adds them) or the text that
+        extends an episode, as tokens."""
+        return self.tok(text, add_special_tokens=first)["input_ids"]
 
     def prompt(self, group_id: int) -> list[int]:
         msgs = self.messages(group_id)

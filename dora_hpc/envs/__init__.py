@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from . import builtin  # noqa: F401 - registers the built-in environments
+from . import builtin, openai_agent  # noqa: F401 - registers the built-in environments
 from .base import ENVS, EnvArgError, Factory, Scorer, TextEnv, bind_task
 
 __all__ = ["ENVS", "EnvArgError", "Scorer", "TextEnv", "bind_task", "check_env", "make_env"]

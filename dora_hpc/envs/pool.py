@@ -5,7 +5,8 @@ Invariants:
 * a step is (environment, action) in and (environment after the step, its output) out: workers keep no
   episode state, so any worker can take any step and a dead worker loses nothing but the step it ran;
 * every submitted job gets exactly one result (``poll``) unless it is cancelled: its output, or an error
-  when the environment raised, ran past ``timeout_s`` (the worker is killed) or its worker died; a killed
+  when the environment raised, ran past ``timeout_s`` of unpaused time (the worker is killed; ``pause`` stops
+  a job's clock while it waits on the rank, ``resume`` restarts it) or its worker died; a killed
   or dead worker is replaced before the pool takes the next step;
 * workers are plain child processes (``python -m dora_hpc.envs.worker``), not MPI processes: the MPI
   launcher's variables are removed from their environment.
@@ -66,6 +67,7 @@ class EnvPool:
         self.workers = [_Worker(self._boot) for _ in range(workers)]
         self.queue: deque[tuple[int, bytes]] = deque()
         self.cancelled: set[int] = set()
+        self.paused: set[int] = set()  # jobs whose clock is stopped (pause/resume)
         self.replaced = 0
         self.warnings: list[str] = []
         self._next = 0
@@ -79,6 +81,17 @@ class EnvPool:
     def cancel(self, job: int) -> None:
         """Its result, whenever it comes, is dropped (the episode moved on or ended)."""
         self.cancelled.add(job)
+
+    def pause(self, job: int) -> None:
+        """Stop ``job``'s clock (an agent's run waits on a call the rank serves): no timeout while paused."""
+        self.paused.add(job)
+
+    def resume(self, job: int) -> None:
+        """Restart ``job``'s clock from now: ``timeout_s`` bounds its time since it was last resumed."""
+        self.paused.discard(job)
+        for w in self.workers:
+            if w.job is not None and w.job[0] == job:
+                w.job = (job, time.monotonic())
 
     def poll(self, timeout: float = 0.0, budget_s: float = 0.005) -> list[StepResult]:
         """Results that came in (waiting up to ``timeout`` s for the first), after starting queued steps on free
@@ -122,9 +135,10 @@ class EnvPool:
                 w.job = None
                 status, env, output, error, secs = pickle.loads(msg)
                 out.append(StepResult(job, env, output, error, secs))
-            elif w.job is not None and time.monotonic() - w.job[1] > self.timeout_s:
+            elif w.job is not None and w.job[0] not in self.paused and time.monotonic() - w.job[1] > self.timeout_s:
                 out.append(self._replace(i, f"environment step timed out after {self.timeout_s:g}s"))
         self._dispatch()
+        self.paused.difference_update(r.job for r in out)
         kept = [r for r in out if r.job not in self.cancelled]
         self.cancelled.difference_update(r.job for r in out)
         return kept

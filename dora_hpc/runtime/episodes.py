@@ -51,6 +51,12 @@ class Episodes:
         self.jobs: dict[int, int] = {}  # pool job -> traj id
         self.told = (0, 0.0)  # episodes waiting on their environment last told rank 0, and when
 
+    def begin(self, traj_id: int, prompt: list[int], params, version: int, info: dict, group_id: int) -> None:
+        """A dispatched episode: its first turn goes on the engine (held: its KV stays between turns), its
+        environment starts."""
+        self.rank.engine.add(traj_id, prompt, params, version, hold=True)
+        self.start(traj_id, info, group_id)
+
     def start(self, traj_id: int, info: dict, group_id: int) -> None:
         """A new episode's bookkeeping and environment (its first turn is already on the engine)."""
         c = self.env_cfg
@@ -142,3 +148,12 @@ class Episodes:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def make_episodes(rank: Host, model_dir) -> Episodes:
+    """The episodes of ``rank``'s ``env.name``: an agent's (agent_episodes.py) or an environment's (above)."""
+    if rank.cfg.env.name == "openai_agent":
+        from .agent_episodes import AgentEpisodes
+
+        return AgentEpisodes(rank, model_dir)  # type: ignore[return-value] - the same interface
+    return Episodes(rank, model_dir)

@@ -187,3 +187,44 @@ class StopRequest:        # any rank -> orchestrator: a signal asked this rank t
 class Shutdown:
     reason: str = ""
     fenced: tuple[int, ...] = ()  # ranks rank 0 gave up on: the others close without them
+
+
+# -- agent episodes (env.name: openai_agent; runtime/agent_episodes.py): between an episode's home rank, which
+# runs its agent and serves its calls, and the rank holding its request (home itself, or where it migrated)
+@dataclass(frozen=True)
+class AgentCall:          # home -> holder: call `turn` of the episode, as the tokens that extend it
+    traj_id: int
+    turn: int             # 0: the first call (`tokens` is the prompt)
+    tokens: list[int]
+    max_tokens: int
+    agent_s: float = 0.0  # the agent's own time since its last reply (its "environment step")
+
+
+@dataclass(frozen=True)
+class AgentTurn:          # holder -> home: the answer to call `turn`
+    traj_id: int
+    turn: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str    # the engine's; "episode_cap": nothing was generated (env.max_episode_tokens)
+    prompt_tokens: int    # the context the answer was sampled after
+
+
+@dataclass(frozen=True)
+class AgentHere:          # holder -> home: the episode is held here now (it migrated), waiting on call `turn`
+    traj_id: int          # (None: mid-generation)
+    turn: int | None
+    hops: int             # its migrations so far: orders AgentHere from different holders
+
+
+@dataclass(frozen=True)
+class AgentEnd:           # home -> holder: the agent returned (its reward) or failed (the error): end the episode
+    traj_id: int
+    reward: float
+    error: str
+    agent_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AgentEnded:         # holder -> home: the episode ended here; the home forgets it
+    traj_id: int

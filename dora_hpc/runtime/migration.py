@@ -40,13 +40,12 @@ class Migrations:
             else:
                 self.send_migration(msg, meta, kv, self.now())
             return
-        if not self.engine.has_request(msg.traj_id):
+        if not self.holds(msg.traj_id):
             if msg.traj_id not in self.gone:  # not here yet: pass it on the moment it arrives
                 self.forward[msg.traj_id] = msg
             return  # else it finished first; its Done is on the way
         t = self.now()
-        meta, kv = self.engine.export(msg.traj_id)
-        meta["info"] = self.take_info(msg.traj_id)
+        meta, kv = self.export(msg.traj_id)
         self.send_migration(msg, meta, kv, t)
 
     def send_migration(self, msg: MigrateOut, meta: dict, kv, t: float) -> None:
@@ -107,7 +106,10 @@ class Migrations:
         info = meta.pop("info")
         before = self.engine.stats()["reprefill_tokens"]
         try:
-            self.engine.import_(meta, kv)
+            if not meta.get("unstarted"):  # an agent episode before its first call has nothing on an engine
+                self.engine.import_(meta, kv)
+            elif meta["version"] != self.engine.version:
+                raise RequestError(f"tagged v{meta['version']}, the engine hosts v{self.engine.version}")
         except RequestError as e:
             raise RuntimeError(f"rank {self.comm.rank}: migration of {meta['req_id']} refused: {e}") from None
         info["reprefill"] += self.engine.stats()["reprefill_tokens"] - before  # what the engine recomputes
@@ -116,7 +118,8 @@ class Migrations:
         info["kv_s"] += self.now() - t  # received and imported
         self.info[meta["req_id"]] = info
         self.op("migration_in", traj_id=meta["req_id"], peer=src, t_start=t, version=self.engine.version,
-                nbytes=kv.numel() * 4 if kv is not None else 0, detail=f"reprefill={kv is None}" + (
+                nbytes=kv.numel() * 4 if kv is not None else 0,
+                detail=("unstarted" if meta.get("unstarted") else f"reprefill={kv is None}") + (
                     " waiting_env" if info.get("pending") is not None else ""))
         if self.episodes:
             self.episodes.arrived(meta["req_id"], info)

@@ -35,9 +35,14 @@ from ..store.shards import ShardWriter
 from ..train.publish import assemble, checksum_of, publish_dtype, wire_bytes
 from .clock import OpLog
 from .comm import Comm, SourceFenced
-from .episodes import Episodes
+from .episodes import make_episodes
 from .messages import (
     AbortTraj,
+    AgentCall,
+    AgentEnd,
+    AgentEnded,
+    AgentHere,
+    AgentTurn,
     Done,
     Flush,
     Flushed,
@@ -84,7 +89,7 @@ class RolloutRank(OpLog, Migrations):
         self.abort_on_arrival: set[int] = set()
         self.parked: dict[int, tuple[dict, object]] = {}  # a borrowed instance's offloaded requests: (meta, KV)
         self.park_on_arrival: set[int] = set()  # parked while still migrating here: parked when it lands
-        self.episodes = Episodes(self, model_dir) if cfg.env.multi_turn else None
+        self.episodes = make_episodes(self, model_dir) if cfg.env.multi_turn else None
 
     def run(self) -> None:
         while self.running:
@@ -175,16 +180,17 @@ class RolloutRank(OpLog, Migrations):
                 budget = msg.max_tokens
                 if self.episodes:  # the first turn of an episode: within the episode's cap
                     budget = max(1, min(budget, self.cfg.env.max_episode_tokens - len(msg.prompt)))
-                self.engine.add(msg.traj_id, msg.prompt, SamplingParams(
-                    temperature=self.cfg.sampling.temperature, top_p=self.cfg.sampling.top_p,
-                    max_tokens=budget, ignore_eos=self.task.ignore_eos), msg.version, hold=bool(self.episodes))
+                params = SamplingParams(temperature=self.cfg.sampling.temperature, top_p=self.cfg.sampling.top_p,
+                                        max_tokens=budget, ignore_eos=self.task.ignore_eos)
                 self.info[msg.traj_id] = info = {
                     "group_id": msg.group_id, "sample_idx": msg.sample_idx, "dispatch_version": msg.version,
                     "t_dispatch": self.now(), "n_migrations": 0, "kv_s": 0.0, "reprefill": 0,
                     "path": str(self.instance), "segments": [msg.version], "segment_turns": [0], "epoch": msg.epoch,
                     "max_tokens": msg.max_tokens}
                 if self.episodes:
-                    self.episodes.start(msg.traj_id, info, msg.group_id)
+                    self.episodes.begin(msg.traj_id, msg.prompt, params, msg.version, info, msg.group_id)
+                else:
+                    self.engine.add(msg.traj_id, msg.prompt, params, msg.version)
             case LoadVersion():
                 self.load(msg)
             case SendWeights():
@@ -192,10 +198,8 @@ class RolloutRank(OpLog, Migrations):
             case MigrateOut():
                 self.migrate_out(msg)
             case Park():  # a borrowed instance before a train step: the KV goes to host memory, kept here
-                if self.engine.has_request(msg.traj_id):
-                    meta, kv = self.engine.export(msg.traj_id)
-                    meta["info"] = self.take_info(msg.traj_id)
-                    self.park(meta, kv)
+                if self.holds(msg.traj_id):
+                    self.park(*self.export(msg.traj_id))
                 elif msg.traj_id not in self.gone:  # still on its way here (MPI orders no two senders)
                     self.park_on_arrival.add(msg.traj_id)
             case SleepEngine():  # the trainer takes the accelerators; a LoadVersion wakes it
@@ -205,8 +209,9 @@ class RolloutRank(OpLog, Migrations):
             case MigrateIn():
                 self.migrate_in(msg, src)
             case AbortTraj():
-                if self.engine.has_request(msg.traj_id):
-                    self.engine.abort(msg.traj_id)
+                if self.holds(msg.traj_id):
+                    if self.engine.has_request(msg.traj_id):
+                        self.engine.abort(msg.traj_id)
                     self.take_info(msg.traj_id)
                     self.gone.add(msg.traj_id)
                 elif msg.traj_id not in self.gone:  # still on its way here
@@ -218,6 +223,8 @@ class RolloutRank(OpLog, Migrations):
             case WeightsHeader():  # the source answered before the orchestrator's LoadVersion got here
                 with contextlib.suppress(SourceFenced):  # else rank 0 names another source
                     self.early.append((msg, src, self.comm.recv_weights(msg, src)))
+            case AgentCall() | AgentTurn() | AgentHere() | AgentEnd() | AgentEnded():
+                self.episodes.on_message(msg, src)
             case Pause() | Resume():
                 self.paused = isinstance(msg, Pause)
             case Shutdown():
@@ -305,6 +312,19 @@ class RolloutRank(OpLog, Migrations):
                 nbytes=sum(wire_bytes(shape, c, dtype.itemsize) for shape, c in pieces),
                 detail=f"{got} delta_pieces={sum(c >= 0 for _, c in pieces)}/{len(pieces)} whole_bytes={whole}")
         self.comm.send(Ready(self.instance, msg.version, got, self.now() - t), 0)
+
+    def holds(self, traj_id: int) -> bool:
+        """The request is on this rank: on the engine, or an agent episode waiting on its first call."""
+        return self.engine.has_request(traj_id) or self.info.get(traj_id, {}).get("unstarted", False)
+
+    def export(self, traj_id: int) -> tuple[dict, object]:
+        """Take a request off this rank to send or park: (metadata with its info, its KV or None)."""
+        if self.engine.has_request(traj_id):
+            meta, kv = self.engine.export(traj_id)
+        else:  # an agent episode before its first call: nothing is on the engine
+            meta, kv = {"req_id": traj_id, "version": self.info[traj_id]["version"], "unstarted": True}, None
+        meta["info"] = self.take_info(traj_id)
+        return meta, kv
 
     def take_info(self, traj_id: int) -> dict:
         """A request's bookkeeping as it leaves this rank (migrated, parked or aborted); an episode's

@@ -1,0 +1,82 @@
+"""Agents written against the OpenAI client, as users write them, for the openai_agent tests (env.args.agent:
+"tests.agents:<name>"). The tiny model's text is token ids as decimal numbers (the toy task)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from openai import AsyncOpenAI, OpenAI
+
+
+def chat_loop(base_url, api_key, model, prompt, metadata, turns=3, reply="4 6 8 10", latency_s=0.0):
+    """A plain chat loop: the model answers, a 'tool' replies, ``turns`` times; the task scores the last answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(prompt)
+    for t in range(turns):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+        messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        if t + 1 < turns:
+            time.sleep(latency_s)
+            messages.append({"role": "user", "content": reply})
+    return None
+
+
+async def async_chat_loop(base_url, api_key, model, prompt, metadata, turns=2):
+    """The same loop with the async client; it returns its own reward."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(prompt)
+    for _ in range(turns):
+        out = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": "2 4"}]
+    return 0.5
+
+
+def completion_loop(base_url, api_key, model, prompt, metadata):
+    """Text completions, each prompt extending the last one and its answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    text = prompt[-1]["content"]
+    for _ in range(2):
+        out = client.completions.create(model=model, prompt=text, max_tokens=5)
+        text += out.choices[0].text + " 12 14 "
+    return 1.0
+
+
+def raises(base_url, api_key, model, prompt, metadata):
+    OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model=model, messages=prompt, max_tokens=4)
+    raise RuntimeError("the agent's own bug")
+
+
+def hangs(base_url, api_key, model, prompt, metadata):
+    OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model=model, messages=prompt, max_tokens=4)
+    time.sleep(3600)
+
+
+def too_many_calls(base_url, api_key, model, prompt, metadata):
+    return chat_loop(base_url, api_key, model, prompt, metadata, turns=99)
+
+
+def rewrites_history(base_url, api_key, model, prompt, metadata):
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
+    summary = [{"role": "user", "content": "7 7 7"}]  # drops the conversation for a summary of it
+    client.chat.completions.create(model=model, messages=summary, max_tokens=4)
+    return float(len(first.choices[0].message.content) > 0)
+
+
+def calls_after_its_end(base_url, api_key, model, prompt, metadata):
+    """Answers once and returns, leaving a thread that calls again after the episode ended."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
+
+    def late():
+        time.sleep(0.5)
+        try:
+            client.chat.completions.create(model=model, messages=prompt, max_tokens=4)
+        except Exception as e:  # noqa: BLE001
+            print(f"late call refused: {type(e).__name__}", flush=True)
+    threading.Thread(target=late, daemon=True).start()
+    return 1.0
