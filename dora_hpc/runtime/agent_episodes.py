@@ -305,7 +305,9 @@ class AgentEpisodes:
                 continue
             h = self.homes[tid]
             if r.error:
-                self._end_home(tid, 0.0, f"agent: {r.error}")
+                self._end_home(tid, 0.0, "agent: " + r.error.replace(
+                    "environment step timed out", "it ran past env.timeout_s of its own time (between an answer "
+                    "and its next call or its return):"))
             elif r.output["metadata"].get("scored_by_task"):
                 try:
                     self._end_home(tid, Scorer(h.group_id)(h.reply), "")

@@ -1,0 +1,128 @@
+"""env.name: openai_agent -- agents written against the official openai client, sync and async, drive episodes
+through a rollout host's OpenAI-compatible endpoint (runtime/gateway.py, runtime/agent_episodes.py): the real
+tiny model on the built-in engine, the real environment workers, real HTTP. A run under mpiexec, with
+migrations of waiting episodes, is in test_episodes.py."""
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dora_hpc.config import load_config
+from dora_hpc.data.tasks import make_task
+from dora_hpc.engine.engine import Engine
+from dora_hpc.engine.local_models import build_tiny_model
+from dora_hpc.engine.model import load_model
+from dora_hpc.engine.sampling import SamplingParams
+from dora_hpc.evaluate import _EvalEpisodes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Host(_EvalEpisodes):
+    """dora-hpc eval's episode host, keeping every finished episode's record (the trajectory it trains on)."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.records: dict[int, tuple] = {}
+
+    def finish(self, f, kv_frac: float) -> None:
+        info = dict(self.info[f.req_id])
+        super().finish(f, kv_frac)
+        self.records[f.req_id] = (f, info)
+
+    def play(self, agent: str, n: int = 3, **args) -> dict[int, tuple]:
+        """``n`` episodes of ``agent`` (client_agents.py), one group each; {traj id: (Finished, info)}."""
+        self.episodes.env_cfg = self.cfg.env.model_copy(update={"args": {"agent": f"client_agents:{agent}", **args}})
+        self.records.clear()
+        self.generate([(g, self.task.prompt(g)) for g in range(n)], 1.0, 1.0, 1, 0, lambda: None)
+        return dict(self.records)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    os.environ["PYTHONPATH"] = str(REPO / "tests")  # the environment workers import client_agents
+    model = build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+    cfg = load_config(str(REPO / "configs/tiny-cpu.yaml"), [
+        "env.name=openai_agent", "env.args={agent: 'client_agents:chat_loop'}", "env.workers=4",
+        "cluster.max_num_seqs=4", "env.max_turns=4", "env.timeout_s=4"])
+    task = make_task(cfg, 512, model)
+    engine = Engine(load_model(model), kv_blocks=256, block_size=16, max_num_seqs=4, max_batched_tokens=256,
+                    version=0)
+    h = Host(cfg, engine, task, model)
+    yield h
+    h.close()
+
+
+def test_a_chat_loop_is_one_episode_of_recorded_tokens_with_the_tool_replies_masked(host):
+    recs = host.play("chat_loop", n=3, turns=3, reply="4 6 8 10")
+    assert len(recs) == 3
+    for tid, (f, info) in recs.items():
+        assert info["env_error"] == "" and info["turns"] == 3 and f.version == 0
+        assert f.prompt == host.task.prompt(tid)  # the first call's prompt: the task's messages, as the toy renders
+        spans = info["env_spans"]  # each later call added the tool's reply (masked), nothing else
+        assert len(spans) == 2 and all(f.response[a:b] == [4, 6, 8, 10] for a, b in spans)
+        assert len(f.logprobs) == len(f.response) and all(lp <= 0 for lp in f.logprobs)
+        # the task scored the last answer (the agent returned None)
+        last = f.response[spans[-1][1]:]
+        assert info["env_rewards"] == [pytest.approx(host.task.score_text(tid, host.task.decode_turn(last)))]
+        assert info["env_s"] > 0
+
+
+def test_the_async_client_and_text_completions_return_their_own_rewards(host):
+    for agent, reward, turns in (("async_chat_loop", 0.5, 2), ("completion_loop", 1.0, 2)):
+        recs = host.play(agent, n=2)
+        assert [(i["env_error"], i["env_rewards"], i["turns"]) for _, i in recs.values()] == [("", [reward], turns)] * 2
+
+
+@pytest.mark.parametrize("agent,error", [
+    ("raises", "agent: RuntimeError: the agent's own bug"),
+    ("hangs", "agent: it ran past env.timeout_s of its own time (between an answer and its next call or its "
+              "return): after 4s"),
+    ("too_many_calls", "agent: more than env.max_turns (4) calls"),
+    ("rewrites_history", "messages[0]: it differs from the episode's conversation"),
+])
+def test_a_faulty_agent_costs_its_episode_with_the_cause(host, agent, error):
+    recs = host.play(agent, n=2)
+    assert len(recs) == 2
+    for f, info in recs.values():
+        assert error in info["env_error"] and f.finish_reason == "env_error", info["env_error"]  # so reward 0
+
+
+def test_the_endpoint_refuses_what_it_cannot_serve_and_strangers(host):
+    """Keys, malformed and unsupported requests are answered at the endpoint, before any episode sees them."""
+    url = host.episodes.gateway.base_url + "/chat/completions"
+    ok = {"model": "m", "messages": [{"role": "user", "content": "1 2"}]}
+    assert httpx.post(url, json=ok).status_code == 401  # no key
+    assert httpx.post(url, json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
+    recs = host.play("calls_after_its_end", n=1)  # its late call is refused; the episode ended with its reward
+    (f, info), = recs.values()
+    assert info["env_error"] == "" and info["env_rewards"] == [1.0]
+    ended = next(iter(host.episodes.gateway.ended))
+    r = httpx.post(url, json=ok, headers={"Authorization": f"Bearer {ended}"})
+    assert r.status_code == 403 and "ended" in r.json()["error"]["message"]
+    key = "k-test"  # a live key, by hand: malformed requests never reach the episode
+    host.episodes.gateway.keys[key] = 10**9
+    auth = {"Authorization": f"Bearer {key}"}
+    for body, field in (({**ok, "stream": True}, "stream"), ({**ok, "n": 2}, "n"), ({"model": "m"}, "messages"),
+                        ({**ok, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+                        ({**ok, "max_tokens": 0}, "max_tokens")):
+        r = httpx.post(url, json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert host.episodes.gateway.calls.empty()
+    del host.episodes.gateway.keys[key]
+    models = httpx.get(host.episodes.gateway.base_url + "/models").json()
+    assert models["data"][0]["id"] == host.cfg.model.path
+
+
+def test_the_first_call_must_come_from_the_agent_and_the_engine_sees_nothing_before_it(host):
+    """Between its dispatch and its first call an episode is nothing on the engine (it may migrate freely)."""
+    host.episodes.env_cfg = host.cfg.env.model_copy(update={"args": {"agent": "client_agents:hangs"}})
+    info = {"n_migrations": 0}
+    host.info[77] = info
+    host.episodes.begin(77, host.task.prompt(0), SamplingParams(max_tokens=4), 0, info, 0)
+    assert info["unstarted"] and not host.engine.has_request(77) and info["pending"] == 0
+    host.episodes._end_home(77, 0.0, "agent: cancelled by the test")
+    assert 77 not in host.info and host.done[77][2] == "agent: cancelled by the test"
