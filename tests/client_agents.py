@@ -3,21 +3,24 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
 from openai import AsyncOpenAI, OpenAI
 
 
-def chat_loop(base_url, api_key, model, prompt, metadata, turns=3, reply="4 6 8 10", latency_s=0.0):
-    """A plain chat loop: the model answers, a 'tool' replies, ``turns`` times; the task scores the last answer."""
+def chat_loop(base_url, api_key, model, prompt, metadata, turns=3, reply="4 6 8 10", latency_s=0.0,
+              latency_sigma=0.0):
+    """A plain chat loop: the model answers, a 'tool' replies (after a lognormal wait around ``latency_s``),
+    ``turns`` times; the task scores the last answer."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = list(prompt)
     for t in range(turns):
         out = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
         messages.append({"role": "assistant", "content": out.choices[0].message.content})
         if t + 1 < turns:
-            time.sleep(latency_s)
+            time.sleep(min(2.0, latency_s * random.lognormvariate(0.0, latency_sigma)))
             messages.append({"role": "user", "content": reply})
     return None
 

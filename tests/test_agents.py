@@ -126,3 +126,39 @@ def test_the_first_call_must_come_from_the_agent_and_the_engine_sees_nothing_bef
     assert info["unstarted"] and not host.engine.has_request(77) and info["pending"] == 0
     host.episodes._end_home(77, 0.0, "agent: cancelled by the test")
     assert 77 not in host.info and host.done[77][2] == "agent: cancelled by the test"
+
+
+@pytest.mark.slow
+def test_agents_train_under_dora_with_every_call_on_the_episodes_version_while_waiting_ones_migrate(tmp_path):
+    """mpiexec, K=3, 3 rollout instances: agents whose tool waits (lognormal) hold their episodes between calls
+    while the planner moves instances between versions, so some episodes migrate while their agent works; its
+    next call is served where the episode went, under its version, from its KV (nothing re-prefilled)."""
+    import subprocess
+    import sys
+
+    from dora_hpc.analysis.basic import analyze
+    from dora_hpc.store.shards import read_table
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir)] + [
+        a for s in ("train.max_steps=8", "batch.tbs=4", "batch.rbs=6", "dora.k=3", "env.name=openai_agent",
+                    "env.args={agent: 'client_agents:chat_loop', turns: 4, latency_s: 0.3, latency_sigma: 1.0}",
+                    "env.workers=8", "env.max_turns=4") for a in ("--set", s)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    a = analyze(run_dir)
+    inv = a["invariants"]
+    assert (inv["lost_groups"], inv["duplicate_groups"], inv["split_groups"], inv["staleness_over_k"],
+            inv["mixed_version_trajectories"]) == (0,) * 5, inv
+    assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4 and a["env_errors"] == 0
+    assert a["turns"] == {"mean": 4.0, "max": 4} and a["multi_version_episodes"] == 0
+    assert a["logprob_gap"]["max"] < 1e-4  # the trainer's logprobs of the recorded ids are the engine's
+    assert a["max_live_versions"] >= 2, a["max_live_versions"]
+    ops = read_table(run_dir, "events", "ops")
+    waiting = [d for k, d in zip(ops["kind"], ops["detail"], strict=True) if k == "migration_in" and "waiting_env" in d]
+    assert waiting and all("reprefill=False" in d for d in waiting), a["migrations"]
+    t = read_table(run_dir, "traj", "trajectories", ["env_spans", "response", "n_migrations"])
+    for spans, resp in zip(t["env_spans"], t["response"], strict=True):  # the tool's reply, as recorded, 3 times
+        pairs = list(zip(spans[::2], spans[1::2], strict=True))
+        assert len(pairs) == 3 and all(list(resp[s:e]) == [4, 6, 8, 10] for s, e in pairs)
