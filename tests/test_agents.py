@@ -4,6 +4,7 @@ tiny model on the built-in engine, the real environment workers, real HTTP. A ru
 migrations of waiting episodes, is in test_episodes.py."""
 
 import os
+import sys
 from pathlib import Path
 
 import httpx
@@ -32,17 +33,27 @@ class Host(_EvalEpisodes):
         super().finish(f, kv_frac)
         self.records[f.req_id] = (f, info)
 
-    def play(self, agent: str, n: int = 3, **args) -> dict[int, tuple]:
+    def play(self, agent: str, n: int = 3, module: str = "client_agents", **args) -> dict[int, tuple]:
         """``n`` episodes of ``agent`` (client_agents.py), one group each; {traj id: (Finished, info)}."""
-        self.episodes.env_cfg = self.cfg.env.model_copy(update={"args": {"agent": f"client_agents:{agent}", **args}})
+        self.episodes.env_cfg = self.cfg.env.model_copy(update={"args": {"agent": f"{module}:{agent}", **args}})
         self.records.clear()
         self.generate([(g, self.task.prompt(g)) for g in range(n)], 1.0, 1.0, 1, 0, lambda: None)
         return dict(self.records)
 
 
+def docs_agent() -> str:
+    """The agent docs/environments.md shows, as it is written there."""
+    text = (REPO / "docs/environments.md").read_text()
+    section = text[text.index("## Agents written against the OpenAI API"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n\n```bash")]
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    os.environ["PYTHONPATH"] = str(REPO / "tests")  # the environment workers import client_agents
+    mine = tmp_path_factory.mktemp("agents")
+    (mine / "my_agents.py").write_text(docs_agent())
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(mine)])  # the workers import agents
+    sys.path.insert(0, str(mine))  # and so does this process (the host checks the agent imports)
     model = build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
     cfg = load_config(str(REPO / "configs/tiny-cpu.yaml"), [
         "env.name=openai_agent", "env.args={agent: 'client_agents:chat_loop'}", "env.workers=4",
@@ -68,6 +79,11 @@ def test_a_chat_loop_is_one_episode_of_recorded_tokens_with_the_tool_replies_mas
         last = f.response[spans[-1][1]:]
         assert info["env_rewards"] == [pytest.approx(host.task.score_text(tid, host.task.decode_turn(last)))]
         assert info["env_s"] > 0
+
+
+def test_the_agent_in_the_docs_runs_as_written(host):
+    recs = host.play("solve", n=2, module="my_agents")
+    assert [(i["env_error"], i["turns"], i["env_rewards"]) for _, i in recs.values()] == [("", 3, [0.0])] * 2
 
 
 def test_the_async_client_and_text_completions_return_their_own_rewards(host):
@@ -134,7 +150,6 @@ def test_agents_train_under_dora_with_every_call_on_the_episodes_version_while_w
     while the planner moves instances between versions, so some episodes migrate while their agent works; its
     next call is served where the episode went, under its version, from its KV (nothing re-prefilled)."""
     import subprocess
-    import sys
 
     from dora_hpc.analysis.basic import analyze
     from dora_hpc.store.shards import read_table
