@@ -99,3 +99,18 @@ def uses_tools(base_url, api_key, model, prompt, metadata):
         messages.append(out.choices[0].message)
         messages.append({"role": "tool", "tool_call_id": "call-0", "content": "3 5 7"})
     return 1.0
+
+
+def langchain_loop(base_url, api_key, model, prompt, metadata, turns=2):
+    """LangChain's ChatOpenAI, its own message types, fed back as a LangChain agent loop does."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, max_tokens=6, max_retries=0)
+    kinds = {"system": SystemMessage, "user": HumanMessage}
+    messages = [kinds[m["role"]](content=m["content"]) for m in prompt]
+    for _ in range(turns):
+        answer = llm.invoke(messages)
+        assert isinstance(answer, AIMessage)
+        messages += [answer, HumanMessage(content="8 8")]
+    return 0.25

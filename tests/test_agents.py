@@ -143,8 +143,8 @@ def test_smollm2_renders_tools_and_extends_a_tool_conversation_token_for_token()
     assert "<tool_response>\n5\n</tool_response>" in task.tok.decode(extended)
 
 
-def test_the_async_client_and_text_completions_return_their_own_rewards(host):
-    for agent, reward, turns in (("async_chat_loop", 0.5, 2), ("completion_loop", 1.0, 2)):
+def test_the_async_client_text_completions_and_langchain_return_their_own_rewards(host):
+    for agent, reward, turns in (("async_chat_loop", 0.5, 2), ("completion_loop", 1.0, 2), ("langchain_loop", 0.25, 2)):
         recs = host.play(agent, n=2)
         assert [(i["env_error"], i["env_rewards"], i["turns"]) for _, i in recs.values()] == [("", [reward], turns)] * 2
 
