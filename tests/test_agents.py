@@ -86,6 +86,15 @@ def test_the_agent_in_the_docs_runs_as_written(host):
     assert [(i["env_error"], i["turns"], i["env_rewards"]) for _, i in recs.values()] == [("", 3, [0.0])] * 2
 
 
+def test_the_shipped_retry_agent_scores_with_the_tasks_scorer_like_the_retry_environment(host):
+    recs = host.play("retry", n=3, module="dora_hpc.envs.agents", attempts=2, feedback="5 7")  # the toy reads numbers
+    for tid, (f, info) in recs.items():
+        last = host.task.decode_turn(f.response[info["env_spans"][-1][1]:] if info["env_spans"] else f.response)
+        score = host.task.score_text(tid, last)
+        assert info["env_error"] == "" and info["turns"] == (1 if score >= 1 else 2)
+        assert info["env_rewards"] == [pytest.approx(score * (2 - info["turns"] + 1) / 2)]
+
+
 def test_tools_in_the_request_and_tool_results_in_the_conversation(host):
     recs = host.play("uses_tools", n=2)
     for f, info in recs.values():

@@ -5,8 +5,9 @@ run. It is called once per episode with keyword arguments
 
 * ``base_url``, ``api_key``, ``model``: an OpenAI-compatible endpoint (runtime/gateway.py) that serves this
   episode only, with the policy version the episode was tagged with;
-* ``prompt``: the task's chat messages for the episode's group; ``metadata``: ``{"group_id", "answer"}``
-  (the task's answer, None for a task without one);
+* ``prompt``: the task's chat messages for the episode's group; ``metadata``: ``{"group_id", "answer",
+  "score"}`` (the task's answer, None for a task without one; ``score(text) -> float``, the task's own scorer
+  of a final answer, as environments get it);
 
 talks to the model only through that URL, and returns its reward (a float), or None: the task's scorer then
 scores the text of the model's last reply.

@@ -96,7 +96,7 @@ class AgentEpisodes:
                            self.env_cfg.args)
             run.init(self.rank.task.messages(group_id))
             run.bind(self.gateway.base_url, key, self.gateway.model,
-                     {"group_id": group_id, "answer": self.rank.task.ground_truth(group_id)})
+                     {"group_id": group_id, "answer": self.rank.task.ground_truth(group_id), "score": Scorer(group_id)})
         except Exception as e:  # noqa: BLE001 - the user's agent module may raise anything on import
             info["env_error"] = f"agent: {type(e).__name__}: {e}"
             self.end(traj_id, info)

@@ -1,0 +1,26 @@
+"""Agents written against the OpenAI client that ship with dora_hpc (``env.name: openai_agent``,
+``env.args.agent: "dora_hpc.envs.agents:<name>"``): the built-in environments' logic, as a user would write it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai import OpenAI
+
+
+def retry(base_url: str, api_key: str, model: str, prompt: list[dict], metadata: dict[str, Any], attempts: int = 3,
+          feedback: str = "That is not right. Try again.", max_tokens: int | None = None) -> float:
+    """The ``retry`` environment's logic: answer; a wrong answer gets ``feedback`` and another attempt, up to
+    ``attempts``; attempt t of T earns (T - t + 1) / T of the task's score of the answer that ended it."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    score = metadata["score"]  # the task's own scorer of a final answer
+    messages = list(prompt)
+    for t in range(1, attempts + 1):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)
+        text = reply.choices[0].message.content or ""
+        s = score(text)
+        if s >= 1.0 or t == attempts:
+            return s * (attempts - t + 1) / attempts
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
+    return 0.0
