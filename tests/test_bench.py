@@ -41,6 +41,20 @@ def test_bench_modes_runs_real_runs_and_summarises_them(tmp_path):
     assert again.returncode == 1 and "earlier benchmark" in again.stderr  # never mixes two benchmarks' runs
 
 
+@pytest.mark.slow
+def test_bench_agent_gateway_times_the_same_episodes_through_the_endpoint_and_an_environment(tmp_path):
+    out = tmp_path / "gw"
+    p = bench("agent-gateway", "--episodes", "2", "--turns", "3", "--repeats", "1", "--out", str(out))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    for case in ("env", "agent"):
+        run, = s["runs"][case]
+        assert run["episodes"] == 2 and run["turns"] == 6 and run["errors"] == []
+        assert run["gap_ms"]["n"] == 4 and run["turns_per_s"] > 0  # two gaps an episode: between its 3 turns
+    assert s["runs"]["agent"][0]["first_ms"]["n"] == 2 and (out / "agent-gateway.png").exists()
+    assert bench("agent-gateway", "--turns", "1", "--out", str(tmp_path / "x")).returncode == 2
+
+
 def test_bench_rejects_a_bad_mode_or_missing_config_before_running_anything(tmp_path):
     p = bench("modes", "configs/tiny-cpu.yaml", "--out", str(tmp_path / "x"), "--modes", "sync,dora-k9")
     assert p.returncode == 2 and "dora-k9" in p.stderr and not (tmp_path / "x").exists()

@@ -98,10 +98,23 @@ def bench_convergence_cmd(args: argparse.Namespace, console: Console) -> None:
                          f"{s['heldout']['sync_seed_spread']:.3f}" if case != s["baseline"] else ""))
 
 
+def bench_agent_gateway_cmd(args: argparse.Namespace, console: Console) -> None:
+    from .agent_bench import bench_agent_gateway
+
+    if args.episodes < 1 or args.turns < 2 or args.repeats < 1:
+        raise ConfigError("--episodes and --repeats must be >= 1 and --turns >= 2")
+    s = bench_agent_gateway(Path(args.out), args.episodes, args.turns, args.repeats, console=console)
+    for case, m in s["medians"].items():
+        console.print(f"{case}: {m['turns_per_s']:.1f} turns/s; turn end -> next turn p50 {m['gap_ms_p50']:.1f} ms, "
+                      f"p99 {m['gap_ms_p99']:.1f} ms; first turn p50 {m['first_ms_p50']:.1f} ms")
+    console.print(f"the endpoint adds {s['added_gap_ms_p50']:.1f} ms (p50), {s['added_gap_ms_p99']:.1f} ms (p99) "
+                  f"a call; turns/s {s['turns_per_s_ratio']:.2f}x; wrote {args.out}/summary.json")
+
+
 # what -> (its function, whether it runs a config: those write runs under OUT/runs)
 BENCHES = {"engine": (bench_engine_cmd, False), "analysis": (bench_analysis_cmd, False),
            "modes": (bench_modes_cmd, True), "ablation": (bench_ablation_cmd, True),
-           "convergence": (bench_convergence_cmd, True)}
+           "convergence": (bench_convergence_cmd, True), "agent-gateway": (bench_agent_gateway_cmd, False)}
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -145,7 +158,8 @@ def add_parser(sub) -> None:
     b.add_argument("what", choices=list(BENCHES),
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
                         "modes: the five modes on the real runtime; ablation: one mechanism on vs off (--ablation); "
-                        "convergence: mean reward per step of sync and dora (--cases), held-out eval (--eval)")
+                        "convergence: mean reward per step of sync and dora (--cases), held-out eval (--eval); "
+                        "agent-gateway: an agent's calls through the endpoint against an environment's steps")
     b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes/ablation/convergence: override a config key in every run (repeatable)")
@@ -168,4 +182,6 @@ def add_parser(sub) -> None:
                    help="modes/ablation: fail a run (naming its log) that is still running after S seconds")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per case (median reported)")
     b.add_argument("--tiny-only", action="store_true", help="skip SmolLM2-135M")
+    b.add_argument("--episodes", type=int, default=8, help="agent-gateway: episodes at once (one instance)")
+    b.add_argument("--turns", type=int, default=8, help="agent-gateway: turns (calls) per episode")
     b.set_defaults(func=cmd_bench)

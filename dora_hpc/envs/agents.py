@@ -24,3 +24,17 @@ def retry(base_url: str, api_key: str, model: str, prompt: list[dict], metadata:
             return s * (attempts - t + 1) / attempts
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
     return 0.0
+
+
+def fixed_replies(base_url: str, api_key: str, model: str, prompt: list[dict], metadata: dict[str, Any],
+                  turns: int = 4, reply: str = "4 6 8 10") -> None:
+    """The smallest chat loop: every answer gets ``reply`` (as a user message), ``turns`` calls in all; the task
+    scores the last answer. ``dora-hpc bench agent-gateway`` runs it against toy_turns on the same episodes."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(prompt)
+    for t in range(turns):
+        answer = client.chat.completions.create(model=model, messages=messages)
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        if t + 1 < turns:
+            messages.append({"role": "user", "content": reply})
+    return None
