@@ -243,3 +243,39 @@ def test_agents_train_under_dora_with_every_call_on_the_episodes_version_while_w
     for spans, resp in zip(t["env_spans"], t["response"], strict=True):  # the tool's reply, as recorded, 3 times
         pairs = list(zip(spans[::2], spans[1::2], strict=True))
         assert len(pairs) == 3 and all(list(resp[s:e]) == [4, 6, 8, 10] for s, e in pairs)
+
+
+@pytest.mark.slow
+def test_a_killed_agent_run_resumes_losing_and_duplicating_nothing(tmp_path):
+    """SIGKILL to the launcher mid-run (every rank dies with it; agents lose their endpoint), then --resume:
+    the episodes in flight run again from their start, under new keys; nothing lost, nothing trained twice."""
+    import signal
+    import subprocess
+    import time
+
+    from test_resume import assert_whole, checkpoints, resume, wait_for
+
+    from dora_hpc.launch.local import DeathWatch
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    sets = ["train.max_steps=6", "batch.tbs=4", "batch.rbs=6", "train.checkpoint_every=2", "env.name=openai_agent",
+            "env.args={agent: 'client_agents:chat_loop', turns: 3, latency_s: 0.05}", "env.workers=8"]
+    proc = subprocess.Popen([sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir",
+                             str(run_dir), *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(checkpoints(run_dir)) >= 1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    ranks = [int(p.read_text()) for p in (run_dir / "pids").glob("rank-?") if p.is_file()]
+    wait_for(lambda: not any(DeathWatch._alive(pid) for pid in ranks), timeout=30)
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # resume() runs with this process's environment
+    p = resume(run_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = assert_whole(run_dir, steps=6, k=2)
+    assert a["preemption"]["attempts"] == 2 and a["env_errors"] == 0 and a["turns"] == {"mean": 3.0, "max": 3}
+    time.sleep(1)  # an agent worker of the killed attempt outlives its rank only until its next call fails
+    left = subprocess.run(["pgrep", "-f", "dora_hpc.envs.worker"], capture_output=True, text=True).stdout.split()
+    assert not left, left
