@@ -260,7 +260,8 @@ def test_a_killed_agent_run_resumes_losing_and_duplicating_nothing(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     sets = ["train.max_steps=6", "batch.tbs=4", "batch.rbs=6", "train.checkpoint_every=2", "env.name=openai_agent",
-            "env.args={agent: 'client_agents:chat_loop', turns: 3, latency_s: 0.05}", "env.workers=8"]
+            "env.args={agent: 'client_agents:chat_loop', turns: 3, latency_s: 0.05}", "env.workers=4",
+            "cluster.max_num_seqs=4"]
     proc = subprocess.Popen([sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir",
                              str(run_dir), *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
