@@ -24,6 +24,8 @@ Invariants:
   last answer when the agent returned None; reward 0 and the error when the agent raised, timed out (more
   than ``env.timeout_s`` of its own time between answers), or made too many calls. Its key is then refused
   (403);
+* a lost rank costs its episodes only: one held here whose home was fenced ends with that cause (its agent
+  died with it); one homed here whose holder was fenced is forgotten (rank 0 starts it again elsewhere);
 * the episode's ``env_s`` is the agent's own time (dispatch to its first call, each answer to the next call,
   the last answer to its return), the share of the episode its environment took.
 """
@@ -83,6 +85,7 @@ class AgentEpisodes:
         self.homes: dict[int, Home] = {}
         self.jobs: dict[int, int] = {}  # pool job -> traj id
         self.told = (0, 0.0)
+        self.fenced_seen: set[int] = set()
 
     # -- the holder's side: the rank's engine and the request's info ------------------------------------------
     def begin(self, traj_id: int, prompt: list[int], params, version: int, info: dict, group_id: int) -> None:
@@ -101,6 +104,8 @@ class AgentEpisodes:
             info["env_error"] = f"agent: {type(e).__name__}: {e}"
             self.end(traj_id, info)
             return
+        if traj_id in self.homes:  # dispatched again (its holder was lost) before this rank heard of the loss
+            self._forget(traj_id)
         job = self.pool.submit(run, "")
         self.jobs[job] = traj_id
         self.homes[traj_id] = Home(key, job, group_id, holder=self.me, since=time.monotonic())
@@ -164,7 +169,8 @@ class AgentEpisodes:
             info["env_error"] = "agent: returned without calling the model"
         kv_frac = engine.stats()["kv_used_fraction"]
         self.rank.finish(replace(f, finish_reason="env_error" if info["env_error"] else f.finish_reason), kv_frac)
-        self.send(AgentEnded(tid), info["home"])
+        if info["home"] not in self.fenced_seen:
+            self.send(AgentEnded(tid), info["home"])
 
     def left(self, info: dict) -> None:
         """The episode left this rank (migrated): nothing runs here for it (its agent stays at home)."""
@@ -177,7 +183,7 @@ class AgentEpisodes:
     def on_http(self, call: Call) -> None:
         tid = self.gateway.keys.get(call.key)
         h = self.homes.get(tid) if tid is not None else None
-        if h is None or h.ended:
+        if h is None or h.ended or h.key != call.key:  # (a trajectory dispatched again has a new key)
             return call.answer(403, error("this episode has ended; its key is no longer valid", "permission_error",
                                           "episode_ended"))
         if h.http is not None:
@@ -296,16 +302,45 @@ class AgentEpisodes:
             self.jobs.pop(h.job)
             self.pool.cancel(h.job)
         agent_s = time.monotonic() - h.since if h.call is None else 0.0
-        self.send(AgentEnd(tid, reward, err, agent_s), h.holder)
+        if h.holder not in self.fenced_seen:
+            self.send(AgentEnd(tid, reward, err, agent_s), h.holder)
+
+    def lost(self) -> None:
+        """Ranks rank 0 fenced (``comm.fenced``): an episode held here whose home was lost ends (its agent died
+        with its home: reward 0, the cause recorded); an episode homed here whose holder was lost ends here,
+        unsent (rank 0 starts that trajectory again elsewhere, under a new key)."""
+        fenced = set(getattr(getattr(self.rank, "comm", None), "fenced", ()))
+        if not fenced - self.fenced_seen:
+            return
+        self.fenced_seen |= fenced
+        for tid, info in list(self.rank.info.items()):
+            if info.get("agent") and info["home"] in fenced:
+                info["env_error"] = f"agent: its home rank {info['home']} was lost"
+                self.end(tid, info)
+        for tid, h in list(self.homes.items()):
+            if h.holder in fenced:
+                self._forget(tid)
+
+    def _forget(self, tid: int) -> None:
+        """The home drops an episode that is no longer its to end: its key is refused, its agent's result
+        ignored."""
+        h = self.homes.pop(tid)
+        self.gateway.keys.pop(h.key, None)
+        self.gateway.ended.add(h.key)
+        if h.http is not None:
+            h.http.answer(403, error("this episode has ended", "permission_error", "episode_ended"))
+        if self.jobs.pop(h.job, None) is not None:
+            self.pool.cancel(h.job)
 
     def poll(self) -> None:
-        """Between engine steps: the agents that returned or failed, then the calls that came in."""
+        """Between engine steps: lost ranks, the agents that returned or failed, then the calls that came in."""
+        self.lost()
         self.tell()
         for r in self.pool.poll():
             tid = self.jobs.pop(r.job, None)
-            if tid is None or tid not in self.homes:
+            h = self.homes.get(tid) if tid is not None else None
+            if h is None or h.job != r.job:
                 continue
-            h = self.homes[tid]
             if r.error:
                 self._end_home(tid, 0.0, "agent: " + r.error.replace(
                     "environment step timed out", "it ran past env.timeout_s of its own time (between an answer "
