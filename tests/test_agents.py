@@ -164,12 +164,14 @@ def test_the_async_client_text_completions_and_langchain_return_their_own_reward
               "return): after 4s"),
     ("too_many_calls", "agent: more than env.max_turns (4) calls"),
     ("rewrites_history", "messages[0]: it differs from the episode's conversation"),
+    ("returns_at_once", "agent: returned without calling the model"),
 ])
 def test_a_faulty_agent_costs_its_episode_with_the_cause(host, agent, error):
     recs = host.play(agent, n=2)
     assert len(recs) == 2
     for f, info in recs.values():
         assert error in info["env_error"] and f.finish_reason == "env_error", info["env_error"]  # so reward 0
+        assert f.response and len(f.logprobs) == len(f.response)  # a real sample the trainer can take
 
 
 def test_the_endpoint_refuses_what_it_cannot_serve_and_strangers(host):
@@ -207,7 +209,12 @@ def test_the_first_call_must_come_from_the_agent_and_the_engine_sees_nothing_bef
     host.episodes.begin(77, host.task.prompt(0), SamplingParams(max_tokens=4), 0, info, 0)
     assert info["unstarted"] and not host.engine.has_request(77) and info["pending"] == 0
     host.episodes._end_home(77, 0.0, "agent: cancelled by the test")
-    assert 77 not in host.info and host.done[77][2] == "agent: cancelled by the test"
+    assert host.engine.has_request(77)  # ended before any answer: a turn from the task's prompt stands in
+    while 77 in host.info:
+        for f in host.engine.step():
+            host.episodes.turn_ended(f, host.info[f.req_id])
+    reward, turns, err, length = host.done.pop(77)
+    assert (reward, turns, err) == (0.0, 1, "agent: cancelled by the test") and length > 0
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ Invariants:
 * an episode ends exactly once, at its holder, on AgentEnd: the agent's reward, or the task's score of the
   last answer when the agent returned None; reward 0 and the error when the agent raised, timed out (more
   than ``env.timeout_s`` of its own time between answers), or made too many calls. Its key is then refused
-  (403);
+  (403). An agent that ended before any answer gets one turn from the task's prompt as its sample (reward 0,
+  the cause recorded), so that every trajectory has model tokens to train on;
 * a lost rank costs its episodes only: one held here whose home was fenced ends with that cause (its agent
   died with it); one homed here whose holder was fenced is forgotten (rank 0 starts it again elsewhere);
 * the episode's ``env_s`` is the agent's own time (dispatch to its first call, each answer to the next call,
@@ -38,7 +39,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..data.tool_calls import parse
-from ..engine.engine import Finished
 from ..envs import Scorer, bind_task, make_env
 from ..envs.pool import EnvPool
 from .gateway import BadRequest, Call, Gateway, error
@@ -111,9 +111,11 @@ class AgentEpisodes:
         self.homes[traj_id] = Home(key, job, group_id, holder=self.me, since=time.monotonic())
         self.gateway.keys[key] = traj_id
 
-    def turn_ended(self, f: Finished, info: dict) -> None:
+    def turn_ended(self, f, info: dict) -> None:
         """The engine answered a call: the answer goes home; the request waits (KV held) for the next call."""
         info["last"], info["turns"] = f, info["turns"] + 1
+        if info.get("closing"):  # the stand-in turn of an episode whose agent never got an answer
+            return self.end(f.req_id, info)
         start = info["turn_start"]
         info["pending"] = info["turns"]
         self.send(AgentTurn(f.req_id, info["turns"] - 1, f.response[start:], f.logprobs[start:], f.finish_reason,
@@ -162,12 +164,18 @@ class AgentEpisodes:
 
     def end(self, tid: int, info: dict) -> None:
         engine = self.rank.engine
+        if info["last"] is None:  # no answer yet: a turn from the task's prompt stands in for the episode (a real
+            info["env_error"] = info["env_error"] or "agent: returned without calling the model"  # sample of
+            if not info.get("closing"):  # its version; reward 0 with the cause), so its group stays trainable
+                info["closing"], info["unstarted"], info["pending"] = True, False, None
+                if engine.has_request(tid):
+                    engine.abort(tid)
+                engine.add(tid, info["task_prompt"], info["params"], info["version"])
+            return
         if engine.has_request(tid):
             engine.abort(tid)  # frees the KV it kept between calls
-        f = info["last"] or Finished(tid, info["version"], info["task_prompt"], [], [], "agent")
-        if info["last"] is None and not info["env_error"]:
-            info["env_error"] = "agent: returned without calling the model"
         kv_frac = engine.stats()["kv_used_fraction"]
+        f = info["last"]
         self.rank.finish(replace(f, finish_reason="env_error" if info["env_error"] else f.finish_reason), kv_frac)
         if info["home"] not in self.fenced_seen:
             self.send(AgentEnded(tid), info["home"])

@@ -301,7 +301,9 @@ class RolloutRank(OpLog, Migrations):
         self.checked = (msg.version, got)
         if msg.keep_requests:  # partial rollout: live requests continue under the new version, re-prefilled
             for tid, info in self.info.items():
-                n_prompt, n_out = self.engine.progress(tid)
+                if info.get("unstarted"):  # an agent episode before its first call: it starts under this version
+                    info["version"] = msg.version
+                n_prompt, n_out = self.engine.progress(tid) if self.engine.has_request(tid) else (0, 0)
                 info["segments"].append(msg.version)  # the first segment stays the group's tag
                 info["segment_turns"].append(info.get("turns", 0))  # an episode's turn it switched in
                 if n_out:  # tokens exist whose KV must be rebuilt under the new weights
