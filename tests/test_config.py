@@ -44,6 +44,20 @@ def test_bad_values_name_the_key(override, key):
     assert key in str(e.value)
 
 
+@pytest.mark.parametrize("sets, says", [
+    (["env.listen=nowhere"], "env.listen"),
+    (["env.name=openai_agent"], "env.args.agent"),                                  # no agent named
+    (["env.name=openai_agent", "env.args={agent: 'no_such_module:f'}"], "env.args.agent: cannot import"),
+    (["env.name=openai_agent", "env.args={agent: 'dora_hpc.envs.agents:retry'}"], "env.workers"),  # < slots
+    (["env.name=openai_agent", "env.args={agent: 'dora_hpc.envs.agents:retry'}", "env.workers=8",
+      "cluster.elastic=true"], "cluster.elastic"),
+])
+def test_agent_settings_are_checked_when_the_config_loads(sets, says):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-cpu.yaml", sets)
+    assert says in str(e.value)
+
+
 def test_float32_publishing_needs_a_float32_engine():
     """An engine in bfloat16 cannot hold float32 weights, so their checksum could never hold after a load."""
     vllm_bf16 = ["engine.backend=vllm", "engine.dtype=bfloat16"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 
@@ -33,6 +33,18 @@ class EnvConfig(Section):
     @property
     def multi_turn(self) -> bool:
         return self.name != "none"
+
+    @field_validator("listen")
+    @classmethod
+    def _an_address(cls, v: str) -> str:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address (127.0.0.1: this host only; 0.0.0.0: every "
+                             "interface)") from None
+        return v
 
     @model_validator(mode="after")
     def _env_exists(self) -> EnvConfig:
