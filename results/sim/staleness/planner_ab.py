@@ -9,12 +9,8 @@ tail, steady state, DORA at the workload's K (3; long reasoning 4).
 import json
 import statistics
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
-from targets import LONG
-
-from dora_hpc.config import load_config
-from dora_hpc.sim.frontier import run_point
+from targets import LONG, run_all
 
 WORKLOADS = {"paper-64": ("configs/sim/paper-64.yaml", []), "paper-128": ("configs/sim/paper-128.yaml", []),
              "long-reasoning-64": ("configs/sim/paper-64.yaml", LONG),
@@ -28,11 +24,7 @@ WORKERS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 
 
 def main() -> None:
-    jobs = {(w, p, s): (load_config(path, sets), POINTS[p], s)
-            for w, (path, sets) in WORKLOADS.items() for p in POINTS for s in SEEDS}
-    with ProcessPoolExecutor(max_workers=WORKERS) as pool:
-        futures = {key: pool.submit(run_point, *args) for key, args in jobs.items()}
-        runs = {key: f.result() for key, f in futures.items()}
+    runs = run_all(WORKLOADS, POINTS, SEEDS, WORKERS)
     out = {}
     for w in WORKLOADS:
         r = {p: [runs[(w, p, s)] for s in SEEDS] for p in POINTS}

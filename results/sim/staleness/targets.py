@@ -26,12 +26,17 @@ SEEDS = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else 
 WORKERS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 
 
-def main() -> None:
-    jobs = {(w, p, s): (load_config(path, sets), POINTS[p], s)
-            for w, (path, sets) in WORKLOADS.items() for p in POINTS for s in SEEDS}
-    with ProcessPoolExecutor(max_workers=WORKERS) as pool:
+def run_all(workloads: dict, points: dict, seeds: tuple[int, ...], workers: int) -> dict:
+    """{(workload, point, seed): run_point's figures} for every combination, ``workers`` simulators at once."""
+    jobs = {(w, p, s): (load_config(path, sets), points[p], s)
+            for w, (path, sets) in workloads.items() for p in points for s in seeds}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = {key: pool.submit(run_point, *args) for key, args in jobs.items()}
-        runs = {key: f.result() for key, f in futures.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def main() -> None:
+    runs = run_all(WORKLOADS, POINTS, SEEDS, WORKERS)
     out = {}
     for w in WORKLOADS:
         r = {p: [runs[(w, p, s)] for s in SEEDS] for p in POINTS}
