@@ -167,7 +167,7 @@ class _EvalEpisodes:
             for s in range(samples):
                 req = seed_base + i * samples + s
                 budget = max(1, min(self.task.max_tokens(req), self.cfg.env.max_episode_tokens - len(p)))
-                self.info[req] = {"n_migrations": 0}
+                self.info[req] = {}
                 self.episodes.begin(req, p, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=budget,
                                                            ignore_eos=self.task.ignore_eos), self.engine.version,
                                     self.info[req], g)

@@ -52,7 +52,7 @@ class TextTask:
         the system prompt in the Hermes format where the template does not render them: data/tool_calls.py)
         and the next assistant turn's header; without a template, the contents on lines of their own."""
         template = getattr(self.tok, "chat_template", None)
-        if template and native(template):
+        if native(template):
             return self._chat(messages, True, tools)
         messages = to_template(messages, tools, first=True)
         if template:

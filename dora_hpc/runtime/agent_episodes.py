@@ -39,10 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..data.tool_calls import parse
-from ..envs import Scorer, bind_task, make_env
-from ..envs.pool import EnvPool
-from .gateway import BadRequest, Call, Gateway, error
-from .messages import AgentCall, AgentEnd, AgentEnded, AgentHere, AgentTurn, EnvWaiting
+from ..envs import Scorer, make_env
+from .episodes import tell_waiting, worker_pool
+from .gateway import BadRequest, Call, Gateway, episode_ended, error
+from .messages import AgentCall, AgentEnd, AgentEnded, AgentHere, AgentTurn
 
 
 @dataclass
@@ -75,10 +75,7 @@ class AgentEpisodes:
 
     def __init__(self, rank, model_dir) -> None:
         self.rank, self.env_cfg = rank, rank.cfg.env
-        bind_task(rank.task)
-        self.pool = EnvPool(self.env_cfg.workers, self.env_cfg.timeout_s, {
-            "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
-            "network": True})  # the agent reaches the endpoint over the network
+        self.pool = worker_pool(rank, model_dir, network=True)  # the agent reaches the endpoint over the network
         self.gateway = Gateway(self.env_cfg.listen, model=rank.cfg.model.path)
         self.gateway.start()
         self.me = rank.comm.rank if hasattr(rank, "comm") else 0
@@ -192,8 +189,7 @@ class AgentEpisodes:
         tid = self.gateway.keys.get(call.key)
         h = self.homes.get(tid) if tid is not None else None
         if h is None or h.ended or h.key != call.key:  # (a trajectory dispatched again has a new key)
-            return call.answer(403, error("this episode has ended; its key is no longer valid", "permission_error",
-                                          "episode_ended"))
+            return call.answer(403, episode_ended())
         if h.http is not None:
             return call.answer(409, error("a call of this episode is in flight: one call at a time per episode"))
         if h.capped:
@@ -301,15 +297,8 @@ class AgentEpisodes:
         if h.ended:
             return
         h.ended = (reward, err)
-        self.gateway.keys.pop(h.key, None)
-        self.gateway.ended.add(h.key)
-        if h.http is not None:  # a call in flight as the agent ended (an async agent that did not wait for it)
-            h.http.answer(403, error("this episode has ended", "permission_error", "episode_ended"))
-            h.http = h.call = None
-        if h.job in self.jobs:  # it is still running (it made too many calls): its result no longer counts
-            self.jobs.pop(h.job)
-            self.pool.cancel(h.job)
         agent_s = time.monotonic() - h.since if h.call is None else 0.0
+        self._retire(h)
         if h.holder not in self.fenced_seen:
             self.send(AgentEnd(tid, reward, err, agent_s), h.holder)
 
@@ -330,13 +319,17 @@ class AgentEpisodes:
                 self._forget(tid)
 
     def _forget(self, tid: int) -> None:
-        """The home drops an episode that is no longer its to end: its key is refused, its agent's result
-        ignored."""
-        h = self.homes.pop(tid)
+        """The home drops an episode that is no longer its to end."""
+        self._retire(self.homes.pop(tid))
+
+    def _retire(self, h: Home) -> None:
+        """The episode's key is refused from now on; a call in flight (an async agent that did not wait for it)
+        is refused; an agent still running (it made too many calls) no longer counts."""
         self.gateway.keys.pop(h.key, None)
         self.gateway.ended.add(h.key)
         if h.http is not None:
-            h.http.answer(403, error("this episode has ended", "permission_error", "episode_ended"))
+            h.http.answer(403, episode_ended())
+            h.http = h.call = None
         if self.jobs.pop(h.job, None) is not None:
             self.pool.cancel(h.job)
 
@@ -383,12 +376,9 @@ class AgentEpisodes:
             self.rank.comm.send(msg, dst)
 
     def tell(self) -> None:
-        """Rank 0's dashboard: how many episodes held here wait on their agent (on change, at most 4/s)."""
-        now = time.monotonic()
-        waiting = sum(1 for i in self.rank.info.values() if i.get("agent") and i.get("pending") is not None)
-        if waiting != self.told[0] and now - self.told[1] > 0.25 and hasattr(self.rank, "comm"):
-            self.told = (waiting, now)
-            self.rank.comm.send(EnvWaiting(self.rank.instance, waiting), 0)
+        """Rank 0's dashboard: how many episodes held here wait on their agent."""
+        self.told = tell_waiting(self.rank, self.told, lambda: sum(
+            1 for i in self.rank.info.values() if i.get("agent") and i.get("pending") is not None))
 
     def close(self) -> None:
         for h in self.homes.values():

@@ -38,16 +38,35 @@ class Host(Protocol):
     def finish(self, f, kv_frac: float) -> None: ...
 
 
+def worker_pool(rank: Host, model_dir, network: bool) -> EnvPool:
+    """The rank's environment workers, each with the run's task bound (scorers score there as on the rank, and
+    on the rank itself too: an environment's init may score)."""
+    bind_task(rank.task)
+    return EnvPool(rank.cfg.env.workers, rank.cfg.env.timeout_s, {
+        "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
+        "network": network})
+
+
+def tell_waiting(rank: Host, told: tuple[int, float], waiting) -> tuple[int, float]:
+    """Rank 0's dashboard: ``waiting()`` episodes wait on their environment (or agent) here; sent on change, at
+    most 4 times a second, counted only when it may be sent. Returns what was last told, and when."""
+    now = time.monotonic()
+    if now - told[1] <= 0.25 or not hasattr(rank, "comm"):
+        return told
+    n = waiting()
+    if n == told[0]:
+        return told
+    rank.comm.send(EnvWaiting(rank.instance, n), 0)
+    return n, now
+
+
 class Episodes:
     """Driven by a rollout rank (or by ``dora-hpc eval``): ``rank`` has ``cfg``, ``task``, ``engine``, the
     requests' ``info`` and ``finish(finished, kv_frac)``."""
 
     def __init__(self, rank: Host, model_dir) -> None:
         self.rank, self.env_cfg = rank, rank.cfg.env
-        bind_task(rank.task)  # the rank's scorers (an env's init may score) use its own task
-        self.pool = EnvPool(self.env_cfg.workers, self.env_cfg.timeout_s, {
-            "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
-            "network": self.env_cfg.network})
+        self.pool = worker_pool(rank, model_dir, self.env_cfg.network)
         self.jobs: dict[int, int] = {}  # pool job -> traj id
         self.told = (0, 0.0)  # episodes waiting on their environment last told rank 0, and when
 
@@ -94,11 +113,8 @@ class Episodes:
             self.submit(traj_id, info, info["pending"])
 
     def tell(self) -> None:
-        """Rank 0's dashboard: how many episodes wait on their environment here (on change, at most 4/s)."""
-        now = time.monotonic()
-        if len(self.jobs) != self.told[0] and now - self.told[1] > 0.25 and hasattr(self.rank, "comm"):
-            self.told = (len(self.jobs), now)
-            self.rank.comm.send(EnvWaiting(self.rank.instance, len(self.jobs)), 0)
+        """Rank 0's dashboard: how many episodes wait on their environment here."""
+        self.told = tell_waiting(self.rank, self.told, lambda: len(self.jobs))
 
     def poll(self) -> None:
         """Apply the environment steps that finished: the next turn goes on the engine, or the episode ends."""

@@ -47,6 +47,11 @@ def error(message: str, kind: str = "invalid_request_error", code: str | None = 
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
+def episode_ended() -> dict[str, Any]:
+    """The 403 of a call with an ended episode's key."""
+    return error("this episode has ended; its key is no longer valid", "permission_error", "episode_ended")
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content as text: a string, None, or a list of text parts."""
     if content is None or isinstance(content, str):
@@ -169,8 +174,7 @@ class Gateway:
         auth = request.headers.get("authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if key in self.ended:
-            return JSONResponse(error("this episode has ended; its key is no longer valid",
-                                      "permission_error", "episode_ended"), status_code=403)
+            return JSONResponse(episode_ended(), status_code=403)
         if key not in self.keys:
             return JSONResponse(error("unknown API key: each episode has its own", "authentication_error",
                                       "invalid_api_key"), status_code=401)
