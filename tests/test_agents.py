@@ -280,3 +280,13 @@ def orphaned_workers() -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+@pytest.mark.parametrize("listen,url", [("127.0.0.1", "http://127.0.0.1:9/v1"), ("0.0.0.0", "http://127.0.0.1:9/v1"),
+                                        ("::", "http://[::1]:9/v1"), ("::1", "http://[::1]:9/v1")])
+def test_agents_call_the_endpoint_at_an_address_they_can_reach(listen, url):
+    from dora_hpc.runtime.gateway import Gateway
+
+    g = Gateway(listen)
+    g.port = 9
+    assert g.base_url == url

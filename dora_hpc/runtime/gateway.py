@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import queue
 import socket
@@ -126,7 +127,12 @@ class Gateway:
 
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        """What this host's agents call: the loopback address of the bound family when bound to every
+        interface (0.0.0.0, ::), an IPv6 literal in brackets."""
+        addr = ipaddress.ip_address(self.host)
+        if addr.is_unspecified:
+            addr = ipaddress.ip_address("::1" if addr.version == 6 else "127.0.0.1")
+        host = f"[{addr}]" if addr.version == 6 else str(addr)
         return f"http://{host}:{self.port}/v1"
 
     def start(self) -> None:
