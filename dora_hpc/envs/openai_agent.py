@@ -53,7 +53,7 @@ class AgentRun:
         if agent is None:
             raise EnvArgError("env.args.agent: openai_agent needs the agent, as 'module:function'")
         load_agent(agent)  # fails here, at config time, when it cannot be imported
-        self.agent, self.agent_kwargs, self.score = agent, agent_kwargs, score
+        self.agent, self.agent_kwargs = agent, agent_kwargs  # (score: the host passes metadata["score"])
         self.prompt: list[Message] = []
         self.endpoint: dict[str, Any] = {}
 

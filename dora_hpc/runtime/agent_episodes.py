@@ -40,7 +40,7 @@ from typing import Any
 
 from ..data.tool_calls import parse
 from ..envs import Scorer, make_env
-from .episodes import tell_waiting, worker_pool
+from .env_workers import tell_waiting, worker_pool
 from .gateway import BadRequest, Call, Gateway, episode_ended, error
 from .messages import AgentCall, AgentEnd, AgentEnded, AgentHere, AgentTurn
 

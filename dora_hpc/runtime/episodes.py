@@ -18,13 +18,11 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..envs import Scorer, bind_task, make_env
-from ..envs.pool import EnvPool
-from .messages import EnvWaiting
+from ..envs import Scorer, make_env
+from .env_workers import tell_waiting, worker_pool
 
 
 class Host(Protocol):
@@ -36,28 +34,6 @@ class Host(Protocol):
     info: dict[int, dict]
 
     def finish(self, f, kv_frac: float) -> None: ...
-
-
-def worker_pool(rank: Host, model_dir, network: bool) -> EnvPool:
-    """The rank's environment workers, each with the run's task bound (scorers score there as on the rank, and
-    on the rank itself too: an environment's init may score)."""
-    bind_task(rank.task)
-    return EnvPool(rank.cfg.env.workers, rank.cfg.env.timeout_s, {
-        "cfg_json": rank.cfg.model_dump_json(), "vocab_size": rank.task.vocab_size, "model_dir": str(model_dir),
-        "network": network})
-
-
-def tell_waiting(rank: Host, told: tuple[int, float], waiting) -> tuple[int, float]:
-    """Rank 0's dashboard: ``waiting()`` episodes wait on their environment (or agent) here; sent on change, at
-    most 4 times a second, counted only when it may be sent. Returns what was last told, and when."""
-    now = time.monotonic()
-    if now - told[1] <= 0.25 or not hasattr(rank, "comm"):
-        return told
-    n = waiting()
-    if n == told[0]:
-        return told
-    rank.comm.send(EnvWaiting(rank.instance, n), 0)
-    return n, now
 
 
 class Episodes:
