@@ -236,7 +236,7 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    sets = ["train.max_steps=8", "batch.tbs=4", "batch.rbs=6", "dora.k=3", "train.checkpoint_every=2",
+    sets = ["train.max_steps=6", "batch.tbs=4", "batch.rbs=6", "dora.k=3", "train.checkpoint_every=2",
             "env.name=openai_agent", "env.workers=8", "env.max_turns=4",
             "env.args={agent: 'client_agents:chat_loop', turns: 4, latency_s: 0.3, latency_sigma: 1.0}"]
     proc = subprocess.Popen([sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir",
@@ -252,7 +252,7 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # resume() runs with this process's environment
     p = resume(run_dir)
     assert p.returncode == 0, p.stderr[-3000:]
-    a = assert_whole(run_dir, steps=8, k=3)  # the invariants, every step, every group once
+    a = assert_whole(run_dir, steps=6, k=3)  # the invariants, every step, every group once
     assert a["preemption"]["attempts"] == 2 and a["env_errors"] == 0
     assert a["turns"] == {"mean": 4.0, "max": 4} and a["multi_version_episodes"] == 0
     assert a["logprob_gap"]["max"] < 1e-4  # the trainer's logprobs of the recorded ids are the engine's
