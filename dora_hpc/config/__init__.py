@@ -203,6 +203,9 @@ class EngineConfig(Section):
         "offload", description="a sequence preempted for KV space moves its KV to host memory and back (offload: "
         "DORA's hierarchical memory, nothing recomputed) or drops it and recomputes it (recompute); the "
         "built-in engine and the simulator (which models offload for DORA only)")
+    prefix_caching: bool = Field(
+        True, description="the built-in engine holds a prompt that several sequences share (a group's samples, a "
+        "system prompt) once and prefills it once (docs/architecture.md, the KV pool); vllm: off for now")
 
     @model_validator(mode="after")
     def _vllm_only(self) -> EngineConfig:

@@ -18,7 +18,12 @@ Invariants:
 * a request added with ``hold`` is a multi-turn episode: when a turn finishes it leaves the decode batch
   (``held``) but keeps its KV; ``extend`` appends the environment's tokens, which are prefilled (counted in
   ``env_prefill_tokens``, apart from re-prefill) before the next turn decodes; ``abort`` ends it. Under KV
-  pressure held episodes are offloaded first (they use no compute); migration carries them like any other.
+  pressure held episodes are offloaded first (they use no compute); migration carries them like any other;
+* with ``prefix_caching`` a sequence that starts (or starts again) takes the longest prefix of its tokens
+  whose KV the pool holds under this version (kv.py), all but its last token, and prefills the rest
+  (``prefix_hit_tokens`` counts what it did not); every block a sequence fills, and its prompt's last
+  partial block, become matchable. An imported sequence shares the cached prefix whose values equal its
+  own bit for bit (``dedup_tokens``). Loading weights forgets the cache.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .kv import KVFull, KVPool
+from .kv import KVFull, KVPool, digest
 from .model import Batch, DecoderLM, check_state, load_model
 from .sampling import SamplingParams, sample_batch, uniform
 
@@ -40,7 +45,7 @@ class RequestError(ValueError):
 
 
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions",
-            "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens")
+            "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens", "prefix_hit_tokens", "dedup_tokens")
 
 
 def check_new(hosted: int, live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
@@ -83,6 +88,8 @@ class Sequence:
     hold: bool = False                # a multi-turn episode: its KV stays when a turn finishes
     held: bool = False                # between turns: out of the batch, waiting for ``extend``
     turn_start: int = 0               # where the current turn begins in ``response`` (its max_tokens counts from here)
+    digests: list[bytes] = field(default_factory=list)  # chain digests of its first full blocks (kv.digest)
+    head: bytes | None = None         # with prefix caching: the digest of its prompt's first block, if it has one
 
     @property
     def tokens(self) -> list[int]:
@@ -106,7 +113,7 @@ class Engine:
     def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
                  min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0,
-                 on_kv_full: str = "offload") -> None:
+                 on_kv_full: str = "offload", prefix_caching: bool = True) -> None:
         if on_kv_full not in ("offload", "recompute"):
             raise ValueError(f"on_kv_full must be 'offload' or 'recompute', not {on_kv_full!r}")
         self.model = load_model(model) if isinstance(model, str | Path) else model
@@ -117,7 +124,7 @@ class Engine:
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.seed, self.version = seed, version
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
-        self.on_kv_full = on_kv_full
+        self.on_kv_full, self.prefix_caching = on_kv_full, prefix_caching
         self.seqs: dict[int, Sequence] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
 
@@ -126,7 +133,9 @@ class Engine:
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
-        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold)
+        seq = self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold)
+        if self.prefix_caching and len(prompt) > self.kv.block_size:
+            seq.head = digest(b"", prompt[:self.kv.block_size])
 
     def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
         """The next turn of a held episode: ``tokens`` (the environment's) join its context, then up to
@@ -220,7 +229,11 @@ class Engine:
         if self.kv.blocks_for(seq.n_cached) > self.kv.free_blocks:
             return False
         t = time.perf_counter()
-        seq.table = self.kv.import_(seq.host_kv) if seq.n_cached else []
+        seq.table, dedup = self.kv.import_(seq.host_kv, seq.tokens if self.prefix_caching else None) \
+            if seq.n_cached else ([], 0)
+        self.counts["dedup_tokens"] += dedup
+        if self.prefix_caching:
+            self._register(seq, dedup)
         seq.host_kv, seq.status, seq.auto_restore = None, Status.RUNNING, False  # a held one stays out of the batch
         self.counts["free_cache_s"] += time.perf_counter() - t
         return True
@@ -239,6 +252,7 @@ class Engine:
             self.kv.release(seq.table)
             seq.table, seq.n_cached, seq.host_kv = [], 0, None
             seq.status, seq.version = Status.WAITING, version
+        self.kv.clear_cache()  # KV of the old weights is matched no more
         self.version = version
 
     def sleep(self) -> int:
@@ -285,17 +299,30 @@ class Engine:
                 break
             n = min(len(seq) - seq.n_cached, budget)
             try:
-                self.kv.grow(seq.table, seq.n_cached + n)
+                self.kv.prepare(seq.table, seq.n_cached, seq.n_cached + n)
             except KVFull:
                 break  # restored; it runs when the next step has room
             plan.append((seq, n))
             budget -= n
+        # prompts with a block or more prefilled in this step: a sequence whose prompt starts as one of them
+        # waits, then matches what they leave in the cache
+        bs = self.kv.block_size
+        prefilling = {s.head for s, _ in plan if s.head and len(s.prompt) - s.n_cached >= bs}
         for seq in waiting:
             if budget <= 0 or len(plan) >= self.max_num_seqs:
                 break
+            if seq.head in prefilling and not seq.table:
+                continue
+            matched = self.prefix_caching and not seq.table and self._match(seq)
             n = min(len(seq) - seq.n_cached, budget)
             if not self._grow_past_held(seq, n):
+                if matched:  # it waits holding nothing
+                    self.kv.release(seq.table)
+                    seq.table, seq.n_cached = [], 0
                 break
+            self.counts["prefix_hit_tokens"] += seq.n_cached if matched else 0
+            if seq.head and len(seq.prompt) - seq.n_cached >= bs:
+                prefilling.add(seq.head)
             seq.status = Status.RUNNING
             plan.append((seq, n))
             budget -= n
@@ -315,7 +342,7 @@ class Engine:
         """Grow ``seq``'s blocks by n tokens, moving held episodes to host memory if that makes room."""
         while True:
             try:
-                self.kv.grow(seq.table, seq.n_cached + n)
+                self.kv.prepare(seq.table, seq.n_cached, seq.n_cached + n)
                 return True
             except KVFull:
                 victim = next((s for s in self.seqs.values() if s.held and s.table), None)
@@ -347,9 +374,13 @@ class Engine:
         done = []
         for i, (seq, n) in enumerate(plan):
             seq.n_cached += n
+            if self.prefix_caching:
+                self._register(seq, seq.n_cached - n)
             if seq.n_cached == len(seq):  # its last token was computed: sample the next one
                 done.append(i)
-            self.counts["prefill_tokens" if n > 1 or seq.n_cached < len(seq) else "decode_tokens"] += n
+            # a decode computes the one token sampled last; any other token (prompt, environment) is prefill
+            sampled = n == 1 and seq.n_cached == len(seq) and len(seq.response) > seq.turn_start
+            self.counts["decode_tokens" if sampled else "prefill_tokens"] += n
         if not done:
             return []
         seqs = [plan[i][0] for i in done]
@@ -370,6 +401,27 @@ class Engine:
                     del self.seqs[seq.req_id]
         return finished
 
+    def _match(self, seq: Sequence) -> bool:
+        """Take the longest cached prefix of a sequence that holds no KV (all but its last token)."""
+        seq.table, seq.n_cached, seq.digests = self.kv.match(seq.tokens, len(seq) - 1)
+        return seq.n_cached > 0
+
+    def _register(self, seq: Sequence, old: int) -> None:
+        """Make the blocks ``seq`` filled since it held ``old`` tokens of KV matchable, and its prompt's last
+        partial block once the prompt is in."""
+        bs, tokens = self.kv.block_size, seq.tokens
+        for i in range(min(old // bs, len(seq.digests)), seq.n_cached // bs):
+            parent = seq.digests[i - 1] if i else b""
+            block = tuple(tokens[i * bs:(i + 1) * bs])
+            if i == len(seq.digests):
+                seq.digests.append(digest(parent, block))
+            if i >= old // bs:
+                self.kv.register(seq.table[i], parent, block, seq.digests[i])
+        p = len(seq.prompt)
+        if old < p <= seq.n_cached and p % bs:
+            i = p // bs
+            self.kv.register(seq.table[i], seq.digests[i - 1] if i else b"", tuple(seq.prompt[i * bs:p]))
+
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model.spec.eos_token_id):
@@ -385,7 +437,8 @@ class Engine:
         return {"version": self.version, "running": by[Status.RUNNING], "waiting": by[Status.WAITING],
                 "offloaded": by[Status.OFFLOADED], "held": sum(1 for s in self.seqs.values() if s.held),
                 "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
-                "kv_used_fraction": used / self.kv.num_blocks, **self.counts}
+                "kv_used_fraction": used / self.kv.num_blocks, "kv_blocks_cached": self.kv.cached_blocks,
+                "kv_copies": self.kv.copies, **self.counts}
 
     def close(self) -> None:
         """Nothing to release: the pool and the model are this object's."""

@@ -83,4 +83,5 @@ def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
     from .engine import Engine
     from .model import load_model
 
-    return Engine(load_model(model_dir, device=cfg.runtime.device), **kw, on_kv_full=e.on_kv_full)
+    return Engine(load_model(model_dir, device=cfg.runtime.device), **kw, on_kv_full=e.on_kv_full,
+                  prefix_caching=e.prefix_caching)
