@@ -37,6 +37,7 @@ def configs(draw, mode: str):
         slots=draw(st.integers(1, 6)), k=k,
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),
         legacy_topup=draw(st.booleans()), topup_after_rebalance=draw(st.booleans()),
+        group_together=draw(st.booleans()),
     )
 
 

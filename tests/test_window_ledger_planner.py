@@ -166,3 +166,30 @@ def test_the_work_planner_weighs_versions_by_decode_tokens_left_within_the_same_
     # a legacy version with nothing queued keeps what its requests need either way (lower = upper bound)
     alone = {0: VersionLoad(6, 0, work=6 * 5000.0), 1: VersionLoad(0, 16, work=16.0)}
     assert target_counts(6, 4, alone, latest=1) == {0: 2, 1: 4}
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_groups_samples_go_where_one_of_them_runs_when_the_engines_share_its_prompt(together):
+    """3 instances of 8 slots, groups of 4: least loaded first spreads each group over the instances; with
+    group_together each group runs on one instance while that has room. A group that does not fit is
+    split: its first samples fill the instance with room, the rest wait for a slot."""
+    view = ClusterView(3, 8, group_size=4, group_together=together)
+    for i in range(3):
+        view.assign(AssignVersion(i, 0))
+        view.ready(i, 0)
+    for g in range(6):
+        view.enqueue_group(g, 0)
+
+    def groups(cmds):
+        where = {}
+        for d in cmds:
+            where.setdefault(d.group_id, set()).add(d.instance)
+        return where
+
+    where = groups(view.place(0))
+    assert len(where) == 6 and sum(view.instances[i].free for i in range(3)) == 0
+    assert all(len(s) == 1 for s in where.values()) if together else all(len(s) > 1 for s in where.values())
+    freed = {view.remove(0).instance, view.remove(1).instance}  # together: group 0's instance, 2 slots
+    view.enqueue_group(6, 0)
+    assert groups(view.place(0)) == {6: freed} and len(view.queues[0]) == 2
+    assert len(freed) == (1 if together else 2)

@@ -12,7 +12,9 @@ Invariants kept here (checked on every change, so a policy bug fails loudly in t
   comes back onto whichever instance of its version has room first, nothing re-prefilled.
 
 A trajectory admitted but not yet placed waits in ``queues[version]``; ``place`` turns waiting
-trajectories into Dispatch commands on the least-loaded ready instance of that version.
+trajectories into Dispatch commands on the least-loaded ready instance of that version -- or, with
+``group_together`` (the engines share a prompt's KV: engine.prefix_caching), on the dedicated instance that
+runs a sample of its group while that one has a free slot, so the group's prompt is prefilled once there.
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ class TrajView:
 
 
 class ClusterView:
-    def __init__(self, n_instances: int, slots: int, group_size: int, borrowed: int = 0) -> None:
+    def __init__(self, n_instances: int, slots: int, group_size: int, borrowed: int = 0,
+                 group_together: bool = False) -> None:
         if n_instances < 1 or slots < 1 or borrowed < 0:
             raise ValueError("a cluster needs at least one instance with at least one slot")
-        self.group_size = group_size
+        self.group_size, self.group_together = group_size, group_together
         self.instances = [InstanceView(slots) for _ in range(n_instances)]
         self.instances += [InstanceView(slots, borrowed=True) for _ in range(borrowed)]
         n_instances += borrowed
@@ -108,13 +111,16 @@ class ClusterView:
 
     def place(self, version: int) -> list[Dispatch]:
         """Dispatch queued trajectories of ``version`` onto its ready instances, least loaded first and
-        dedicated before borrowed (a borrowed instance's requests must leave it before each train step)."""
+        dedicated before borrowed (a borrowed instance's requests must leave it before each train step);
+        with ``group_together``, onto a dedicated instance running a sample of the same group first."""
         q, free, heap = self.queues.get(version), self._has_free.get(version), self._by_load.get(version)
         out: list[Dispatch] = []
         while q and free:
-            key, i = heapq.heappop(heap)
-            if i not in free or self._load_key(i) != key:
-                continue  # stale entry
+            i = self._with_its_group(q[0], free) if self.group_together else None
+            if i is None:
+                key, i = heapq.heappop(heap)
+                if i not in free or self._load_key(i) != key:
+                    continue  # stale entry
             tid = q.popleft()
             t = self.trajs[tid]
             self._put(tid, i)
@@ -276,6 +282,15 @@ class ClusterView:
                 heapq.heapify(heap)
             else:
                 heapq.heappush(heap, (self._load_key(i), i))
+
+    def _with_its_group(self, traj_id: int, free: set[int]) -> int | None:
+        """A dedicated instance with a free slot that runs a sample of ``traj_id``'s group, if any."""
+        first = self.trajs[traj_id].group_id * self.group_size
+        for j in range(first, first + self.group_size):
+            t = self.trajs.get(j)
+            if t is not None and t.instance in free and not self.instances[t.instance].borrowed:
+                return t.instance
+        return None
 
     def _load_key(self, i: int) -> int:
         inst = self.instances[i]

@@ -228,7 +228,8 @@ def make_policy(run_config, instances: int, mode: str | None = None, borrowed: i
                        kv_threshold=d.kv_threshold, rebalance_every=d.rebalance_every, carry_kv=d.kv_migration,
                        oldest_first=d.planner == "straggler", by_work=d.planner == "work", legacy_topup=legacy_topup,
                        topup_after_rebalance=d.supplement == "after_migration", filter_groups=b.filter_groups,
-                       borrowed=borrowed, admission=d.admission, depth=d.depth)
+                       borrowed=borrowed, admission=d.admission, depth=d.depth,
+                       group_together=run_config.engine.prefix_caching)
     return policy_for(mode, cfg)
 
 

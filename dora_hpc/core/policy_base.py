@@ -78,6 +78,7 @@ class PolicyConfig:
     #                               after the dedicated ones; they sleep while it trains
     admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py)
     depth: float | None = None    # Dora, lean: the pipeline depth's cap in units of TBS (None: learned)
+    group_together: bool = False  # place a group's samples where one of them runs (engines share its prompt)
 
     def __post_init__(self) -> None:
         if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):
@@ -102,7 +103,7 @@ class Policy:
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size, cfg.borrowed)
+        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size, cfg.borrowed, cfg.group_together)
         self.ledger = Ledger(cfg.group_size)
         self.latest = 0
         self.trainer_busy = False
