@@ -372,3 +372,36 @@ def test_a_mixture_of_experts_computes_with_its_active_parameters_and_stores_all
     assert CostModel.build(qwen, 4) == CostModel.build(stated, 4)
     with pytest.raises(ValueError, match="active_params_b"):
         load_config("configs/sim/paper-64.yaml", ["sim.model.active_params_b=40"])
+
+
+# -- shared prompts (engine.prefix_caching) ----------------------------------------------------------------
+def test_a_groups_prompt_and_the_shared_prefix_are_prefilled_and_held_once_per_instance():
+    c = cost(prefill_per_token=1e-3)
+    inst = Instance(0, c, share=True, shared_prefix=200)
+    inst.admit(Req(0, prompt=500, target=10, group=7))
+    first = -inst.offset
+    inst.admit(Req(1, prompt=500, target=10, group=7))  # its whole prompt is resident: nothing to prefill
+    inst.admit(Req(2, prompt=450, target=10, group=8))  # another group: only its own 250 tokens
+    assert first == pytest.approx(c.prefill_time(500))
+    assert -inst.offset == pytest.approx(first + c.prefill_time(450) - c.prefill_time(200))
+    assert inst.counts["prefix_hit_tokens"] == 500 + 200
+    assert inst.kv_tokens() == 200 + 300 + 250  # the prefix, group 7's own part, group 8's own part
+    assert inst.batch_kv() == 500 + 500 + 450  # a decode step still reads every context whole
+    for t in (0, 1, 2):
+        inst.remove(t)
+    assert inst.kv_tokens() == 0 and not inst.refs and inst.shared_kv == 0
+
+
+def test_sharing_a_system_prompt_raises_the_kv_bound_limit_and_the_throughput_under_it():
+    """Agentic episodes on 20 GB accelerators (KV binds) with a 2,000-token system prompt: held once per
+    instance and each group's prompt once, the limit and DORA's tokens/s rise, and DORA stays under it."""
+    base = [*AGENTIC, "sim.hardware.hbm_gb=20", "workload.shared_prefix_tokens=2000"]
+    runs = {}
+    for shared in (False, True):
+        cfg = load_config(SMALL, [*base, f"engine.prefix_caching={str(shared).lower()}"])
+        s = summarize(Simulator(cfg, "dora", timeline=False).run())
+        runs[shared] = (zero_bubble_limit(cfg, "disaggregated"), s)
+        assert s["throughput_tokens_per_s"] <= runs[shared][0] and s["lost_groups"] == 0
+    assert runs[True][0] > runs[False][0]
+    assert runs[True][1]["throughput_tokens_per_s"] > runs[False][1]["throughput_tokens_per_s"]
+    assert runs[True][1]["prefix_hit_tokens"] > 0 == runs[False][1]["prefix_hit_tokens"]

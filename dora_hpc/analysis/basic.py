@@ -92,7 +92,8 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     traj = read_trajectories(scans["traj"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
     esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True,
-                        columns=["t_start", "t_end", "batch_size", "capacity", "version"])
+                        columns=["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens",
+                                 "prefix_hit_tokens", "running", "groups", "kv_blocks_used"])
     hist = history(ops)
     consumed, tsteps = effective(hist, consumed, all_tsteps)
 
@@ -126,6 +127,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "fenced": fenced(ops),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
+        "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -139,6 +141,27 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
     return result
+
+
+def kv_figures(esteps: dict, trajectories: int, group_size: int) -> dict:
+    """The engines' prefill and KV: prompt (environment, re-prefilled) tokens computed and those the prefix
+    cache gave instead, per trajectory ended; the most sequences running at once on one instance; and the KV
+    blocks a group holds -- G x blocks held per running sequence -- at each instance's step of most blocks
+    held (the mean over instances; a group's blocks wherever its samples run). Logs before schema 9 (and
+    vLLM's, which reports no blocks) read 0 for what they lack."""
+    rank, used, running = esteps["rank"], esteps["kv_blocks_used"], esteps["running"]
+    per_group = []
+    for r in np.unique(rank):
+        at = np.flatnonzero(rank == r)
+        top = at[np.argmax(used[at])]
+        if running[top] > 0 and used[top] >= 0:
+            per_group.append(group_size * float(used[top]) / float(running[top]))
+    prefill = int(np.sum(esteps["prefill_tokens"].clip(min=0)))
+    hits = int(np.sum(esteps["prefix_hit_tokens"].clip(min=0)))
+    return {"prefill_tokens": prefill, "prefix_hit_tokens": hits,
+            "prefill_tokens_per_trajectory": prefill / trajectories if trajectories else 0.0,
+            "peak_running": int(esteps["running"].max(initial=0)),
+            "kv_blocks_per_group_at_peak": float(np.mean(per_group)) if per_group else 0.0}
 
 
 def _nothing(run_dir: Path, scans: dict, cfg: dict) -> str:

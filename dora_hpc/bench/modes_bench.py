@@ -49,11 +49,19 @@ ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pair
         "panels": [("throughput_tokens_per_s", "trained tokens / s"),
                    ("weight_load_share", "weight loads: share of instance time"),
                    ("mean_step_time_s", "mean train-step interval (s)")]},
+    "prefix-caching": {
+        "title": "a prompt shared by a group (or every request) prefilled and held once vs per sequence",
+        "cases": {"shared": ["engine.prefix_caching=true"], "unshared": ["engine.prefix_caching=false"]},
+        "pairs": [("shared", "unshared")],
+        "panels": [("prefill_tokens_per_trajectory", "prefill tokens per trajectory"),
+                   ("kv_blocks_per_group_at_peak", "KV blocks per group at peak"),
+                   ("peak_running", "peak sequences running on an instance")]},
 }
 FIGURES = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "slot_utilization",
            "bubble_fraction", "inter_instance_bubble", "max_staleness", "mean_staleness", "reprefill_tokens",
            "migrations", "engine_steps_per_trained_token", "instance_busy_s", "limit_tokens_per_s", "limit_share",
-           "slot_utilization_limit", "weight_load_share", "engine_s_per_trained_token")
+           "slot_utilization_limit", "weight_load_share", "engine_s_per_trained_token", "prefill_tokens_per_trajectory",
+           "prefix_hit_tokens", "peak_running", "kv_blocks_per_group_at_peak")
 
 
 RUN_TIMEOUT_S = 1800.0  # a run still going after this fails the benchmark (--run-timeout)
@@ -146,6 +154,8 @@ def figures(a: dict, cfg) -> dict:
         "limit_share": a["throughput_tokens_per_s"] / limit if limit else 0.0,
         "slot_utilization_limit": min(1.0, limit / full_rate) if full_rate != float("inf") else 1.0,
         "weight_load_share": a["overheads"].get("weight_load", 0.0),
+        **{k: a["kv"][k] for k in ("prefill_tokens_per_trajectory", "prefix_hit_tokens", "peak_running",
+                                   "kv_blocks_per_group_at_peak")},
         "overheads": a["overheads"],
         "trainer_wait_fraction": a["trainer_wait_fraction"],
         "reward_first_last": [a["reward_by_step"][0], a["reward_by_step"][-1]] if a["reward_by_step"] else [],
@@ -260,7 +270,9 @@ def bench_ablation(config: str, out: Path, sets: list[str] | None = None, repeat
                            timeout_s=timeout_s, console=console)
     keys = {"throughput": "throughput_tokens_per_s", "mean_step_time_s": "mean_step_time_s",
             "engine_steps_per_trained_token": "engine_steps_per_trained_token",
-            "engine_s_per_trained_token": "engine_s_per_trained_token"}
+            "engine_s_per_trained_token": "engine_s_per_trained_token",
+            "prefill_tokens_per_trajectory": "prefill_tokens_per_trajectory", "peak_running": "peak_running",
+            "kv_blocks_per_group_at_peak": "kv_blocks_per_group_at_peak"}
     by_repeat = {f"{on}/{off} {name}": ratios(rows, on, off, key)
                  for on, off in spec["pairs"] for name, key in keys.items()}
     summary = {"ablation": which, "title": spec["title"], "config": config, "sets": sets, "repeats": repeats,

@@ -49,6 +49,9 @@ class WorkloadConfig(Section):
     turns: LengthDist = LengthDist(median=1, sigma=0.0, max=1)
     env_latency_s: SecondsDist = SecondsDist(median=0.0, max=1.0)
     env_tokens: LengthDist = LengthDist(median=1, sigma=0.0, max=1)
+    shared_prefix_tokens: int = Field(0, ge=0, description="a prefix every prompt starts with (a system prompt, "
+                                      "tool descriptions), before its own prompt_len tokens: the simulator and "
+                                      "the even_tokens task (toy_turns too) put it there")
     max_episode_tokens: int = Field(1 << 20, ge=2, description="prompt + every turn's model and environment tokens")
     env_workers: int | None = Field(None, ge=1, description="environment steps one instance runs at once (the "
                                     "runtime's env.workers of a rollout rank); more wait for a free worker, first "

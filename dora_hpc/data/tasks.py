@@ -36,8 +36,11 @@ class EvenTokensTask:
         return int(np.clip(np.rint(dist.median * np.exp(dist.sigma * rng.standard_normal())), dist.min, dist.max))
 
     def prompt(self, group_id: int) -> list[int]:
+        """workload.shared_prefix_tokens tokens every prompt starts with, then the group's own."""
         rng = self._rng(0, group_id)
-        return rng.integers(3, self.vocab, size=self._length(self.prompt_dist, rng)).tolist()
+        own = rng.integers(3, self.vocab, size=self._length(self.prompt_dist, rng)).tolist()
+        n = self.cfg.workload.shared_prefix_tokens
+        return (self._rng(2, 0).integers(3, self.vocab, size=n).tolist() if n else []) + own
 
     def max_tokens(self, traj_id: int, turn: int = 0) -> int:
         """The response budget of trajectory ``traj_id`` (of each turn of a multi-turn episode)."""

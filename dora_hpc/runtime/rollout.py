@@ -130,7 +130,10 @@ class RolloutRank(OpLog, Migrations):
         new = (st["decode_tokens"] - before["decode_tokens"]) + (st["prefill_tokens"] - before["prefill_tokens"])
         self.log.append("steps", {"t_start": t_start, "t_end": self.now(), "batch_size": before["running"]
                                      + before["waiting"], "capacity": self.engine.max_num_seqs, "new_tokens": new,
-                                     "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version})
+                                     "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version,
+                                     "prefill_tokens": st["prefill_tokens"] - before["prefill_tokens"],
+                                     "prefix_hit_tokens": st["prefix_hit_tokens"] - before["prefix_hit_tokens"],
+                                     "running": st["running"], "groups": self.live_groups()})
         freed = st["free_cache_s"] - before["free_cache_s"]  # every backend keeps engine.COUNTERS
         if freed > 0:  # KV moved to host and back for space (the paper's free-cache overhead)
             self.op("free_cache", t_start=self.now() - freed,
@@ -141,6 +144,10 @@ class RolloutRank(OpLog, Migrations):
                 self.episodes.turn_ended(f, self.info[f.req_id])
             else:
                 self.finish(f, st["kv_used_fraction"])
+
+    def live_groups(self) -> int:
+        """Groups with a sample on the engine (running, waiting, held or offloaded)."""
+        return len({i["group_id"] for t, i in self.info.items() if "group_id" in i and self.engine.has_request(t)})
 
     def finish(self, f, kv_frac: float) -> None:
         """The engine's finished request becomes the trajectory record (rewarded): its HDF5 row, the

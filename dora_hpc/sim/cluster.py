@@ -82,8 +82,10 @@ class Simulator(Borrowing, EpisodeSteps):
         self.policy = make_policy(cfg, n_inst, mode, self.n_borrowed)
         self.work = Workload(cfg.workload, cfg.seed)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
-        self.inst = [Instance(i, self.cost, kv_offload=offload) for i in range(n_inst)]
-        self.inst += [Instance(n_inst + j, self.borrowed_cost, kv_offload=offload) for j in range(self.n_borrowed)]
+        share = {"share": cfg.engine.prefix_caching, "shared_prefix": cfg.workload.shared_prefix_tokens}
+        self.inst = [Instance(i, self.cost, kv_offload=offload, **share) for i in range(n_inst)]
+        self.inst += [Instance(n_inst + j, self.borrowed_cost, kv_offload=offload, **share)
+                      for j in range(self.n_borrowed)]
         self.parked: dict[int, tuple[int, Req]] = {}  # offloaded by a borrowed instance: (it, the request)
         self.drain_end: dict[int, float] = {}     # borrowed instance -> when its drain and sleep are done
         self.now = 0.0
@@ -305,7 +307,7 @@ class Simulator(Borrowing, EpisodeSteps):
                 self.trajs[t] = TrajRecord(g, [v])
                 prompt = self.work.prompt_len(g)
                 self.episodes[t] = self.work.episode(t, prompt)
-                self._stopped(i).admit(Req(t, prompt, self.episodes[t][0].tokens))
+                self._stopped(i).admit(Req(t, prompt, self.episodes[t][0].tokens, group=g))
                 self._start(inst)
                 self._check_kv(inst)
             case Migrate(t, _, _, _) | Offload(t, _) | Restore(t, _) if self.trajs[t].finished:

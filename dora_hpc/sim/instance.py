@@ -13,7 +13,11 @@ Invariants:
 * a multi-turn episode between turns is **held**: out of the batch (no compute; its KV is not read by
   decode steps) but its KV stays resident and counts against the capacity. Under KV pressure, and when a
   waiting request needs the room, held episodes leave first (to host memory with ``kv_offload``, else their
-  KV is dropped and recomputed). Its next turn first prefills the environment's tokens (``env_owed``).
+  KV is dropped and recomputed). Its next turn first prefills the environment's tokens (``env_owed``);
+* with ``share`` (engine.prefix_caching) a prompt's parts -- the ``shared_prefix`` every prompt starts with,
+  then its group's own -- are held once per instance while any request holding KV here has them: a request
+  that joins prefills (or copies back) only the parts no resident request holds, and the resident KV counts
+  each part once. A decode step still reads every sequence's whole context.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Req:
     owes: str = OWES_PROMPT
     env_owed: int = 0          # environment tokens at the end of its context without KV yet
     waiting_env: bool = False  # a multi-turn episode whose environment step is under way
+    group: int = -1            # its prompt group (share: the group's prompt is held once per instance)
 
     @property
     def finish_step(self) -> int:
@@ -53,6 +58,8 @@ class Instance:
     idx: int
     cost: CostModel
     kv_offload: bool = False
+    share: bool = False             # prompt parts held once (engine.prefix_caching)
+    shared_prefix: int = 0          # tokens every prompt starts with (workload.shared_prefix_tokens)
     version: int | None = None
     loading: bool = False
     paused: bool = False
@@ -73,6 +80,9 @@ class Instance:
     slot_seconds: float = 0.0       # integral of running batch size over time
     counts: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)  # seconds by kind
+    refs: Counter = field(default_factory=Counter)  # share: a prompt part -> the resident requests holding it
+    prompt_refs: float = 0.0        # share: the resident requests' prompt tokens, counted per request
+    shared_kv: float = 0.0          # share: the same, each part counted once
     state: tuple[str, int | None, int] = ("idle", None, 0)
     since: float = 0.0
 
@@ -85,8 +95,33 @@ class Instance:
         return self.kv_base + len(self.reqs) * self.steps
 
     def kv_tokens(self) -> float:
-        """Resident KV tokens: the running batch's and the held episodes'."""
-        return self.batch_kv() + self.held_kv
+        """Resident KV tokens: the running batch's and the held episodes', a shared prompt part once."""
+        return self.batch_kv() + self.held_kv - (self.prompt_refs - self.shared_kv)
+
+    def _parts(self, r: Req) -> list[tuple[tuple, int]]:
+        """(part, tokens) of ``r``'s prompt: the shared prefix, then its group's own tokens."""
+        head = min(self.shared_prefix, r.prompt)
+        return ([(("prefix",), head)] if head else []) + [(("group", r.group), r.prompt - head)]
+
+    def resident_prompt(self, r: Req) -> int:
+        """Tokens of ``r``'s prompt whose KV a resident request holds here (share; else 0)."""
+        return sum(n for part, n in self._parts(r) if self.refs[part]) if self.share else 0
+
+    def _acquire(self, r: Req) -> None:
+        if self.share:
+            for part, n in self._parts(r):
+                self.shared_kv += 0 if self.refs[part] else n
+                self.refs[part] += 1
+            self.prompt_refs += r.prompt
+
+    def _release(self, r: Req) -> None:
+        if self.share:
+            for part, n in self._parts(r):
+                self.refs[part] -= 1
+                if not self.refs[part]:
+                    del self.refs[part]
+                    self.shared_kv -= n
+            self.prompt_refs -= r.prompt
 
     def peek(self) -> tuple[int, int] | None:
         """The next (finish step, traj) of a running request, dropping stale heap entries."""
@@ -145,11 +180,13 @@ class Instance:
         self.held[r.traj] = r
         if r.owes == OWES_NOTHING:
             self.held_kv += r.prompt + r.gen_at_join - r.env_owed
+            self._acquire(r)
 
     def unhold(self, t: int) -> Req:
         r = self.held.pop(t)
         if r.owes == OWES_NOTHING:
             self.held_kv -= r.prompt + r.gen_at_join - r.env_owed
+            self._release(r)
         return r
 
     def _evict_held(self) -> bool:
@@ -159,6 +196,7 @@ class Instance:
             return False
         ctx = r.prompt + r.gen_at_join - r.env_owed
         self.held_kv -= ctx
+        self._release(r)
         self._evict(r, ctx)
         return True
 
@@ -173,23 +211,27 @@ class Instance:
             r.owes = OWES_RECOMPUTE
 
     def _fits(self, r: Req) -> bool:
-        need = r.prompt + r.gen_at_join + 1
+        need = r.prompt + r.gen_at_join + 1 - self.resident_prompt(r)
         empty = not self.reqs and not self.held_kv  # an empty instance always takes one
         return empty or self.kv_tokens() + need + len(self.reqs) <= self.cost.kv_capacity_tokens
 
     def _run(self, r: Req) -> None:
         ctx = r.prompt + r.gen_at_join
+        have = self.resident_prompt(r)  # share: computed (or copied back) by no one now
+        saved = self.cost.prefill_time(have) if have else 0.0
+        if have and r.owes in (OWES_PROMPT, OWES_RECOMPUTE, OWES_REPREFILL):
+            self.counts["prefix_hit_tokens"] += have
         if r.owes == OWES_PROMPT:
-            self.offset -= self.cost.prefill_time(r.prompt)
+            self.offset -= self.cost.prefill_time(r.prompt) - saved
         elif r.owes in (OWES_RECOMPUTE, OWES_REPREFILL):
-            self.offset -= self.cost.prefill_time(ctx)
-            self.ops[r.owes] += self.cost.prefill_time(ctx)
+            self.offset -= self.cost.prefill_time(ctx) - saved
+            self.ops[r.owes] += self.cost.prefill_time(ctx) - saved
             if r.owes == OWES_RECOMPUTE:
                 self.counts["preempt_recompute_tokens"] += ctx
             r.env_owed = 0  # rebuilt with the rest
         elif r.owes == OWES_HOST:
-            self.offset -= self.cost.host_copy_time(ctx - r.env_owed)
-            self.ops["offload"] += self.cost.host_copy_time(ctx - r.env_owed)
+            self.offset -= self.cost.host_copy_time(ctx - r.env_owed - have)
+            self.ops["offload"] += self.cost.host_copy_time(ctx - r.env_owed - have)
         if r.env_owed:  # the environment's tokens after a KV that is there: only they are prefilled
             self.offset -= self.cost.prefill_time(ctx) - self.cost.prefill_time(ctx - r.env_owed)
             self.counts["env_prefill_tokens"] += r.env_owed
@@ -197,6 +239,7 @@ class Instance:
         r.owes = OWES_NOTHING
         r.join_step = self.steps
         self.reqs[r.traj] = r
+        self._acquire(r)
         self.kv_base += r.prompt + r.gen_at_join - r.join_step
         heapq.heappush(self.heap, (r.finish_step, r.traj))
 
@@ -211,6 +254,7 @@ class Instance:
             return r
         r.gen_at_join = r.gen_at_join + self.steps - r.join_step
         self.kv_base -= r.prompt + r.gen_at_join - self.steps
+        self._release(r)
         return r
 
     def pop_finished(self) -> list[Req]:

@@ -144,6 +144,7 @@ def summarize(sim: Simulator) -> dict:
         "mixed_version_trajectories": mixed,
         "split_groups": split,
         "reprefill_tokens": int(counts["reprefill_tokens"]),
+        "prefix_hit_tokens": int(counts["prefix_hit_tokens"]),
         "preemptions": int(counts["preemptions"]),
         "preempt_recompute_tokens": int(counts["preempt_recompute_tokens"]),
         "dropped_groups": len(sim.dropped),
@@ -179,7 +180,14 @@ def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = Non
     step = cost.a + cost.b * slots * mean_kv             # one full-batch step
     decoded, env_tokens = m.get("model", m["L"]), m.get("env_tokens", 0.0)
     env_prefill = cost.prefill_time(m["P"] + env_tokens) - cost.prefill_time(m["P"]) if env_tokens else 0.0
-    per_traj = decoded * step / slots + cost.prefill_time(m["P"]) + env_prefill  # instance-seconds per trajectory
+    prompt_s = cost.prefill_time(m["P"])
+    if cfg.engine.prefix_caching:  # a group's prompt prefilled and held once per G; the shared prefix once, by
+        # every sequence of an instance (at best: this is a bound); its KV steps count what each holds alone
+        head, g = cfg.workload.shared_prefix_tokens, cfg.batch.group_size
+        prompt_s = (cost.prefill_time(m["P"]) - cost.prefill_time(head)) / g
+        own = (m["P"] - head) / g + head / slots
+        m = {**m, "kv_steps": m["kv_steps"] - (m["P"] - own) * decoded}
+    per_traj = decoded * step / slots + prompt_s + env_prefill  # instance-seconds per trajectory
     if m.get("env_s"):  # a slot is held through the environment's steps: at most slots per (decode + env) time
         per_traj = max(per_traj, (decoded * step + m["env_s"]) / slots)
     per_traj = max(per_traj, 1.0 / kv_bound_rate(cost, m, per_traj - decoded * step / slots))

@@ -45,7 +45,8 @@ class Workload:
         return int(arr[off])
 
     def prompt_len(self, group_id: int) -> int:
-        return self._value("prompt", self.cfg.prompt_len, group_id)
+        """The whole prompt: ``shared_prefix_tokens`` every prompt starts with, then the group's own."""
+        return self.cfg.shared_prefix_tokens + self._value("prompt", self.cfg.prompt_len, group_id)
 
     def response_len(self, traj_id: int) -> int:
         return self._value("response", self.cfg.response_len, traj_id)
@@ -87,7 +88,7 @@ class Workload:
         if self.cfg.turns.max > 1:
             return self._episode_moments(20_000)
         rng = np.random.default_rng([self.seed, 2])
-        p = sample_lengths(self.cfg.prompt_len, rng, n).astype(float)
+        p = sample_lengths(self.cfg.prompt_len, rng, n).astype(float) + self.cfg.shared_prefix_tokens
         r = sample_lengths(self.cfg.response_len, rng, n).astype(float)
         return {"P": p.mean(), "L": r.mean(), "L2": (r * r).mean(), "PL": (p * r).mean(),
                 "p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99)),
