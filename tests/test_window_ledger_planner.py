@@ -193,3 +193,25 @@ def test_a_groups_samples_go_where_one_of_them_runs_when_the_engines_share_its_p
     view.enqueue_group(6, 0)
     assert groups(view.place(0)) == {6: freed} and len(view.queues[0]) == 2
     assert len(freed) == (1 if together else 2)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_the_planner_moves_a_released_instances_samples_to_where_their_group_runs(together):
+    """Groups of 2 on three v0 instances of 4 slots; v1 is starved, so the emptiest (instance 2, running
+    sample 0 of groups 0 and 1) is released. Best fit alone sends each to the fullest peer with room,
+    splitting both groups; with group_together each joins its sibling, whose prompt that engine holds."""
+    view = ClusterView(3, 4, group_size=2, group_together=together)
+    for i in range(3):
+        view.assign(AssignVersion(i, 0))
+        view.ready(i, 0)
+    for g in range(4):
+        view.enqueue_group(g, 0)
+    for tid, i in {0: 2, 2: 2, 3: 0, 4: 0, 5: 0, 1: 1, 6: 1}.items():
+        view._put(tid, i)
+        view.queues[0].remove(tid)
+    view.queues[0].remove(7)
+    del view.trajs[7]
+    for g in range(4, 6):
+        view.enqueue_group(g, 1)
+    moves = {m.traj_id: m.dst for m in plan(view, latest=1) if isinstance(m, Migrate)}
+    assert moves == ({0: 1, 2: 0} if together else {0: 0, 2: 1}), moves

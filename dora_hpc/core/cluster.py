@@ -116,7 +116,7 @@ class ClusterView:
         q, free, heap = self.queues.get(version), self._has_free.get(version), self._by_load.get(version)
         out: list[Dispatch] = []
         while q and free:
-            i = self._with_its_group(q[0], free) if self.group_together else None
+            i = self.with_its_group(q[0], free) if self.group_together else None
             if i is None:
                 key, i = heapq.heappop(heap)
                 if i not in free or self._load_key(i) != key:
@@ -283,8 +283,8 @@ class ClusterView:
             else:
                 heapq.heappush(heap, (self._load_key(i), i))
 
-    def _with_its_group(self, traj_id: int, free: set[int]) -> int | None:
-        """A dedicated instance with a free slot that runs a sample of ``traj_id``'s group, if any."""
+    def with_its_group(self, traj_id: int, free) -> int | None:
+        """A dedicated instance among ``free`` (those with room) that runs a sample of ``traj_id``'s group."""
         first = self.trajs[traj_id].group_id * self.group_size
         for j in range(first, first + self.group_size):
             t = self.trajs.get(j)

@@ -22,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -111,16 +110,19 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bo
                 released.append(i)
                 room -= free[i]
                 moving += n
-        kept = [(free[j], j) for j in mine if j not in set(released) and free[j] > 0]
-        heapq.heapify(kept)  # best fit: the fullest kept peer with room takes the next request
+        rooms = {j: free[j] for j in mine if j not in set(released) and free[j] > 0}
         for i in released:
             for tid in sorted(view.instances[i].active):
-                room_j, j = heapq.heappop(kept)
+                # a kept peer running a sample of its group (the engines share the group's prompt: nothing
+                # of it is held twice), else best fit: the fullest kept peer with room
+                j = view.with_its_group(tid, rooms) if view.group_together else None
+                j = j if j is not None else min(rooms, key=lambda x: (rooms[x], x))
                 m = Migrate(tid, i, j, carry_kv)
                 view.migrate(m)
                 out.append(m)
-                if room_j > 1:
-                    heapq.heappush(kept, (room_j - 1, j))
+                rooms[j] -= 1
+                if not rooms[j]:
+                    del rooms[j]
         donors += released
     for v in sorted(starved, reverse=not oldest_first):
         for _ in range(starved[v]):
