@@ -351,3 +351,38 @@ def node_bytes() -> dict[str, int]:
 
 def bridge_bytes() -> int:
     return sum(node_bytes().values())
+
+
+@pytest.mark.parametrize("limit", [0, 3])
+def test_a_step_rank_0_ended_over_fenced_ranks_is_a_complete_run_not_a_failure(tmp_path, limit):
+    """MPI_Abort(0) (rank 0 ending a step with fenced ranks) kills every task, so srun fails; the script's
+    tail reads rank 0's marker for this start as a complete run and neither requeues nor fails the job. A
+    marker of another start (an earlier restart) does not count."""
+    from dora_hpc.launch.slurm import requeue_on_failure
+
+    (tmp_path / "pids").mkdir()
+    tail = "\n".join(requeue_on_failure(tmp_path, limit))
+    env = {**os.environ, "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2", "PATH": os.environ["PATH"]}
+    (tmp_path / "pids" / "complete").write_text("41.2")
+    p = subprocess.run(["bash", "-c", f"(exit 137)\n{tail}"], env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "the run is complete" in p.stdout and not (tmp_path / "failed_steps").exists()
+    if limit == 0:  # (with a limit the tail would requeue through scontrol: not run here)
+        (tmp_path / "pids" / "complete").write_text("41.1")
+        p = subprocess.run(["bash", "-c", f"(exit 137)\n{tail}"], env=env, capture_output=True, text=True)
+        assert p.returncode == 137 and "complete" not in p.stdout
+
+
+def test_rank_0_fences_a_rank_whose_dead_marker_names_this_starts_process(tmp_path):
+    from types import SimpleNamespace
+
+    from dora_hpc.runtime.orchestrator import Orchestrator
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    orch = SimpleNamespace(run_dir=tmp_path)
+    (pids / "rank-3").write_text("4125")
+    assert not Orchestrator.died(orch, 3)
+    (pids / "rank-3.dead").write_text("3001")  # an earlier start's process (the directory outlives requeues)
+    assert not Orchestrator.died(orch, 3)
+    (pids / "rank-3.dead").write_text("4125")
+    assert Orchestrator.died(orch, 3)

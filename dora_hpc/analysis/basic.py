@@ -80,6 +80,10 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
     return out
 
 
+STEP_COLUMNS = ["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens", "prefix_hit_tokens",
+                "running", "kv_blocks_used"]  # what analyze reads of the engine steps
+
+
 def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     """Every figure of a run (see the module docstring). Partial logs are analysed and what they lack is
     listed under ``missing``; a run dir without one readable train step raises NothingToAnalyse."""
@@ -91,9 +95,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         raise NothingToAnalyse(_nothing(run_dir, scans, cfg))
     traj = read_trajectories(scans["traj"])
     ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
-    esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True,
-                        columns=["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens",
-                                 "prefix_hit_tokens", "running", "groups", "kv_blocks_used"])
+    esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True, columns=STEP_COLUMNS)
     hist = history(ops)
     consumed, tsteps = effective(hist, consumed, all_tsteps)
 

@@ -303,7 +303,7 @@ class DeathWatch(threading.Thread):
         if len(lost) == len(dead) and left and self._alive(pids[0]) and not self._marked(0, "done"):
             for r in lost:  # rank 0 fences it and the run goes on without it
                 self.fenced.append(r)
-                (self.pid_dir / f"rank-{r}.dead").write_text("dead")
+                (self.pid_dir / f"rank-{r}.dead").write_text(str(pids[r]))  # this start's process
             return
         # a rank killed by a signal leaves no marker; prefer it over secondary failures
         silent = [r for r in dead if not self._marked(r, "cleanup") and not self._marked(r, "failed")]

@@ -11,13 +11,24 @@ Invariants:
 * the job is requeueable; a requeued start (SLURM_RESTART_COUNT > 0) resumes from the newest
   checkpoint that verifies (runtime/main.py); SIGUSR1 ``signal_delay_s`` before the time limit makes
   rank 0 commit a checkpoint and requeue the job;
-* a rank that dies ends the job step at once (``--kill-on-bad-exit``), so no allocation is held; the
-  job then requeues itself (``slurm.requeue_on_failure`` times at most) and resumes.
+* with ``slurm.fence_rollout`` a rollout rank killed by a signal costs that instance, not the job: it runs
+  as a child of its task (``task``), which then leaves ``pids/rank-N.dead`` (the child's pid) for rank 0,
+  which fences it, and exits 0, so srun keeps the step;
+* rank 0 ends a step with fenced ranks (hung ones too) by MPI_Abort(0) after leaving ``pids/complete``
+  (this start's job id and restart count), which the script's tail reads as a complete run, not a failure;
+* any other dead rank (orchestrator, trainer, a rank that raised) ends the job step at once
+  (``--kill-on-bad-exit``), so no allocation is held; the job then requeues itself
+  (``slurm.requeue_on_failure`` times at most) and resumes.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +105,22 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
 
 
 def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
-    """Shell lines after srun: a failed step requeues the job (it resumes from its checkpoint), at most
-    ``limit`` times per run (counted in RUN_DIR/failed_steps). When Slurm itself requeues or preempts
-    the job it kills this script too, so these lines run only when the step ended on its own."""
+    """Shell lines after srun: a step rank 0 ended over fenced ranks (MPI_Abort(0) kills every task, so
+    srun fails) is a completed run when rank 0 left ``pids/complete`` for this start; any other failed
+    step requeues the job (it resumes from its checkpoint), at most ``limit`` times per run (counted in
+    RUN_DIR/failed_steps). When Slurm itself requeues or preempts the job it kills this script too, so
+    these lines run only when the step ended on its own."""
+    done = shlex.quote(str(run_dir / "pids" / "complete"))
+    start = "$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
+    lines = ["rc=$?",
+             f'if [ "$rc" -ne 0 ] && [ "$(cat {done} 2>/dev/null)" = "{start}" ]; then',
+             '  echo "dora-hpc: the run is complete (rank 0 ended the step over its fenced ranks)"',
+             "  rc=0",
+             "fi"]
     if limit == 0:
-        return []
+        return [*lines, 'exit "$rc"']
     count = shlex.quote(str(run_dir / "failed_steps"))
-    return ["rc=$?",
+    return [*lines,
             f'if [ "$rc" -ne 0 ] && [ "$(cat {count} 2>/dev/null | wc -l)" -lt {limit} ]; then',
             f'  echo "$SLURM_JOB_ID step failed (exit $rc)" >> {count}',
             '  echo "dora-hpc: the step failed (exit $rc): requeueing the job to resume from its checkpoint"',
@@ -116,10 +136,45 @@ def script(cfg: RunConfig, run_dir: Path) -> str:
 
 def submit(cfg: RunConfig, run_dir: Path, resume: str = "no"):
     """Prepare the run directory and submit; returns the submitit Job (job.job_id)."""
-    from ..runtime.main import main as rank_main
     from .local import prepare
 
     run_dir = run_dir.resolve()
     prepare(cfg, run_dir, resume)
+    from ..runtime.main import main as rank_main
+
     ex = make_executor(cfg, run_dir)
-    return ex.submit(rank_main, str(run_dir))
+    return ex.submit(task if cfg.slurm.fence_rollout else rank_main, str(run_dir))
+
+
+def task(run_dir: str) -> int:
+    """One task of the job step (submitit runs it). The orchestrator and the trainers run here; a rollout
+    rank runs as a child process (it inherits the PMI connection, so it is the MPI rank), and when a
+    signal kills it (SIGKILL, the kernel's OOM killer) this task leaves ``pids/rank-N.dead`` for rank 0
+    and exits 0: srun keeps the step, rank 0 fences the instance and the run goes on. A rank that raised
+    exits with its status, which ends the step (--kill-on-bad-exit) as before."""
+    from ..runtime.main import main as rank_main
+    from ..runtime.roles import Roles
+
+    rank = int(os.environ.get("PMI_RANK") or os.environ.get("SLURM_PROCID") or 0)
+    cfg = json.loads((Path(run_dir) / "launch.json").read_text())["config"]
+    if Roles(rank + 1, cfg["cluster"]["trainer_ranks"]).role(rank) != "rollout":
+        return rank_main(run_dir)
+    fd = os.environ.get("PMI_FD")
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):  # Slurm signals the rank too
+        signal.signal(s, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-m", "dora_hpc.runtime.main", run_dir],
+                             pass_fds=(int(fd),) if fd and fd.isdigit() else (), preexec_fn=_default_signals)
+    rc = child.wait()
+    if rc >= 0:
+        if rc:
+            sys.exit(rc)
+        return 0
+    (Path(run_dir) / "pids" / f"rank-{rank}.dead").write_text(str(child.pid))
+    print(f"dora-hpc: rank {rank} (a rollout instance) was killed by {signal.Signals(-rc).name} on "
+          f"{os.uname().nodename}: rank 0 fences it, the run goes on", file=sys.stderr, flush=True)
+    return 0
+
+
+def _default_signals() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)

@@ -284,6 +284,10 @@ def finish(world, comm, run: Path, outcome: str) -> None:
     if comm.fenced:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
         comm.group.Barrier()
         if world.Get_rank() == 0:
+            if os.environ.get("SLURM_JOB_ID"):  # srun fails a step ended by MPI_Abort: the job script's tail
+                # reads this start's marker as a complete run (launch/slurm.py: requeue_on_failure)
+                (run / "pids" / "complete").write_text(
+                    f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_RESTART_COUNT') or 0}")
             world.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks
 
 

@@ -260,8 +260,8 @@ class Orchestrator(OpLog):
         left; a trainer (or the last rollout rank) ends the job naming it, committing nothing: the last
         checkpoint stands (resumable: a requeued job continues from it)."""
         now = time.monotonic()
-        for r in self.live_rollout:  # the launcher saw it die (launch/local.py: DeathWatch)
-            if (self.run_dir / "pids" / f"rank-{r}.dead").exists() and len(self.live_rollout) > 1:
+        for r in self.live_rollout:  # its launcher saw it die (launch/local.py: DeathWatch; launch/slurm.py: task)
+            if self.died(r) and len(self.live_rollout) > 1:
                 self.fence(r, now - self.last_heard.get(r, now), cause="died")
         for r, t in list(self.last_heard.items()):
             if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s:
@@ -273,6 +273,15 @@ class Orchestrator(OpLog):
             self.log.flush()
             raise RankHung(f"rank {r} ({self.roles.role(r)}) sent nothing for {now - t:.0f} s "
                            f"(runtime.hang_timeout_s={self.cfg.runtime.hang_timeout_s:g})")
+
+    def died(self, r: int) -> bool:
+        """``pids/rank-N.dead`` names this start's process of rank ``r`` (a marker of an earlier start, under
+        Slurm, where the directory persists across requeues, names another pid)."""
+        pids = self.run_dir / "pids"
+        try:
+            return (pids / f"rank-{r}.dead").read_text().strip() == (pids / f"rank-{r}").read_text().strip()
+        except OSError:
+            return False
 
     @property
     def live_rollout(self) -> list[int]:
