@@ -8,7 +8,8 @@ Invariants:
 * a cached block has an entry naming what its first slots hold: (the chain digest of every token before
   the block, the tokens in its first slots). A full block's entry is also keyed by its own chain digest
   (``digest``), so a prefix is matched block by block; the last, partial block is matched by its tokens
-  (a tail). A write into slots an entry names first cuts the entry to the slots before it;
+  (a tail), among the entries with its parent and first token. A write into slots an entry names first
+  cuts the entry to the slots before it;
 * a cached block whose ``ref`` falls to 0 stays cached and counts as free; it is reused only when no
   uncached free block is left, least recently released first, and its entry goes with it;
 * ``clear_cache`` forgets every entry (the engine does so when its weights change: KV computed under one
@@ -53,7 +54,8 @@ class KVPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # uncached free blocks, a stack: low ids first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, least recently released first
         self._entry: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (parent digest, tokens it holds)
-        self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent digest -> {block: tokens}
+        # (parent digest, first token) -> {block: tokens}: the blocks that may continue a prefix with that token
+        self._children: dict[tuple[bytes, int], dict[int, tuple[int, ...]]] = {}
         self._full: dict[bytes, int] = {}  # a full block's own digest -> the block
         self.copies = 0  # copy-on-write copies made
 
@@ -166,7 +168,8 @@ class KVPool:
             parent = d
         n = len(blocks) * bs
         best, best_n = None, 0
-        for b, held in self._children.get(parent, {}).items():
+        kids = self._children.get((parent, tokens[n]), {}) if n < limit else {}
+        for b, held in kids.items():
             common = 0
             for x, y in zip(held, tokens[n:limit], strict=False):
                 if x != y:
@@ -189,12 +192,12 @@ class KVPool:
             full = full or digest(parent, tokens)
             if full in self._full:
                 return
-        elif any(held[:len(tokens)] == tokens for held in self._children.get(parent, {}).values()):
+        elif any(held[:len(tokens)] == tokens for held in self._children.get((parent, tokens[0]), {}).values()):
             return
         if b in self._entry:
             self._forget(b)
         self._entry[b] = (parent, tokens)
-        self._children.setdefault(parent, {})[b] = tokens
+        self._children.setdefault((parent, tokens[0]), {})[b] = tokens
         if len(tokens) == self.block_size:
             self._full[full] = b
 
@@ -209,14 +212,14 @@ class KVPool:
         self._forget(b)
         if keep:
             self._entry[b] = (parent, tokens[:keep])
-            self._children.setdefault(parent, {})[b] = tokens[:keep]
+            self._children.setdefault((parent, tokens[0]), {})[b] = tokens[:keep]
 
     def _forget(self, b: int) -> None:
         parent, tokens = self._entry.pop(b)
-        kids = self._children[parent]
+        kids = self._children[(parent, tokens[0])]
         del kids[b]
         if not kids:
-            del self._children[parent]
+            del self._children[(parent, tokens[0])]
         if len(tokens) == self.block_size:
             d = digest(parent, tokens)
             if self._full.get(d) == b:
