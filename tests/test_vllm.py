@@ -26,7 +26,9 @@ def tiny_dir(tmp_path_factory):
 def engines(tiny_dir):
     from dora_hpc.engine.vllm import VllmEngine
 
-    return [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0) for _ in range(2)]
+    # vLLM's prefix caching on, as a run has it (engine.prefix_caching): migration and offload stay exact
+    return [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, prefix_caching=True)
+            for _ in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +242,7 @@ def tp_engines(tiny_dir):
     from dora_hpc.engine.vllm import VllmEngine
 
     engines = [VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=8, seed=0, version=0, tensor_parallel=2,
-                          sleepable=True) for _ in range(2)]
+                          sleepable=True, prefix_caching=True) for _ in range(2)]
     yield engines
     for e in engines:  # their four worker processes go now, not at the end of the whole session
         e.close()
@@ -428,3 +430,22 @@ def test_a_multi_turn_run_on_the_vllm_backend_keeps_every_invariant(tmp_path):
     assert a["turns"]["max"] == 3 and a["env_errors"] == 0 and a["multi_version_episodes"] == 0
     assert a["logprob_gap"]["tokens"] > 0 and a["logprob_gap"]["max"] < 1e-3, a["logprob_gap"]  # later turns too
     assert a["reprefill_tokens"] <= 32 * a["migrations"]  # a migration recomputes at most its tail block
+
+
+def test_a_prompt_vllm_holds_is_not_prefilled_again(engines):
+    """vLLM's prefix caching (engine.prefix_caching): samples of a prompt added after its first was computed
+    take its whole blocks from the cache (prefix_hit_tokens) and generate what the first did (greedy)."""
+    e = engines[0]
+    prompt = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(11)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = e.stats()
+    e.add(500, prompt, params, e.version)
+    e.step()
+    for i in range(501, 504):
+        e.add(i, prompt, params, e.version)
+    out = run_all(e)
+    st = e.stats()
+    whole = len(prompt) // e.block_size * e.block_size
+    assert st["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 3 * whole
+    assert st["prefill_tokens"] - before["prefill_tokens"] == 4 * len(prompt) - 3 * whole
+    assert len({tuple(out[i].response) for i in range(500, 504)}) == 1

@@ -205,7 +205,8 @@ class EngineConfig(Section):
         "built-in engine and the simulator (which models offload for DORA only)")
     prefix_caching: bool = Field(
         True, description="the built-in engine holds a prompt that several sequences share (a group's samples, a "
-        "system prompt) once and prefills it once (docs/architecture.md, the KV pool); vllm: off for now")
+        "system prompt) once and prefills it once (docs/architecture.md, the KV pool); vllm: its own prefix caching, "
+        "carried KV written only past the blocks it found cached")
 
     @model_validator(mode="after")
     def _vllm_only(self) -> EngineConfig:

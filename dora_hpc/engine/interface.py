@@ -79,7 +79,8 @@ def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
         from .vllm import VllmEngine
 
         return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype,
-                          gpu_memory_utilization=e.gpu_memory_utilization, sleepable=borrowed)
+                          gpu_memory_utilization=e.gpu_memory_utilization, sleepable=borrowed,
+                          prefix_caching=e.prefix_caching)
     from .engine import Engine
     from .model import load_model
 

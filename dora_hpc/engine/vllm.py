@@ -71,7 +71,7 @@ class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
                  prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.9, sleepable: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.9, sleepable: bool = False, prefix_caching: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: one per MPI rank
         on_gpu = torch.cuda.is_available()
         if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -110,7 +110,7 @@ class VllmEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             max_num_batched_tokens=max(max_batched_tokens, self.max_len), logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
+            enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(
                 kv_connector="DoraKVConnector", kv_connector_module_path="dora_hpc.engine.vllm_kv",
                 kv_role="kv_both", engine_id=self.engine_id)))
         self.scheduler = self.llm.engine_core.engine_core.scheduler  # in-process: block tables for export
@@ -351,8 +351,11 @@ class VllmEngine:
             if live is None:
                 continue  # aborted meanwhile
             c = out.outputs[0]
-            if not live.new and c.token_ids:
-                prefilled += len(live.prompt) + len(live.carried) - live.kv_tokens
+            if not live.new and c.token_ids:  # its first output: what vLLM computed of its context
+                context = len(live.prompt) + len(live.carried)
+                have = max(live.kv_tokens, out.num_cached_tokens or 0)  # carried, or found in the prefix cache
+                prefilled += context - have
+                self.counts["prefix_hit_tokens"] += have - live.kv_tokens
             fresh = list(c.token_ids[len(live.new):])  # outputs are cumulative: take what is new
             lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])[len(live.logprobs):]]
             self.counts["decode_tokens"] += len(fresh)

@@ -16,6 +16,8 @@ Invariants:
   counted as re-prefill by the engine;
 * a pending import is consumed exactly once, by the step that first gives the request blocks; if vLLM
   cannot give it blocks yet, the scheduler asks again later and the KV is still here;
+* with vLLM's prefix caching the blocks vLLM found cached (``num_computed_tokens``, whole blocks) are
+  not written: the carried KV goes into the request's blocks after them only;
 * both instances run the same model with the same block size and tensor-parallel size, so a worker's
   block is copied as-is, whatever the attention backend's layout (the block index is dim 0, or dim 1
   for [2, blocks, ...] layouts); a KV of another TP size is refused before it is parked.
@@ -84,7 +86,9 @@ class DoraKVConnector(KVConnectorBase_V1):
         self.engine_id = self._kv_transfer_config.engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
-        self.allocated: dict[str, list[int]] = {}  # scheduler side: imports that got blocks this step
+        self.allocated: dict[str, tuple[int, list[int]]] = {}  # scheduler side: imports that got blocks
+        #   this step: (the first carried block to write, the blocks it goes to)
+        self.cached: dict[str, int] = {}  # scheduler side: blocks vLLM's prefix cache gave an import
         PENDING.setdefault(self.engine_id, {})
 
     @property
@@ -114,19 +118,23 @@ class DoraKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        got = PENDING[self.engine_id].get(external_id(request.request_id))
+        req = external_id(request.request_id)
+        got = PENDING[self.engine_id].get(req)
         if got is None or got[1] <= num_computed_tokens:
             return 0, False
+        self.cached[req] = num_computed_tokens // self.block_size
         return got[1] - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
             req = external_id(request.request_id)
             n = PENDING[self.engine_id][req][1] // self.block_size
-            self.allocated[req] = list(blocks.get_block_ids()[0][:n])
+            first = self.cached.pop(req, 0)
+            self.allocated[req] = (first, list(blocks.get_block_ids()[0][first:n]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         pending = PENDING[self.engine_id]
-        got = [(blocks, pending.pop(req, None)) for req, blocks in self.allocated.items()]
+        got = [(first, blocks, pending.pop(req, None)) for req, (first, blocks) in self.allocated.items()]
         self.allocated = {}
-        return LoadMeta(num_blocks=self.num_blocks, loads=[(blocks, kv[0]) for blocks, kv in got if kv is not None])
+        return LoadMeta(num_blocks=self.num_blocks, loads=[(blocks, kv[0][:, :, first:]) for first, blocks, kv in got
+                                                          if kv is not None])
