@@ -186,6 +186,9 @@ def main(run_dir: str) -> int:
         print(f"dora-hpc: removed {len(gone)} MPICH shared-memory segments a dead start left on "
               f"{os.uname().nodename}: {', '.join(gone)}", file=sys.stderr, flush=True)
     MPI = init_mpi()  # noqa: N806 - mpi4py's module, under its own name
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code (MPI, UCX, torch) prints every thread's Python stack
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
