@@ -255,3 +255,46 @@ def test_a_moved_sequence_shares_the_bit_equal_prefix_its_target_holds(tiny_dir)
     got = run_all(b)[7]
     assert got.response == expected.response
     assert max(abs(x - y) for x, y in zip(got.logprobs, expected.logprobs, strict=True)) < 1e-5
+
+
+def test_requests_sharing_a_cached_system_prompt_start_together(tiny_dir):
+    """8 requests: a 32-token shared prefix, then 20 tokens of their own. The first prefills the prefix; in
+    the next step every other takes it from the cache and prefills only its own tokens, all at once (waiting
+    pays only while a block or more of one's prompt is being prefilled by another)."""
+    head = list(range(3, 35))
+    e = Engine(tiny_dir, kv_blocks=64, block_size=16, max_num_seqs=8, max_batched_tokens=512)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    for i in range(8):
+        e.add(i, head + [100 + 20 * i + j for j in range(20)], params, 0)
+    running = []
+    for _ in range(3):
+        e.step()
+        running.append(e.stats()["running"])
+    assert running[:2] == [1, 8], running
+    assert e.stats()["prefix_hit_tokens"] == 7 * 32
+
+
+def test_a_sequence_moved_without_its_kv_takes_the_prompt_its_target_holds(tiny_dir):
+    prompt = torch.randint(3, 500, (57,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    a, b = Engine(tiny_dir, kv_blocks=64, block_size=8), Engine(tiny_dir, kv_blocks=64, block_size=8)
+    b.add(1, prompt, params, 0)
+    run_all(b)  # b holds the prompt's 7 full blocks, cached
+    a.add(2, prompt, params, 0)
+    meta, kv = a.export(2)  # not started: no KV
+    b.import_(meta, kv)
+    run_all(b)
+    assert b.stats()["prefix_hit_tokens"] == 56 and b.stats()["prefill_tokens"] == 57 + 1
+
+
+def test_a_tail_match_on_a_freed_full_block_keeps_the_chain_after_it():
+    """A sequence that takes the first slots of a cached full block nobody holds copies it, so the chain
+    of blocks cached after it stays matchable."""
+    m = Model(blocks=12)
+    assert m.start(0, list(range(1, 13)))  # 3 full blocks of 4
+    m.pool.release(m.seqs.pop(0)[1])
+    assert m.start(1, [1, 2, 3, 4, 5, 6, 99])  # takes block 0 whole and 2 slots of block 1
+    table, n, _ = m.pool.match(list(range(1, 14)), 12)
+    assert n == 12  # blocks 1 and 2 are still cached
+    m.pool.release(table)
+    m.check()

@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -203,13 +204,17 @@ class Engine:
         if kv.shape[2] != meta["n_cached"]:
             raise RequestError(f"request {meta['req_id']}: KV holds {kv.shape[2]} tokens, metadata says "
                                f"{meta['n_cached']}")
-        held = meta.get("held", False)
+        held, carried = meta.get("held", False), meta["n_cached"] > 0
+        # with no KV it waits like a new request (and takes what the cache holds); else it is restored
         seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["response"]),
-                       list(meta["logprobs"]), status=Status.OFFLOADED, host_kv=kv, n_cached=meta["n_cached"],
-                       auto_restore=not held, hold=meta.get("hold", False), held=held,
-                       turn_start=meta.get("turn_start", 0))
+                       list(meta["logprobs"]), status=Status.OFFLOADED if carried else Status.WAITING,
+                       host_kv=kv if carried else None, n_cached=meta["n_cached"], auto_restore=not held and carried,
+                       hold=meta.get("hold", False), held=held, turn_start=meta.get("turn_start", 0))
+        if self.prefix_caching and len(seq.prompt) > self.kv.block_size:
+            seq.head = digest(b"", seq.prompt[:self.kv.block_size])
         self.seqs[seq.req_id] = seq
-        self._try_restore(seq)
+        if carried:
+            self._try_restore(seq)
 
     def offload(self, req_id: int) -> None:
         """Copy a request's KV to host memory and free its blocks; it waits until restore()."""
@@ -304,25 +309,29 @@ class Engine:
                 break  # restored; it runs when the next step has room
             plan.append((seq, n))
             budget -= n
-        # prompts with a block or more prefilled in this step: a sequence whose prompt starts as one of them
-        # waits, then matches what they leave in the cache
+        # sequences prefilling a block or more of their prompt in this step, by their prompt's first block: a
+        # sequence that would take a block or more of that prompt from the cache once they are done waits
         bs = self.kv.block_size
-        prefilling = {s.head for s, _ in plan if s.head and len(s.prompt) - s.n_cached >= bs}
+        prefilling: dict[bytes, list[Sequence]] = {}
+        for s, _ in plan:
+            if s.head and len(s.prompt) - s.n_cached >= bs:
+                prefilling.setdefault(s.head, []).append(s)
         for seq in waiting:
             if budget <= 0 or len(plan) >= self.max_num_seqs:
                 break
-            if seq.head in prefilling and not seq.table:
+            fresh = self.prefix_caching and not seq.table
+            matched = fresh and self._match(seq)
+            if fresh and seq.head in prefilling and self._gains_by_waiting(seq, prefilling[seq.head]):
+                self._unmatch(seq)
                 continue
-            matched = self.prefix_caching and not seq.table and self._match(seq)
             n = min(len(seq) - seq.n_cached, budget)
             if not self._grow_past_held(seq, n):
                 if matched:  # it waits holding nothing
-                    self.kv.release(seq.table)
-                    seq.table, seq.n_cached = [], 0
+                    self._unmatch(seq)
                 break
             self.counts["prefix_hit_tokens"] += seq.n_cached if matched else 0
             if seq.head and len(seq.prompt) - seq.n_cached >= bs:
-                prefilling.add(seq.head)
+                prefilling.setdefault(seq.head, []).append(seq)
             seq.status = Status.RUNNING
             plan.append((seq, n))
             budget -= n
@@ -405,6 +414,15 @@ class Engine:
         """Take the longest cached prefix of a sequence that holds no KV (all but its last token)."""
         seq.table, seq.n_cached, seq.digests = self.kv.match(seq.tokens, len(seq) - 1)
         return seq.n_cached > 0
+
+    def _unmatch(self, seq: Sequence) -> None:
+        self.kv.release(seq.table)
+        seq.table, seq.n_cached = [], 0
+
+    def _gains_by_waiting(self, seq: Sequence, leaders: list[Sequence]) -> bool:
+        """Whether a block or more of ``seq``'s prompt, beyond what it matched, is being prefilled now."""
+        shared = max(len(os.path.commonprefix([s.prompt, seq.prompt])) for s in leaders)
+        return min(shared, len(seq) - 1) - seq.n_cached >= self.kv.block_size
 
     def _register(self, seq: Sequence, old: int) -> None:
         """Make the blocks ``seq`` filled since it held ``old`` tokens of KV matchable, and its prompt's last

@@ -133,15 +133,16 @@ class KVPool:
         the write. Raises KVFull, changing nothing, when the blocks it needs are not free."""
         bs = self.block_size
         first, have = start // bs, min(len(table), self.blocks_for(end))
-        shared = [i for i in range(first, have) if self.ref[table[i]] > 1]
+        # copied: blocks another table holds, and cached full blocks (a tail match of one keeps its chain)
+        shared = [i for i in range(first, have) if self.ref[table[i]] > 1 or self._is_full(table[i])]
         if self.blocks_for(end) - len(table) + len(shared) > self.free_blocks:
             raise KVFull(f"need {self.blocks_for(end) - len(table) + len(shared)} KV blocks, {self.free_blocks} free")
         for i in shared:
             (b,), old = self.allocate(1), table[i]
             self.k[:, b * bs:(b + 1) * bs] = self.k[:, old * bs:(old + 1) * bs]
             self.v[:, b * bs:(b + 1) * bs] = self.v[:, old * bs:(old + 1) * bs]
-            self.ref[old] -= 1  # another table still holds it
             table[i] = b
+            self.release([old])  # another table still holds it, or it stays cached
             self.copies += 1
         for i in range(first, have):
             b = table[i]
@@ -206,6 +207,10 @@ class KVPool:
             self._forget(b)
         self._free.extend(sorted(self._lru, reverse=True))
         self._lru.clear()
+
+    def _is_full(self, b: int) -> bool:
+        entry = self._entry.get(b)
+        return entry is not None and len(entry[1]) == self.block_size
 
     def _cut(self, b: int, keep: int) -> None:
         parent, tokens = self._entry[b]

@@ -120,6 +120,9 @@ class DoraKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         req = external_id(request.request_id)
         got = PENDING[self.engine_id].get(req)
+        if got is not None and got[1] <= num_computed_tokens:  # vLLM's cache holds all it carries: drop it
+            PENDING[self.engine_id].pop(req)
+            self.cached.pop(req, None)
         if got is None or got[1] <= num_computed_tokens:
             return 0, False
         self.cached[req] = num_computed_tokens // self.block_size
