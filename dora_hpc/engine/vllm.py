@@ -328,7 +328,8 @@ class VllmEngine:
         if self.asleep:
             self._wake("kv_cache")
             self.asleep = False
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():  # KV of the old weights must never be matched under the new
+            raise RequestError(f"loading v{version}: vLLM kept its prefix cache (a request still holds blocks)")
         self.state = {**self.state, **state}
         self.version = version
         for req_id, live in self.reqs.items():
