@@ -168,17 +168,23 @@ def test_the_work_planner_weighs_versions_by_decode_tokens_left_within_the_same_
     assert target_counts(6, 4, alone, latest=1) == {0: 2, 1: 4}
 
 
+def _ready_view(slots: int, group_size: int, groups: int, together: bool) -> ClusterView:
+    """Three instances hosting v0, ``groups`` groups of v0 queued."""
+    view = ClusterView(3, slots, group_size=group_size, group_together=together)
+    for i in range(3):
+        view.assign(AssignVersion(i, 0))
+        view.ready(i, 0)
+    for g in range(groups):
+        view.enqueue_group(g, 0)
+    return view
+
+
 @pytest.mark.parametrize("together", [False, True])
 def test_a_groups_samples_go_where_one_of_them_runs_when_the_engines_share_its_prompt(together):
     """3 instances of 8 slots, groups of 4: least loaded first spreads each group over the instances; with
     group_together each group runs on one instance while that has room. A group that does not fit is
     split: its first samples fill the instance with room, the rest wait for a slot."""
-    view = ClusterView(3, 8, group_size=4, group_together=together)
-    for i in range(3):
-        view.assign(AssignVersion(i, 0))
-        view.ready(i, 0)
-    for g in range(6):
-        view.enqueue_group(g, 0)
+    view = _ready_view(slots=8, group_size=4, groups=6, together=together)
 
     def groups(cmds):
         where = {}
@@ -200,12 +206,7 @@ def test_the_planner_moves_a_released_instances_samples_to_where_their_group_run
     """Groups of 2 on three v0 instances of 4 slots; v1 is starved, so the emptiest (instance 2, running
     sample 0 of groups 0 and 1) is released. Best fit alone sends each to the fullest peer with room,
     splitting both groups; with group_together each joins its sibling, whose prompt that engine holds."""
-    view = ClusterView(3, 4, group_size=2, group_together=together)
-    for i in range(3):
-        view.assign(AssignVersion(i, 0))
-        view.ready(i, 0)
-    for g in range(4):
-        view.enqueue_group(g, 0)
+    view = _ready_view(slots=4, group_size=2, groups=4, together=together)
     for tid, i in {0: 2, 2: 2, 3: 0, 4: 0, 5: 0, 1: 1, 6: 1}.items():
         view._put(tid, i)
         view.queues[0].remove(tid)

@@ -28,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .kv import KVFull, KVPool, digest
+from .kv import KVFull, KVPool, common_prefix, digest
 from .model import Batch, DecoderLM, check_state, load_model
 from .sampling import SamplingParams, sample_batch, uniform
 
@@ -134,9 +133,7 @@ class Engine:
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
-        seq = self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold)
-        if self.prefix_caching and len(prompt) > self.kv.block_size:
-            seq.head = digest(b"", prompt[:self.kv.block_size])
+        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold, head=self._head(prompt))
 
     def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
         """The next turn of a held episode: ``tokens`` (the environment's) join its context, then up to
@@ -209,9 +206,8 @@ class Engine:
         seq = Sequence(meta["req_id"], meta["version"], list(meta["prompt"]), params, list(meta["response"]),
                        list(meta["logprobs"]), status=Status.OFFLOADED if carried else Status.WAITING,
                        host_kv=kv if carried else None, n_cached=meta["n_cached"], auto_restore=not held and carried,
-                       hold=meta.get("hold", False), held=held, turn_start=meta.get("turn_start", 0))
-        if self.prefix_caching and len(seq.prompt) > self.kv.block_size:
-            seq.head = digest(b"", seq.prompt[:self.kv.block_size])
+                       hold=meta.get("hold", False), held=held, turn_start=meta.get("turn_start", 0),
+                       head=self._head(meta["prompt"]))
         self.seqs[seq.req_id] = seq
         if carried:
             self._try_restore(seq)
@@ -311,10 +307,9 @@ class Engine:
             budget -= n
         # sequences prefilling a block or more of their prompt in this step, by their prompt's first block: a
         # sequence that would take a block or more of that prompt from the cache once they are done waits
-        bs = self.kv.block_size
         prefilling: dict[bytes, list[Sequence]] = {}
         for s, _ in plan:
-            if s.head and len(s.prompt) - s.n_cached >= bs:
+            if self._prefills_a_block(s):
                 prefilling.setdefault(s.head, []).append(s)
         for seq in waiting:
             if budget <= 0 or len(plan) >= self.max_num_seqs:
@@ -330,7 +325,7 @@ class Engine:
                     self._unmatch(seq)
                 break
             self.counts["prefix_hit_tokens"] += seq.n_cached if matched else 0
-            if seq.head and len(seq.prompt) - seq.n_cached >= bs:
+            if self._prefills_a_block(seq):
                 prefilling.setdefault(seq.head, []).append(seq)
             seq.status = Status.RUNNING
             plan.append((seq, n))
@@ -415,13 +410,21 @@ class Engine:
         seq.table, seq.n_cached, seq.digests = self.kv.match(seq.tokens, len(seq) - 1)
         return seq.n_cached > 0
 
+    def _head(self, prompt: list[int]) -> bytes | None:
+        """With prefix caching, the digest of a prompt's first block (None for a prompt of a block or less)."""
+        bs = self.kv.block_size
+        return digest(b"", prompt[:bs]) if self.prefix_caching and len(prompt) > bs else None
+
+    def _prefills_a_block(self, seq: Sequence) -> bool:
+        return seq.head is not None and len(seq.prompt) - seq.n_cached >= self.kv.block_size
+
     def _unmatch(self, seq: Sequence) -> None:
         self.kv.release(seq.table)
         seq.table, seq.n_cached = [], 0
 
     def _gains_by_waiting(self, seq: Sequence, leaders: list[Sequence]) -> bool:
         """Whether a block or more of ``seq``'s prompt, beyond what it matched, is being prefilled now."""
-        shared = max(len(os.path.commonprefix([s.prompt, seq.prompt])) for s in leaders)
+        shared = max(common_prefix(s.prompt, seq.prompt) for s in leaders)
         return min(shared, len(seq) - 1) - seq.n_cached >= self.kv.block_size
 
     def _register(self, seq: Sequence, old: int) -> None:

@@ -36,6 +36,16 @@ class KVFull(RuntimeError):
     """Not enough free blocks."""
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The chain digest of a full block: its parent's digest (b"" for the first block) and its tokens."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
@@ -171,11 +181,7 @@ class KVPool:
         best, best_n = None, 0
         kids = self._children.get((parent, tokens[n]), {}) if n < limit else {}
         for b, held in kids.items():
-            common = 0
-            for x, y in zip(held, tokens[n:limit], strict=False):
-                if x != y:
-                    break
-                common += 1
+            common = common_prefix(held, tokens[n:limit])
             if common > best_n:
                 best, best_n = b, common
         if best is not None:

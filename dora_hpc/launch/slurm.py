@@ -146,6 +146,9 @@ def submit(cfg: RunConfig, run_dir: Path, resume: str = "no"):
     return ex.submit(task if cfg.slurm.fence_rollout else rank_main, str(run_dir))
 
 
+RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # the rank's own to act on
+
+
 def task(run_dir: str) -> int:
     """One task of the job step (submitit runs it). The orchestrator and the trainers run here; a rollout
     rank runs as a child process (it inherits the PMI connection, so it is the MPI rank), and when a
@@ -160,7 +163,7 @@ def task(run_dir: str) -> int:
     if Roles(rank + 1, cfg["cluster"]["trainer_ranks"]).role(rank) != "rollout":
         return rank_main(run_dir)
     fd = os.environ.get("PMI_FD")
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):  # Slurm signals the rank too
+    for s in RANK_SIGNALS:  # Slurm signals the rank too
         signal.signal(s, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-m", "dora_hpc.runtime.main", run_dir],
                              pass_fds=(int(fd),) if fd and fd.isdigit() else (), preexec_fn=_default_signals)
@@ -176,5 +179,5 @@ def task(run_dir: str) -> int:
 
 
 def _default_signals() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    for s in RANK_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
