@@ -267,16 +267,18 @@ class KVPool:
         return table, shared
 
     def _equal_prefix(self, data: torch.Tensor, tokens: Sequence[int]) -> tuple[list[int], int]:
-        """The cached prefix of ``tokens`` (blocks held) as far as its values equal ``data``'s."""
+        """The cached prefix of ``tokens`` (blocks held) as far as its values equal ``data``'s, slot by slot."""
         blocks, n, _ = self.match(tokens, data.shape[2])
         bs, keep = self.block_size, 0
         for i, b in enumerate(blocks):
             m = min(n - i * bs, bs)
             src = data[:, :, i * bs:i * bs + m].to(self.k.device)
-            if not (torch.equal(self.k[:, b * bs:b * bs + m], src[:, 0].to(self.k))
-                    and torch.equal(self.v[:, b * bs:b * bs + m], src[:, 1].to(self.v))):
+            same = ((self.k[:, b * bs:b * bs + m] == src[:, 0].to(self.k))
+                    & (self.v[:, b * bs:b * bs + m] == src[:, 1].to(self.v))).transpose(0, 1).reshape(m, -1).all(1)
+            equal = int(same.int().cumprod(0).sum())  # its leading slots that hold the same bits
+            keep += equal
+            if equal < m:
                 break
-            keep += m
         used = self.blocks_for(keep) if keep % bs else keep // bs
         self.release(blocks[used:])
         return blocks[:used], keep
