@@ -45,3 +45,19 @@ def test_difficulty_is_a_prompts_pass_rate_over_the_run_when_the_run_says_which_
     easy = next(r for r in by_group["rows"] if r["bin"] == "[0.75, 1.00]")
     assert easy["delta"] == pytest.approx(-0.25) and by_group["rows"][1]["delta"] is None
     assert by_prompt["by_difficulty"] == by_group["by_difficulty"]
+
+
+def test_table3_in_the_papers_bins_places_each_group_by_k_of_16_and_leaves_out_groups_with_none_right():
+    """Groups of 16 with 0, 2, 6, 10, 13 and 16 right land in no bin, Hard, Medium-Hard, Medium-Easy, Easy and
+    Very Easy; groups of 4 with 1 right (4 of 16) are Medium-Hard, so Hard needs more than 4 samples a group."""
+    ks, g = [0, 2, 6, 10, 13, 16], 16
+    group = np.repeat(np.arange(len(ks)), g)
+    reward = np.concatenate([[1.0] * k + [0.0] * (g - k) for k in ks])
+    stale = np.repeat(np.arange(len(ks)), g) % 2
+    length = np.repeat(np.arange(len(ks)) * 10, g)
+    t3 = stratified(stale, reward, group, length)["by_difficulty_paper_bins"]
+    assert [r["groups"] for r in t3] == [1, 1, 1, 1, 1]
+    assert [r["mean_length"] for r in t3] == [10, 20, 30, 40, 50]
+    assert t3[1]["reward_variance"] == pytest.approx(6 / 16 * 10 / 16)
+    four = stratified(np.zeros(8), np.array([1, 0, 0, 0, 1, 1, 1, 1.0]), np.repeat([0, 1], 4), np.ones(8))
+    assert [r["groups"] for r in four["by_difficulty_paper_bins"]] == [0, 1, 0, 0, 1]

@@ -16,6 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 BINS = ((0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.01))
+# Table 3's own bins, as k of 16 right (a group with none right carries no signal and is left out); a group of
+# G fills the bin its k/G falls in, so with G = 4 "Hard" (1-3 of 16) stays empty
+PAPER_TABLE3 = (("Hard (1-3/16)", 1 / 16, 4 / 16), ("Medium-Hard (4-7/16)", 4 / 16, 8 / 16),
+                ("Medium-Easy (8-11/16)", 8 / 16, 12 / 16), ("Easy (12-14/16)", 12 / 16, 15 / 16),
+                ("Very Easy (15-16/16)", 15 / 16, 1.01))
 
 
 def _label(lo: float, hi: float) -> str:
@@ -61,16 +66,24 @@ def stratified(stale: np.ndarray, reward: np.ndarray, group: np.ndarray, length:
         m = (difficulty >= lo) & (difficulty < hi)
         cells = _cells(stale[m], passed[m]) if m.any() else {}
         rows.append({"bin": _label(lo, hi), "n": int(m.sum()), "by_staleness": cells, "delta": _delta(cells)})
-        groups_in = (g_pass >= lo) & (g_pass < hi)  # Table 3 bins groups by their own pass rate (k of G right)
-        rows_in = groups_in[g_idx]
-        table3.append({"bin": _label(lo, hi), "groups": int(groups_in.sum()),
-                       "reward_variance": float(g_var[groups_in].mean()) if groups_in.any() else None,
-                       "mean_length": float(length[rows_in].mean()) if rows_in.any() else None,
-                       "mean_staleness": float(stale[rows_in].mean()) if rows_in.any() else None})
+        table3.append(_signal(_label(lo, hi), (g_pass >= lo) & (g_pass < hi), g_idx, g_var, length, stale))
+    paper3 = [_signal(label, (g_pass >= lo) & (g_pass < hi), g_idx, g_var, length, stale)
+              for label, lo, hi in PAPER_TABLE3]
     order = np.argsort(stale, kind="stable")
     values, starts = np.unique(stale[order], return_index=True)
     median_len = {str(int(s)): float(np.median(chunk))
                   for s, chunk in zip(values, np.split(length[order], starts[1:]), strict=True)}
     return {"threshold": threshold, "difficulty_of": "group" if prompt is None else "prompt",
             "naive": {"by_staleness": naive, "delta": _delta(naive)},
-            "rows": rows, "by_difficulty": table3, "median_length_by_staleness": median_len}
+            "rows": rows, "by_difficulty": table3, "by_difficulty_paper_bins": paper3,
+            "median_length_by_staleness": median_len}
+
+
+def _signal(label: str, groups_in: np.ndarray, g_idx: np.ndarray, g_var: np.ndarray, length: np.ndarray,
+            stale: np.ndarray) -> dict:
+    """Table 3's row for the groups selected by ``groups_in`` (binned by their own pass rate, k of G right)."""
+    rows_in = groups_in[g_idx]
+    return {"bin": label, "groups": int(groups_in.sum()),
+            "reward_variance": float(g_var[groups_in].mean()) if groups_in.any() else None,
+            "mean_length": float(length[rows_in].mean()) if rows_in.any() else None,
+            "mean_staleness": float(stale[rows_in].mean()) if rows_in.any() else None}

@@ -6,36 +6,38 @@ here, which tools/paper_report.py puts in results/paper/README.md.
         results/paper/tables/analyze-partial.json 4 \
         results/paper/tables/rollout-bound/analyze-dora-k3-paced.json  # 4: the runs' group size
 
-A verdict weighs each difference against its sampling error: a stratum's pass-rate gap counts as a
-measured degradation only past two standard errors of the difference of two proportions.
+Nothing here is a verdict: tools/paper_report.py judges each table from what this writes (each within-bin gap with
+its standard error, the cells with too few responses, Table 3's claims as true or false).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FEW = 30  # responses: fewer at staleness 0 or 1 (a handful of groups) and a median gap is not a finding
+FEW = 30  # responses in a cell: fewer and its pass rate (or median length) is a handful of groups, not a finding
+MIDDLE = ("[0.25", "[0.50", "Medium")  # Table 3's middle bins, in our binning and in the paper's
 
 
 def _gaps(strat: dict) -> list[dict]:
-    """Per difficulty bin: fresh (staleness 0) against stale (>= 1) pass rates, the gap and its standard error."""
+    """Per difficulty bin, as Tables 1 and 2 compare them: staleness 1 against staleness 0, the pass-rate gap, its
+    standard error (two proportions) and whether either cell has fewer than FEW responses."""
     out = []
     for row in strat["rows"]:
-        cells = row["by_staleness"]
-        fresh = cells.get("0")
-        stale = [c for s, c in cells.items() if s != "0"]
-        n1 = sum(c["n"] for c in stale)
-        if not fresh or not n1:
-            out.append({"bin": row["bin"], "n0": fresh["n"] if fresh else 0, "n1": n1, "gap": None, "se": None})
+        fresh, stale = row["by_staleness"].get("0"), row["by_staleness"].get("1")
+        n0, n1 = fresh["n"] if fresh else 0, stale["n"] if stale else 0
+        if not n0 or not n1:
+            out.append({"bin": row["bin"], "n0": n0, "n1": n1, "gap": None, "se": None, "few": True})
             continue
-        p0, p1 = fresh["pass_rate"], sum(c["n"] * c["pass_rate"] for c in stale) / n1
-        p = (fresh["n"] * p0 + n1 * p1) / (fresh["n"] + n1)
-        se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / fresh["n"] + 1 / n1))
-        out.append({"bin": row["bin"], "n0": fresh["n"], "p0": p0, "n1": n1, "p1": p1, "gap": p1 - p0, "se": se})
+        p0, p1 = fresh["pass_rate"], stale["pass_rate"]
+        p = (n0 * p0 + n1 * p1) / (n0 + n1)
+        se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / n0 + 1 / n1))
+        out.append({"bin": row["bin"], "n0": n0, "p0": p0, "n1": n1, "p1": p1, "gap": p1 - p0, "se": se,
+                    "few": min(n0, n1) < FEW})
     return out
 
 
@@ -55,59 +57,43 @@ def _degenerate(strat: dict, group_size: int) -> str | None:
     return "; ".join(why) or None
 
 
-def _table(strat: dict, paper: str, group_size: int) -> dict:
-    gaps = _gaps(strat)
-    measured = [g for g in gaps if g["gap"] is not None]
-    worst = max(measured, key=lambda g: abs(g["gap"]) / g["se"]) if measured else None
-    naive = strat["naive"]["delta"]
-    ours = (f"naive {naive * 100:+.1f} pt; within bins " + ", ".join(
-        f"{g['bin']} {g['gap'] * 100:+.1f} (se {g['se'] * 100:.1f}, n {g['n0']}/{g['n1']})" for g in measured)
-        if measured and naive is not None else "no bin has both fresh and stale responses")
-    if not measured:
-        verdict = "not measurable: no bin holds both fresh and stale responses"
-    elif why := _degenerate(strat, group_size):
-        verdict = f"not measurable on this run: {why}"
-    elif all(abs(g["gap"]) <= 2 * g["se"] for g in measured):
-        n = sum(g["n0"] + g["n1"] for g in measured)
-        verdict = (f"consistent at this size, not a reproduction: no stratum's gap exceeds two standard errors "
-                   f"(largest {abs(worst['gap']) * 100:.1f} pt, se {worst['se'] * 100:.1f}) over {n} responses; "
-                   f"{paper}, on thousands")
-    else:
-        verdict = (f"differs: the {worst['bin']} stratum's gap {worst['gap'] * 100:+.1f} pt is "
-                   f"{abs(worst['gap']) / worst['se']:.1f} standard errors")
-    return {"ours": ours, "verdict": verdict, "bins": gaps}
+def _table(strat: dict, group_size: int) -> dict:
+    """Tables 1 and 2: the naive pass rate at staleness 0 and 1, and the within-bin gaps (s=1 minus s=0)."""
+    cells = strat["naive"]["by_staleness"]
+    return {"naive": {s: cells[s] for s in ("0", "1") if s in cells}, "bins": _gaps(strat),
+            "degenerate": _degenerate(strat, group_size), "few": FEW}
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation (no ties expected among a handful of bin means); None for fewer than 3 points."""
+    if len(xs) < 3:
+        return None
+    rx, ry = ([sorted(v).index(x) for x in v] for v in (xs, ys))
+    return statistics.correlation(rx, ry)
 
 
 def _table3(strat: dict) -> dict:
-    rows = [r for r in strat["by_difficulty"] if r["groups"]]
-    text = ", ".join(f"{r['bin']}: var {r['reward_variance']:.3f}, len {r['mean_length']:.0f}, "
-                     f"staleness {r['mean_staleness']:.2f} ({r['groups']} groups)" for r in rows)
-    middle = [r for r in rows if r["bin"].startswith(("[0.25", "[0.50"))]
-    longest = max(rows, key=lambda r: r["mean_length"]) if rows else None
-    stalest = max(rows, key=lambda r: r["mean_staleness"]) if rows else None
-    if not middle:
-        verdict = "not measurable: no group of middle difficulty"
-    else:
-        said = [f"the longest responses are in {longest['bin']}", f"the stalest in {stalest['bin']}"]
-        agree = longest in middle and stalest in middle
-        verdict = ("reproduced: " if agree else "differs: ") + "; ".join(said) + (
-            " (the paper: the middle bins are the longest and stalest; with binary rewards the variance "
-            "p(1-p) peaks in the middle by construction)")
-    return {"ours": text, "verdict": verdict, "bins": rows}
+    """Table 3 in the paper's bins (k of 16 right) where the analysis gives them, and the paper's three claims:
+    the variance peaks in a middle bin, responses shorten as problems get easier, staleness peaks in a middle
+    bin (the paper's own rows: variance 1.001 at 8-11/16, length 3,755 -> 2,711, staleness 1.01 at 4-7/16)."""
+    paper_bins = "by_difficulty_paper_bins" in strat
+    rows = [r for r in strat["by_difficulty_paper_bins" if paper_bins else "by_difficulty"] if r["groups"]]
+    if not paper_bins:  # our bins hold the groups with none right too: the paper's leave them out
+        rows = [r for r in rows if not r["bin"].startswith("[0.00")]
+    peak = {k: max(rows, key=lambda r: r[k])["bin"] if rows else None
+            for k in ("reward_variance", "mean_staleness")}
+    rho = _spearman(list(range(len(rows))), [r["mean_length"] for r in rows])
+    claims = {"variance peaks in a middle bin": peak["reward_variance"].startswith(MIDDLE) if rows else None,
+              "responses shorten as problems get easier": None if rho is None else rho < 0,
+              "staleness peaks in a middle bin": peak["mean_staleness"].startswith(MIDDLE) if rows else None}
+    return {"binning": "paper (k of 16)" if paper_bins else "k of 4, as [lo, hi) pass-rate bins", "bins": rows,
+            "peaks": peak, "length_rank_correlation": rho, "claims": claims}
 
 
 def _fig14b(strat: dict) -> dict:
     med = {int(s): v for s, v in strat["median_length_by_staleness"].items()}
-    if 0 not in med or 1 not in med:
-        return {"ours": json.dumps(med), "verdict": "not measurable: no staleness-0 or staleness-1 responses"}
-    more = med[1] / med[0] - 1
     n = {int(s): c["n"] for s, c in strat["naive"]["by_staleness"].items()}
-    text = " / ".join(f"s={s}: {v:.0f}" for s, v in sorted(med.items())) + f" tokens (s=1 vs 0: {more:+.0%})"
-    longer = more > 0.10
-    label = "too few to tell" if min(n.get(0, 0), n.get(1, 0)) < FEW else "reproduced" if longer else "differs"
-    finding = "stale responses are longer" if longer else "stale responses are not markedly longer"
-    return {"ours": text, "verdict": f"{label}: {finding} (paper +47%), on {n.get(0, 0)} / {n.get(1, 0)} responses "
-            "at staleness 0 / 1", "median_length_by_staleness": med}
+    return {"median_length_by_staleness": med, "n": n, "few": FEW}
 
 
 def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None) -> None:
@@ -116,20 +102,15 @@ def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json:
     dora = json.loads(Path(dora_json).read_text())["stratified"]
     partial = json.loads(Path(partial_json).read_text())["stratified"]
     g = int(group_size)
-    summary = {"table1": _table(dora, "paper: |gap| < 0.6 pt", g),
-               "table2": _table(partial, "paper: |gap| <= 0.33 pt", g),
-               "table3": _table3(dora), "fig14b": _fig14b(dora), "sources": [dora_json, partial_json],
+    summary = {"table1": _table(dora, g), "table2": _table(partial, g), "table3": _table3(dora),
+               "fig14b": _fig14b(dora), "sources": [dora_json, partial_json],
                "staleness": {"dora": dora["naive"]["by_staleness"], "partial": partial["naive"]["by_staleness"]}}
     if rollout_bound_json:
         paced = json.loads(Path(rollout_bound_json).read_text())["stratified"]
-        summary["rollout_bound"] = {"table1": _table(paced, "paper: |gap| < 0.6 pt", g), "table3": _table3(paced),
-                                    "fig14b": _fig14b(paced), "source": rollout_bound_json,
-                                    "staleness": paced["naive"]["by_staleness"]}
+        summary["rollout_bound"] = {"table1": _table(paced, g), "table3": _table3(paced), "fig14b": _fig14b(paced),
+                                    "source": rollout_bound_json, "staleness": paced["naive"]["by_staleness"]}
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    for name, tables in (("", summary), ("rollout-bound ", summary.get("rollout_bound", {}))):
-        for k in ("table1", "table2", "table3", "fig14b"):
-            if k in tables:
-                print(name + k, tables[k]["ours"], "->", tables[k]["verdict"])
+    print(f"wrote {HERE / 'summary.json'}")
 
 
 if __name__ == "__main__":
