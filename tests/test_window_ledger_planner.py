@@ -216,3 +216,23 @@ def test_the_planner_moves_a_released_instances_samples_to_where_their_group_run
         view.enqueue_group(g, 1)
     moves = {m.traj_id: m.dst for m in plan(view, latest=1) if isinstance(m, Migrate)}
     assert moves == ({0: 1, 2: 0} if together else {0: 0, 2: 1}), moves
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_released_instances_group_moves_whole_to_a_peer_it_fits_on(together):
+    """Groups of 3 on three v0 instances of 6 slots. Instance 2 (the emptiest: group 0 alone) is released for a
+    starved v1. Best fit sends the first sample to the fullest peer with room (instance 0, 2 free) and the
+    group splits 2 / 1, its prompt then held on two engines; with group_together the group moves whole to the
+    peer with room for all three (instance 1)."""
+    view = _ready_view(slots=6, group_size=3, groups=4, together=together)
+    where = {0: 2, 1: 2, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0, 7: 1, 8: 1, 9: 1}
+    for tid, i in where.items():
+        view._put(tid, i)
+        view.queues[0].remove(tid)
+    view.queues[0].remove(10)
+    view.queues[0].remove(11)
+    del view.trajs[10], view.trajs[11]
+    for g in range(4, 7):
+        view.enqueue_group(g, 1)
+    moves = {m.traj_id: m.dst for m in plan(view, latest=1) if isinstance(m, Migrate)}
+    assert moves == ({0: 1, 1: 1, 2: 1} if together else {0: 0, 1: 0, 2: 1}), moves

@@ -15,7 +15,8 @@ Invariants:
 * ``plan`` is minimal: an instance is reassigned only when its version has a surplus *and* another
   version is starved (queued requests beyond its free slots). Requests on a released instance
   migrate to kept instances of the same version (best fit: the fullest peer with room, so legacy
-  requests consolidate), with their KV unless told otherwise, never to another version. An
+  requests consolidate; with ``group_together``, where their group runs or fits whole, so no prompt
+  is held twice), with their KV unless told otherwise, never to another version. An
   instance still loading weights is never released (its InstanceReady is outstanding). Weights
   come peer-to-peer from a ready instance of the version when one exists.
 """
@@ -113,10 +114,7 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bo
         rooms = {j: free[j] for j in mine if j not in set(released) and free[j] > 0}
         for i in released:
             for tid in sorted(view.instances[i].active):
-                # a kept peer running a sample of its group (the engines share the group's prompt: nothing
-                # of it is held twice), else best fit: the fullest kept peer with room
-                j = view.with_its_group(tid, rooms) if view.group_together else None
-                j = j if j is not None else min(rooms, key=lambda x: (rooms[x], x))
+                j = _destination(view, tid, i, rooms)
                 m = Migrate(tid, i, j, carry_kv)
                 view.migrate(m)
                 out.append(m)
@@ -134,3 +132,20 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bo
             view.assign(cmd)
             out.append(cmd)
     return out
+
+
+def _destination(view: ClusterView, tid: int, src: int, rooms: dict[int, int]) -> int:
+    """Where a request of a released instance goes: best fit (the fullest kept peer with room). When the engines
+    share a group's prompt (``group_together``), first a peer running a sample of its group (its prompt is held
+    there already), then the fullest peer with room for every sample of its group still on ``src`` (a split
+    group holds its prompt twice)."""
+    if view.group_together:
+        j = view.with_its_group(tid, rooms)
+        if j is not None:
+            return j
+        g = view.trajs[tid].group_id
+        moving = sum(1 for t in view.instances[src].active if view.trajs[t].group_id == g)
+        whole = [x for x in rooms if rooms[x] >= moving]
+        if whole:
+            return min(whole, key=lambda x: (rooms[x], x))
+    return min(rooms, key=lambda x: (rooms[x], x))
