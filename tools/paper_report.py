@@ -480,11 +480,11 @@ def appendix_tables() -> list[Row]:
                     t["table2"], "|gap| <= 0.33 pt", 0.0033),
             table3("Table 3: reward variance, length and staleness by difficulty", t["table3"]),
             fig14b("Fig. 14b: median response length, staleness 1 / 0", t["fig14b"])]
-    paced = t.get("rollout_bound")
-    if paced:
-        rows += [table12("Table 1, rollout-bound (paced decode)", paced["table1"], "|gap| < 0.6 pt", 0.006),
-                 table3("Table 3, rollout-bound (paced decode)", paced["table3"]),
-                 fig14b("Fig. 14b, rollout-bound (paced decode)", paced["fig14b"])]
+    for key, what in (("rollout_bound", "rollout-bound (paced decode)"), ("lean", "lean admission")):
+        if key in t:
+            rows += [table12(f"Table 1, {what}", t[key]["table1"], "|gap| < 0.6 pt", 0.006),
+                     table3(f"Table 3, {what}", t[key]["table3"]),
+                     fig14b(f"Fig. 14b, {what}", t[key]["fig14b"])]
     naive = t["table1"]["naive"]
     if "0" in naive and "1" in naive:
         gap, few = naive["1"]["pass_rate"] - naive["0"]["pass_rate"], min(naive["0"]["n"], naive["1"]["n"])

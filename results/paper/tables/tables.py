@@ -96,22 +96,30 @@ def _fig14b(strat: dict) -> dict:
     return {"median_length_by_staleness": med, "n": n, "few": FEW}
 
 
-def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None) -> None:
-    """``rollout_bound_json``: the same DORA run with rollout paced to be the bottleneck (README); its tables go
-    under ``rollout_bound``, beside the main run's."""
+def _dora_tables(path: str, g: int) -> dict:
+    """Tables 1 and 3 and Fig. 14b of one more DORA run (no partial-rollout run: no Table 2)."""
+    strat = json.loads(Path(path).read_text())["stratified"]
+    return {"table1": _table(strat, g), "table3": _table3(strat), "fig14b": _fig14b(strat), "source": path,
+            "staleness": strat["naive"]["by_staleness"]}
+
+
+def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None,
+         lean_json: str | None = None) -> None:
+    """``rollout_bound_json``: the same DORA run with rollout paced to be the bottleneck (README); ``lean_json``:
+    DORA K=3 under lean admission (its staleness spread below K). Their tables go under ``rollout_bound`` and
+    ``lean``, beside the main run's."""
     dora = json.loads(Path(dora_json).read_text())["stratified"]
     partial = json.loads(Path(partial_json).read_text())["stratified"]
     g = int(group_size)
     summary = {"table1": _table(dora, g), "table2": _table(partial, g), "table3": _table3(dora),
                "fig14b": _fig14b(dora), "sources": [dora_json, partial_json],
                "staleness": {"dora": dora["naive"]["by_staleness"], "partial": partial["naive"]["by_staleness"]}}
-    if rollout_bound_json:
-        paced = json.loads(Path(rollout_bound_json).read_text())["stratified"]
-        summary["rollout_bound"] = {"table1": _table(paced, g), "table3": _table3(paced), "fig14b": _fig14b(paced),
-                                    "source": rollout_bound_json, "staleness": paced["naive"]["by_staleness"]}
+    for key, path in (("rollout_bound", rollout_bound_json), ("lean", lean_json)):
+        if path:
+            summary[key] = _dora_tables(path, g)
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {HERE / 'summary.json'}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
