@@ -16,6 +16,7 @@ per train step, the replicas cutting the batch where the one rank does; ``DORA_L
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 from mpi4py import MPI
@@ -51,8 +52,9 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     dp = DataParallel(world)
     ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
     mp = os.environ.get("DORA_MP", "no")  # mixed precision likewise
-    replica = GRPOTrainer(model_dir, cfg, seed=0, dp=dp, backend=backend, tensor_parallel=tensor_parallel,
-                          activation_checkpointing=ac, mixed_precision=mp)
+    shared = os.environ.get("DORA_SHARED") == "1"  # train.shared_prompt on the distributed trainer only
+    replica = GRPOTrainer(model_dir, replace(cfg, shared_prompt=shared), seed=0, dp=dp, backend=backend,
+                          tensor_parallel=tensor_parallel, activation_checkpointing=ac, mixed_precision=mp)
     single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
     gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
     ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)
@@ -83,7 +85,7 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         c = resumed.state_dict()
         keys = ("loss", "clip_frac", "ratio_mean", "grad_norm", "tokens", "reward_mean")
         print(json.dumps({"backend": backend, "activation_checkpointing": ac, "mixed_precision": mp,
-                          "mini_batches": cfg.mini_batches, "loss": [policy, correction],
+                          "shared_prompt": shared, "mini_batches": cfg.mini_batches, "loss": [policy, correction],
                           "master_dtypes": sorted({str(p.dtype) for p in replica.backend.parameters()}),
                           "max_abs_weight_diff": diff,
                           "max_abs_logits_diff": logits_diff,

@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from engine_util import run_all
 
 from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.engine.engine import Engine
@@ -161,6 +162,22 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, m
     With activation checkpointing (``ac``: recomputed layers) the step is the same, and so are ``mini``
     mini-batches (optimizer steps) per train step, the replicas cutting the batch where one rank does, and
     under each policy loss and correction (``loss``)."""
+    out = _distributed_against_single(tiny, backend, tp, {"DORA_AC": "1" if ac else "0", "DORA_MINI": str(mini),
+                                                          "DORA_LOSS": loss})
+    assert out["activation_checkpointing"] == ac and out["mini_batches"] == mini and out["loss"] == loss.split(",")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_distributed_trainers_computing_shared_prompts_once_take_the_single_rank_step(tiny, backend):
+    """train.shared_prompt on 2 ranks (replicated and FSDP2-sharded) against one plain torch trainer: the same
+    steps, to the same tolerances as the plain forward."""
+    out = _distributed_against_single(tiny, backend, None, {"DORA_SHARED": "1"})
+    assert out["shared_prompt"]
+
+
+def _distributed_against_single(tiny, backend: str, tp: int | None, env: dict[str, str]) -> dict:
+    """tests/dp_equivalence.py on 2 ranks: the distributed trainer's steps against one torch rank's."""
     import json
     import os
     import subprocess
@@ -171,13 +188,11 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, m
 
     script = Path(__file__).parent / "dp_equivalence.py"
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(tiny), "token", backend,
-                        str(tp or "")],
-                       capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "DORA_AC": "1" if ac else "0", "DORA_MINI": str(mini), "DORA_LOSS": loss})
+                        str(tp or "")], capture_output=True, text=True, timeout=180, env={**os.environ, **env})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2 and out["backend"] == backend and len(out["metrics"]) == 4
-    assert out["activation_checkpointing"] == ac and out["mini_batches"] == mini and out["loss"] == loss.split(",")
+    mini = out["mini_batches"]
     for dp_m, single_m in out["metrics"]:
         assert dp_m["tokens"] == single_m["tokens"] and dp_m["clip_frac"] == single_m["clip_frac"]
         for k in ("loss", "ratio_mean", "grad_norm", "reward_mean"):
@@ -190,6 +205,7 @@ def test_distributed_trainers_take_the_single_rank_step(tiny, backend, tp, ac, m
     # with 2 mini-batches (twice the Adam steps) torch 7.7e-4; replicas cutting the batch differently: 3e-2
     assert out["max_abs_weight_diff"] < (1e-3 if mini == 1 else 5e-3) and out["resumed_max_abs_weight_diff"] < 1e-3
     assert out["max_abs_logits_diff"] < 1e-5  # measured: 0 (torch, fsdp), 5e-7 (megatron TP=2)
+    return out
 
 
 @pytest.mark.slow
@@ -256,3 +272,31 @@ def test_episodes_train_on_model_tokens_only_and_the_second_turn_is_on_policy(ti
     assert ms[0]["logprob_gap"] < 1e-4 and ms[0]["gap_tokens"] == 8 * 12
     assert ms[0]["ratio_mean"] == pytest.approx(1, abs=1e-4)
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_a_shared_prompt_computed_once_gives_the_same_logprobs_loss_and_step(tiny):
+    """train.shared_prompt: each distinct prompt of a micro-batch is run once and its KV serves the group's
+    samples. Prompts of different lengths (padded on the left), groups split across micro-batches, a KL
+    reference and multi-turn samples (environment tokens in the response) give the logprobs, the loss, the
+    gradient norm and the step of the plain forward, to float tolerance (measured: logprobs 1e-6)."""
+    engine = Engine(tiny, kv_blocks=256, seed=3)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = [[3 + i for i in range(n)] for n in (5, 13, 9)]
+    for gi, p in enumerate(prompts):
+        for s in range(4):
+            engine.add(gi * 4 + s, p, params, 0)
+    samples = [Trajectory(f.req_id, f.req_id // 4, 0, f.prompt, f.response, f.logprobs, even_reward(f.response))
+               for f in sorted(run_all(engine).values(), key=lambda f: f.req_id)]
+    samples += [Trajectory(100 + s.traj_id, 10 + s.group_id, 0, s.prompt, s.response, s.logprobs, s.reward,
+                           env_spans=s.env_spans) for s in episodes(Engine(tiny, kv_blocks=128, seed=4), 1, 4)]
+    out = []
+    for shared in (False, True):
+        t = GRPOTrainer(tiny, GRPOConfig(lr=1e-3, micro_batch=6, kl_coef=0.1, shared_prompt=shared))
+        lp, mask = t._token_logprobs(samples)
+        out.append((lp, mask, t.train_step(samples), t.state_dict()))
+    (lp0, m0, s0, w0), (lp1, m1, s1, w1) = out
+    assert torch.equal(m0, m1) and (lp0 - lp1).abs().max() < 1e-5
+    for k in ("loss", "grad_norm", "ratio_mean", "kl"):
+        assert s1[k] == pytest.approx(s0[k], rel=1e-5, abs=1e-7), k
+    # one Adam step turns float noise in tiny gradients into up to ~lr (measured 1.9e-5; a wrong gradient: 1e-3)
+    assert max((w0[k] - w1[k]).abs().max() for k in w0) < 1e-4

@@ -127,6 +127,9 @@ class TrainConfig(Section):
                                            "(memory for long responses; the same gradient, ~1/3 more compute)")
     mixed_precision: Literal["no", "bf16"] = Field("no", description="bf16: float32 master weights and "
                                                    "optimizer, bfloat16 compute (torch and fsdp backends)")
+    shared_prompt: bool = Field(False, description="compute each distinct prompt of a micro-batch once (a "
+                                "group's G samples share theirs): its forward runs once and its KV serves every "
+                                "response; the same loss and gradient to float tolerance (torch and fsdp backends)")
     publish_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="the dtype versions are kept in (each trainer rank its shard) and sent to the "
         "instances in; auto: engine.dtype")
@@ -178,6 +181,8 @@ class TrainConfig(Section):
         if self.backend == "megatron" and self.mixed_precision != "no":
             raise ValueError("train.mixed_precision=bf16 is for the torch and fsdp backends (megatron's needs "
                              "its distributed optimizer, not wired here)")
+        if self.backend == "megatron" and self.shared_prompt:
+            raise ValueError("train.shared_prompt is for the torch and fsdp backends (Hugging Face models)")
         return self
 
 

@@ -102,6 +102,13 @@ class TrainBackend:
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, reference: bool = False, keep: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefix_logits(self, prompt_ids: torch.Tensor, prompt_attn: torch.Tensor, index: torch.Tensor,
+                      tail_ids: torch.Tensor, tail_attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """Logits [B, 1 + Lt, V] of B samples that continue P distinct prompts (``prompt_ids`` [P, Lp], padded on
+        the left; sample b continues prompt ``index[b]`` with ``tail_ids[b]``, padded on the right): row 0 is
+        the prompt's last position, row j the tail's j-th token. Each prompt is computed once."""
+        raise NotImplementedError(f"{type(self).__name__} does not compute shared prompts once")
+
     def micro_batches(self, n_local: int) -> int:
         """How many micro-batches this rank runs, given it has data for ``n_local``."""
         raise NotImplementedError

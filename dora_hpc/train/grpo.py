@@ -59,6 +59,7 @@ class GRPOConfig:
     mini_batches: int = 1            # optimizer steps per train batch (whole groups each)
     weight_decay: float = 0.0
     loss: LossConfig = LossConfig()  # the policy loss, its clip band (0.2 / 0.28) and correction (losses.py)
+    shared_prompt: bool = False      # each distinct prompt of a micro-batch is computed once (backend.prefix_logits)
 
 
 def grpo_config(cfg) -> GRPOConfig:
@@ -68,9 +69,21 @@ def grpo_config(cfg) -> GRPOConfig:
     return GRPOConfig(lr=t.lr, kl_coef=t.kl_coef, loss_agg=t.loss_agg,
                       max_len=max_len, adv_std_norm=t.adv_norm == "group_std", kl_clamp=t.kl_clamp,
                       temperature=cfg.sampling.temperature or 1.0, micro_batch=t.micro_batch,
-                      mini_batches=t.mini_batches,
+                      mini_batches=t.mini_batches, shared_prompt=t.shared_prompt,
                       loss=LossConfig(t.policy_loss, t.clip_low, t.clip_high, t.clip_ratio_c, t.is_correction,
                                       t.is_cap, tuple(t.is_band), t.is_level, t.is_m2))
+
+
+def padded_ids(rows: list[list[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [N, longest] padded with 0 on the right (or ``left``), and the attention mask (1: a token)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r)
+        attn[i, cols] = 1
+    return ids, attn
 
 
 # the stand-in of an empty micro-batch (its loss is multiplied by 0)
@@ -135,28 +148,38 @@ class GRPOTrainer:
         """Response-token logprobs [B, Lr] (temperature-scaled) under the policy or the reference, and the mask
         of the model's tokens (environment tokens and padding 0); with ``entropy`` ([B, Lr], filled in place,
         no gradient) each position's policy entropy."""
-        lens = [len(s.prompt) + len(s.response) for s in batch]
-        width = max(lens)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attn = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, s in enumerate(batch):
-            ids[i, : lens[i]] = torch.tensor(s.prompt + s.response)
-            attn[i, : lens[i]] = 1
-        first = min(len(s.prompt) for s in batch) - 1  # no logits before the first response position
-        logits = self.backend.logits(ids, attn, reference, keep=width - first) / self.cfg.temperature
+        logits, starts = self._response_logits(batch, reference)
+        logits = logits / self.cfg.temperature
         dev = logits.device  # the backend's
         r_max = max(len(s.response) for s in batch)
         out = torch.zeros(len(batch), r_max, device=dev)
         mask = torch.zeros(len(batch), r_max, device=dev)
-        for i, s in enumerate(batch):
-            p, r = len(s.prompt), len(s.response)
-            lp = torch.log_softmax(logits[i, p - 1 - first : p + r - 1 - first], dim=-1)
+        for i, (s, a) in enumerate(zip(batch, starts, strict=True)):
+            r = len(s.response)
+            lp = torch.log_softmax(logits[i, a : a + r], dim=-1)
             out[i, :r] = lp.gather(1, torch.tensor(s.response, device=dev)[:, None])[:, 0]
             mask[i, :r] = torch.tensor(s.model_mask(), device=dev) if s.env_spans else 1
             if entropy is not None:
                 with torch.no_grad():
                     entropy[i, :r] = -(lp.exp() * lp).sum(-1).to(entropy.device)
         return out, mask
+
+    def _response_logits(self, batch: list[Trajectory], reference: bool) -> tuple[torch.Tensor, list[int]]:
+        """Logits [B, L, V] and, per sample, the row that predicts its first response token (the rows after it
+        predict the rest). With ``shared_prompt`` each distinct prompt of the batch is computed once
+        (``backend.prefix_logits``: two forwards on every micro-batch, as sharded ranks must agree); else prompt
+        + response in one forward."""
+        if self.cfg.shared_prompt:
+            prompts: dict[tuple[int, ...], int] = {}
+            index = [prompts.setdefault(tuple(s.prompt), len(prompts)) for s in batch]
+            p_ids, p_attn = padded_ids([list(p) for p in prompts], left=True)
+            r_ids, r_attn = padded_ids([s.response for s in batch])
+            return self.backend.prefix_logits(p_ids, p_attn, torch.tensor(index), r_ids, r_attn,
+                                              reference), [0] * len(batch)
+        ids, attn = padded_ids([s.prompt + s.response for s in batch])
+        first = min(len(s.prompt) for s in batch) - 1  # no logits before the first response position
+        logits = self.backend.logits(ids, attn, reference, keep=ids.shape[1] - first)
+        return logits, [len(s.prompt) - 1 - first for s in batch]
 
     def train_step(self, samples: list[Trajectory], batch_groups: Sequence[int] | None = None) -> dict:
         """``cfg.mini_batches`` optimizer steps on ``samples`` (this replica's share of the train batch: whole

@@ -37,6 +37,26 @@ class ReplicatedBackend(TrainBackend):
             out = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), logits_to_keep=keep)
         return out.logits.float()
 
+    def prefix_logits(self, prompt_ids: torch.Tensor, prompt_attn: torch.Tensor, index: torch.Tensor,
+                      tail_ids: torch.Tensor, tail_attn: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """The prompts' forward once, its KV cache then selected per sample (a differentiable gather: each
+        prompt's gradient sums over its samples) and extended by the tails."""
+        from transformers import DynamicCache
+
+        model, dev = self.ref if reference else self.model, self.device
+        prompt_attn, index, tail_attn = prompt_attn.to(dev), index.to(dev), tail_attn.to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = model(input_ids=prompt_ids.to(dev), attention_mask=prompt_attn,
+                        position_ids=(prompt_attn.cumsum(1) - 1).clamp(min=0), cache=DynamicCache(), use_cache=True,
+                        logits_to_keep=1)
+            cache = out.cache
+            cache.batch_select_indices(index)
+            start = prompt_attn.sum(1)[index][:, None]
+            tail = model(input_ids=tail_ids.to(dev), attention_mask=torch.cat([prompt_attn[index], tail_attn], 1),
+                         position_ids=start + torch.arange(tail_ids.shape[1], device=dev)[None], cache=cache,
+                         use_cache=True)
+        return torch.cat([out.logits[index], tail.logits], 1).float()
+
     def micro_batches(self, n_local: int) -> int:
         """Replicas need not agree: each runs the micro-batches it has data for."""
         return n_local
