@@ -58,6 +58,13 @@ def test_agent_settings_are_checked_when_the_config_loads(sets, says):
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize("sets", [["train.shared_prompt=true", "train.backend=megatron"],
+                                  ["train.shared_prompt=true", "train.activation_checkpointing=true"]])
+def test_a_shared_prompt_forward_is_refused_where_it_cannot_run(sets):
+    with pytest.raises(ConfigError, match="train.shared_prompt"):
+        load_config("configs/tiny-cpu.yaml", sets)
+
+
 def test_float32_publishing_needs_a_float32_engine():
     """An engine in bfloat16 cannot hold float32 weights, so their checksum could never hold after a load."""
     vllm_bf16 = ["engine.backend=vllm", "engine.dtype=bfloat16"]

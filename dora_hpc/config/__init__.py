@@ -183,6 +183,9 @@ class TrainConfig(Section):
                              "its distributed optimizer, not wired here)")
         if self.backend == "megatron" and self.shared_prompt:
             raise ValueError("train.shared_prompt is for the torch and fsdp backends (Hugging Face models)")
+        if self.shared_prompt and self.activation_checkpointing:
+            raise ValueError("train.shared_prompt needs the prompt's KV cache, which activation checkpointing turns "
+                             "off: set one of train.shared_prompt and train.activation_checkpointing")
         return self
 
 

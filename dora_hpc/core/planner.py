@@ -145,7 +145,7 @@ def _destination(view: ClusterView, tid: int, src: int, rooms: dict[int, int]) -
             return j
         g = view.trajs[tid].group_id
         moving = sum(1 for t in view.instances[src].active if view.trajs[t].group_id == g)
-        whole = [x for x in rooms if rooms[x] >= moving]
+        whole = [x for x in rooms if rooms[x] >= moving and not view.instances[x].borrowed]
         if whole:
             return min(whole, key=lambda x: (rooms[x], x))
     return min(rooms, key=lambda x: (rooms[x], x))

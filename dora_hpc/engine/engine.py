@@ -230,11 +230,11 @@ class Engine:
         if self.kv.blocks_for(seq.n_cached) > self.kv.free_blocks:
             return False
         t = time.perf_counter()
-        try:  # a prefix it shares may need one more block than it holds (its copy-on-write tail)
+        try:
             seq.table, dedup = self.kv.import_(seq.host_kv, seq.tokens if self.prefix_caching else None) \
                 if seq.n_cached else ([], 0)
-        except KVFull:
-            return False  # import_ changed nothing; it waits for free blocks
+        except KVFull:  # sharing a cached full block in part costs its copy, one block more: import it whole
+            seq.table, dedup = self.kv.import_(seq.host_kv)
         self.counts["dedup_tokens"] += dedup
         if self.prefix_caching:
             self._register(seq, dedup)

@@ -251,7 +251,8 @@ class KVPool:
     def import_(self, data: torch.Tensor, tokens: Sequence[int] | None = None) -> tuple[list[int], int]:
         """Write an exported [layers, 2, tokens, kvh, d] tensor into blocks; returns (the table, the tokens
         deduplicated). With ``tokens`` (the sequence's, as many as ``data`` holds) the longest cached prefix
-        whose values equal ``data``'s bit for bit is shared instead of written."""
+        whose values equal ``data``'s bit for bit is shared instead of written. Raises KVFull when the blocks
+        it needs are not free, changing nothing but the recency order of the cached blocks it matched."""
         layers, two, n, kvh, d = data.shape
         if (layers, kvh, d) != (self.k.shape[0], self.k.shape[2], self.k.shape[3]) or two != 2:
             raise ValueError(f"KV of shape {tuple(data.shape)} does not fit this pool {tuple(self.k.shape)}")

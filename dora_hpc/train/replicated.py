@@ -50,6 +50,8 @@ class ReplicatedBackend(TrainBackend):
                         position_ids=(prompt_attn.cumsum(1) - 1).clamp(min=0), cache=DynamicCache(), use_cache=True,
                         logits_to_keep=1)
             cache = out.cache
+            if cache is None:  # a checkpointed layer in training turns the cache off (config refuses both)
+                raise ValueError("train.shared_prompt does not work with activation checkpointing")
             cache.batch_select_indices(index)
             start = prompt_attn.sum(1)[index][:, None]
             tail = model(input_ids=tail_ids.to(dev), attention_mask=torch.cat([prompt_attn[index], tail_attn], 1),
