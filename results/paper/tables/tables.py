@@ -2,9 +2,10 @@
 DORA K=3 run and of a partial-rollout run (analysis/staleness.py's ``stratified``) and writes summary.json
 here, which tools/paper_report.py puts in results/paper/README.md.
 
-    .venv/bin/python results/paper/tables/tables.py results/paper/tables/analyze-dora-k3.json \
-        results/paper/tables/analyze-partial.json 4 \
-        results/paper/tables/rollout-bound/analyze-dora-k3-paced.json  # 4: the runs' group size
+    T=results/paper/tables
+    .venv/bin/python $T/tables.py $T/analyze-dora-k3.json $T/analyze-partial.json 4 \
+        rollout_bound=$T/rollout-bound/analyze-dora-k3-paced.json lean=$T/lean/analyze-dora-k3-lean.json \
+        eager=$T/eager/analyze-dora-k3-eager.json  # 4: the runs' group size
 
 Nothing here is a verdict: tools/paper_report.py judges each table from what this writes (each within-bin gap with
 its standard error, the cells with too few responses, Table 3's claims as true or false).
@@ -106,23 +107,27 @@ def _dora_tables(path: str, g: int) -> dict:
             "staleness": strat["naive"]["by_staleness"]}
 
 
-def main(dora_json: str, partial_json: str, group_size: str, rollout_bound_json: str | None = None,
-         lean_json: str | None = None) -> None:
-    """``rollout_bound_json``: the same DORA run with rollout paced to be the bottleneck (README); ``lean_json``:
-    DORA K=3 under lean admission (its staleness spread below K). Their tables go under ``rollout_bound`` and
-    ``lean``, beside the main run's."""
+RUNS = ("rollout_bound", "lean", "eager")  # more DORA runs, by name: their tables go under that key
+
+
+def main(dora_json: str, partial_json: str, group_size: str, *more: str) -> None:
+    """``more``: NAME=ANALYSIS for further DORA K=3 runs (NAME one of RUNS): ``rollout_bound``, the run with
+    rollout paced to be the bottleneck; ``lean``, under lean admission (staleness spread below K); ``eager``,
+    the main run's setting run again (its analysis has the paper's Table 3 bins)."""
     dora = json.loads(Path(dora_json).read_text())["stratified"]
     partial = json.loads(Path(partial_json).read_text())["stratified"]
     g = int(group_size)
     summary = {"table1": _table(dora, g), "table2": _table(partial, g), "table3": _table3(dora),
                "fig14b": _fig14b(dora), "sources": [dora_json, partial_json],
                "staleness": {"dora": dora["naive"]["by_staleness"], "partial": partial["naive"]["by_staleness"]}}
-    for key, path in (("rollout_bound", rollout_bound_json), ("lean", lean_json)):
-        if path:
-            summary[key] = _dora_tables(path, g)
+    for arg in more:
+        name, _, path = arg.partition("=")
+        if name not in RUNS or not path:
+            raise SystemExit(f"tables.py: {arg!r}: give NAME=ANALYSIS with NAME one of {', '.join(RUNS)}")
+        summary[name] = _dora_tables(path, g)
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {HERE / 'summary.json'}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:])
