@@ -513,13 +513,6 @@ def appendix_tables() -> list[Row]:
     return rows
 
 
-def _slope(ys: list[float]) -> float:
-    """Least-squares slope of ys against their index."""
-    xs = range(len(ys))
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-
-
 def appendix_other() -> list[Row]:
     """C.1's improvement rate, Fig. 14a, Fig. 3's tail, the rollout share of a step and C.3's bubble."""
     rows, t = [], load("results/paper/tables/summary.json")
@@ -527,7 +520,7 @@ def appendix_other() -> list[Row]:
     if learn:
         curve = learn["cases"]["sync ppo_clip"]["mean"]
         half = curve[len(curve) // 2:]
-        rate = _slope(half)
+        rate = statistics.linear_regression(range(len(half)), half).slope
         rows.append(Row("C.1: on-policy improvement a step, and K x it (the most staleness can cost)",
                         "0.113% a step (pass rate, steps 50-100); 3 x 0.113 = 0.34%",
                         f"{rate:.2%} a step (sync's batch reward, steps {len(curve) - len(half)}-{len(curve) - 1}); "
