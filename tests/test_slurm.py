@@ -327,6 +327,61 @@ def test_a_dora_run_across_four_nodes_loses_one_and_resumes_on_the_others(tmp_pa
     assert sent >= sum(b for _, _, b in across), (sent, across)  # and its bytes went over the bridge
 
 
+@pytest.mark.slow
+def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_the_job(tmp_path, slurm_cluster):
+    """The chaos test (issue 47): one DORA run under Slurm, four rollout instances on four nodes of their own,
+    ``slurm.fence_rollout`` on. One rollout rank is SIGKILLed, then a whole rollout node dies (every process in
+    its namespace, its slurmd too), then a rollout rank hangs (SIGSTOP). Each is fenced and the run goes on
+    on the instances left: it finishes in its first start (no requeue), nothing lost or trained twice,
+    staleness <= K, every episode on one version."""
+    if not _netns_nodes():
+        pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
+    run_dir = tmp_path / "chaos"
+    steps = 40
+    job = submit(run_dir, steps, "cluster.rollout_instances=4", "slurm.heterogeneous=false", "slurm.trainer.nodes=5",
+                 "slurm.fence_rollout=true",
+                 "runtime.hang_timeout_s=20", "slurm.time_min=30")
+    dead = None
+    try:
+        wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
+        hosts = rank_hosts(run_dir, job)
+        assert len({hosts[r] for r in range(2, 6)}) == 4 and hosts[0] not in {hosts[r] for r in range(2, 6)}, hosts
+        pids = {r: int((run_dir / "pids" / f"rank-{r}").read_text()) for r in range(6)}
+        os.kill(pids[2], signal.SIGKILL)  # a rollout rank
+        wait_for(fenced(run_dir, job, 2), job, timeout=60, what="rank 2 to be fenced", run_dir=run_dir)
+        dead = hosts[3]
+        for pid in subprocess.run(["ip", "netns", "pids", f"dora-{dead}"], capture_output=True,
+                                  text=True).stdout.split():
+            subprocess.run(["kill", "-9", pid], capture_output=True)  # a node: its slurmd, slurmstepd, rank
+        wait_for(fenced(run_dir, job, 3), job, timeout=90, what="rank 3 (its node dead) to be fenced",
+                 run_dir=run_dir)
+        os.kill(pids[4], signal.SIGSTOP)  # a hung rank
+        wait_for(fenced(run_dir, job, 4), job, timeout=90, what="rank 4 (stopped) to be fenced", run_dir=run_dir)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=600,
+                 what="the run to complete on the instance left", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        revive(dead)
+    log = slurm_log(run_dir, job)
+    assert attempts(run_dir) == 1 and "requeueing" not in log, log[-3000:]
+    assert "the run is complete (rank 0 ended the step over its fenced ranks)" in log
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+    assert a["staleness"]["max"] <= 2 and a["weights"]["mismatched_loads"] == 0
+
+
+def fenced(run_dir: Path, job: str, rank: int):
+    """Rank 0 has fenced ``rank`` (its line in rank 0's log)."""
+    return lambda: re.search(rf"rank {rank} \(rollout instance \d+\) .*: fenced", slurm_log(run_dir, job)) is not None
+
+
+def slurm_log(run_dir: Path, job: str) -> str:
+    """Task 0's log (rank 0's output and the script's own lines) of every start of the job."""
+    return "".join(f.read_text(errors="replace") for f in (run_dir / "slurm").glob(f"{job}_0_log.out"))
+
+
 def revive(node: str | None) -> None:
     """Start a dead namespaced node's slurmd again and wait until every node is idle (for the next test)."""
     if node is not None:

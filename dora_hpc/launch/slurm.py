@@ -83,11 +83,17 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     second = _component_flags(s.rollout, c.rollout_instances, cfg) if s.heterogeneous else None
     if second is None:  # one plain job: all ranks in one component
         first["ntasks"] = head + c.rollout_instances
+    if s.fence_rollout:  # a dead node shrinks the job, never cancels it (Slurm reads the flag per component)
+        first["no_kill"] = True
+        if second is not None:
+            second["no_kill"] = True
     ex = HetSlurmExecutor(folder, second, need_srun)
-    srun_args = ["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--het-group=0,1"] if second is not None else [])
+    srun_args = (["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--no-kill"] if s.fence_rollout else [])
+                 + (["--het-group=0,1"] if second is not None else []))
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
                               "stderr_to_stdout": True,
-                              "setup": [*s.setup, f"export DORA_HPC_MPI_INIT_TIMEOUT_S={s.mpi_init_timeout_s:g}"],
+                              "setup": [*s.setup, f"export DORA_HPC_MPI_INIT_TIMEOUT_S={s.mpi_init_timeout_s:g}",
+                                        *(FENCE_NETMOD if s.fence_rollout else [])],
                               "teardown": requeue_on_failure(run_dir, s.requeue_on_failure),
                               "additional_parameters": {"requeue": True, "signal": f"USR1@{s.signal_delay_s}",
                                                         **{k: v for k, v in first.items()
@@ -102,6 +108,12 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     ex.update_parameters(**params)
     ex.extra = list(s.extra_sbatch)
     return ex
+
+
+# MPICH's UCX netmod makes its endpoints without peer error handling, so once a peer is gone any progress
+# on the endpoint may crash the rank (rank 0 segfaulted in an isend, slurm/NOTES.md); the OFI netmod
+# reports the failure instead. A site's own MPICH without OFI sets MPIR_CVAR_CH4_NETMOD itself.
+FENCE_NETMOD = ['export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"']
 
 
 def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
