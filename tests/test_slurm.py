@@ -170,13 +170,13 @@ def test_a_time_limit_warning_a_requeue_and_a_killed_rank_then_complete(tmp_path
       current state, ends the step and requeues the job itself;
     * ``scontrol requeue`` (a preemption): Slurm sends SIGTERM to every task and requeues the job; rank 0
       commits within KillWait;
-    * SIGKILL on a rollout rank: the step fails at once (no hang, no held allocation) and the job requeues
-      itself (slurm.requeue_on_failure), resuming from the last checkpoint.
+    * SIGKILL on a rollout rank with ``slurm.fence_rollout`` off: the step fails at once (no hang, no held
+      allocation) and the job requeues itself (slurm.requeue_on_failure), resuming from the last checkpoint.
     Each signal's start resumes from the step the run was at (there is no other checkpoint), and the run
     completes with nothing lost, nothing twice."""
     run_dir = tmp_path / "run"
     steps = 16
-    job = submit(run_dir, steps, "train.checkpoint_every=0", "slurm.time_min=20")
+    job = submit(run_dir, steps, "train.checkpoint_every=0", "slurm.time_min=20", "slurm.fence_rollout=false")
     try:
         wait_for(trained(run_dir, 0, 2), job, what="attempt 0 to train two steps", run_dir=run_dir)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every task of the job's steps

@@ -36,9 +36,10 @@ class SlurmConfig(Section):
     setup: list[str] = Field(default_factory=list, description="shell lines before srun (module load ...)")
     requeue_on_failure: int = Field(3, ge=0, description="a failed step (a dead rank, a failed MPI start) "
                                     "requeues the job, at most this many times per run")
-    fence_rollout: bool = Field(False, description="a rollout rank killed by a signal costs that instance, not "
-                                "the job: rank 0 fences it and the step goes on (issue 47; opt-in while a rank 0 "
-                                "crash seen once in MPICH after a peer on another node died is open, slurm/NOTES.md)")
+    fence_rollout: bool = Field(True, description="a rollout rank killed by a signal, hung, or on a dead node costs "
+                                "that instance, not the job: rank 0 fences it and the step goes on (a dead node "
+                                "only in a plain job: Slurm requeues a heterogeneous one; slurm/NOTES.md). Runs the "
+                                "step with --no-kill and MPICH's OFI netmod unless MPIR_CVAR_CH4_NETMOD is set")
     mpi_init_timeout_s: float = Field(120, gt=0, description="a rank whose MPI_Init has not completed after this "
                                       "long exits 1 (a stalled PMI exchange), so the step ends and the job "
                                       "requeues; raise it for starts of thousands of ranks")

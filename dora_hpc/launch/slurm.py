@@ -11,9 +11,11 @@ Invariants:
 * the job is requeueable; a requeued start (SLURM_RESTART_COUNT > 0) resumes from the newest
   checkpoint that verifies (runtime/main.py); SIGUSR1 ``signal_delay_s`` before the time limit makes
   rank 0 commit a checkpoint and requeue the job;
-* with ``slurm.fence_rollout`` a rollout rank killed by a signal costs that instance, not the job: it runs
-  as a child of its task (``task``), which then leaves ``pids/rank-N.dead`` (the child's pid) for rank 0,
-  which fences it, and exits 0, so srun keeps the step;
+* with ``slurm.fence_rollout`` (the default) a rollout rank killed by a signal costs that instance, not the
+  job: it runs as a child of its task (``task``), which then leaves ``pids/rank-N.dead`` (the child's pid)
+  for rank 0, which fences it, and exits 0, so srun keeps the step; the job and the step run with
+  ``--no-kill``, so a dead node's rollout ranks are fenced too (a plain job only: Slurm requeues a
+  heterogeneous job on any node's failure) and MPICH runs its OFI netmod (FENCE_NETMOD);
 * rank 0 ends a step with fenced ranks (hung ones too) by MPI_Abort(0) after leaving ``pids/complete``
   (this start's job id and restart count), which the script's tail reads as a complete run, not a failure;
 * any other dead rank (orchestrator, trainer, a rank that raised) ends the job step at once

@@ -39,14 +39,20 @@ def buckets(items: list, nbytes, limit: int) -> list[list]:
 def rendezvous(mpi_comm) -> tuple[str, int]:
     """(host, port) for a torch.distributed rendezvous among the ranks of ``mpi_comm`` (None: this process
     alone): its rank 0 takes a free port from the OS (released just before use) and broadcasts it over
-    MPI, with 127.0.0.1 when every rank is on one host."""
+    MPI, with 127.0.0.1 when every rank is on one host. Returns on every rank once every rank has it."""
     hosts = mpi_comm.allgather(socket.gethostname()) if mpi_comm is not None else [socket.gethostname()]
     addr = None
     if mpi_comm is None or mpi_comm.Get_rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             addr = ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0], s.getsockname()[1])
-    return mpi_comm.bcast(addr, root=0) if mpi_comm is not None else addr
+    if mpi_comm is None:
+        return addr
+    addr = mpi_comm.bcast(addr, root=0)
+    # every rank has it before any blocks outside MPI (in the TCPStore): with MPICH's OFI netmod a first
+    # message between two ranks needs progress on both sides, and a root gone into the store never sends it
+    mpi_comm.Barrier()
+    return addr
 
 
 class DataParallel:
