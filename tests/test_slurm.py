@@ -372,6 +372,27 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
     assert a["staleness"]["max"] <= 2 and a["weights"]["mismatched_loads"] == 0
 
 
+@pytest.mark.slow
+def test_the_last_rollout_instance_lost_ends_the_start_and_the_job_resumes(tmp_path, slurm_cluster):
+    """With one rollout instance there is nothing to fence onto: its death ends the start at once (exit 75,
+    resumable), and the job requeues itself and resumes from its last checkpoint."""
+    run_dir = tmp_path / "last"
+    job = submit(run_dir, 8, "cluster.rollout_instances=1", "train.checkpoint_every=2", "slurm.time_min=20")
+    try:
+        wait_for(trained(run_dir, 0, 3), job, what="the run to train three steps", run_dir=run_dir)
+        os.kill(int((run_dir / "pids" / "rank-2").read_text()), signal.SIGKILL)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 2, job, timeout=400,
+                 what="the job to resume and complete", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    log = slurm_log(run_dir, job)
+    assert "rank 2, the last rollout instance, died" in log and "requeueing the job" in log, log[-3000:]
+    a = analyze(run_dir)
+    assert a["steps"] == 8 and a["consumed"] == 8 * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+
+
 def fenced(run_dir: Path, job: str, rank: int):
     """Rank 0 has fenced ``rank`` (its line in rank 0's log)."""
     return lambda: re.search(rf"rank {rank} \(rollout instance \d+\) .*: fenced", slurm_log(run_dir, job)) is not None

@@ -256,13 +256,18 @@ class Orchestrator(OpLog):
         return outcome
 
     def watch(self) -> None:
-        """Declare a rank silent for ``hang_timeout_s`` hung. A rollout rank is fenced while another is
-        left; a trainer (or the last rollout rank) ends the job naming it, committing nothing: the last
-        checkpoint stands (resumable: a requeued job continues from it)."""
+        """Act on a rank silent for ``hang_timeout_s`` (hung) or one its launcher saw die. A rollout rank
+        is fenced while another is left; a trainer (or the last rollout rank, at once when it died) ends the
+        job naming it, committing nothing: the last checkpoint stands (resumable: a requeued job continues
+        from it)."""
         now = time.monotonic()
         for r in self.live_rollout:  # its launcher saw it die (launch/local.py: DeathWatch; launch/slurm.py: task)
             if self.died(r) and len(self.live_rollout) > 1:
                 self.fence(r, now - self.last_heard.get(r, now), cause="died")
+            elif self.died(r):
+                self.op("hung", peer=r, detail="died, the last rollout instance")
+                self.log.flush()
+                raise RankHung(f"rank {r}, the last rollout instance, died")
         for r, t in list(self.last_heard.items()):
             if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s:
                 continue

@@ -64,16 +64,15 @@ def wait(cond, job: str, timeout: float, what: str) -> None:
 
 
 def timeline(run_dir: Path) -> list[dict]:
-    """Every step the run kept: its wall end, tokens and attempt (a step trained twice: the last)."""
-    starts = {a["attempt"]: a["t"] for a in map(json.loads, (run_dir / "attempts.jsonl").read_text().splitlines())}
+    """Every step trained, in every attempt: its wall end (every rank logs seconds since the run's t0 in
+    launch.json, in every attempt), tokens and attempt, and whether the run kept it (a step trained twice:
+    the last attempt's)."""
+    t0 = json.loads((run_dir / "launch.json").read_text())["t0"]
     t = read_table(run_dir, "train", "steps", ["step", "t_end", "tokens", "attempt"])
-    kept: dict[int, dict] = {}
-    for s, e, n, a in zip(t["step"], t["t_end"], t["tokens"], t["attempt"], strict=True):
-        row = {"step": int(s), "wall": starts[int(a)] + float(e), "tokens": int(n), "attempt": int(a)}
-        if int(s) not in kept or row["attempt"] > kept[int(s)]["attempt"]:
-            kept[int(s)] = row
-    trained = len(t["step"])
-    return sorted(kept.values(), key=lambda r: r["step"]), trained
+    rows = [{"step": int(s), "wall": t0 + float(e), "tokens": int(n), "attempt": int(a)}
+            for s, e, n, a in zip(t["step"], t["t_end"], t["tokens"], t["attempt"], strict=True)]
+    last = {r["step"]: max(x["attempt"] for x in rows if x["step"] == r["step"]) for r in rows}
+    return sorted(({**r, "kept": r["attempt"] == last[r["step"]]} for r in rows), key=lambda r: r["wall"])
 
 
 def one(case: str, root: Path) -> dict:
@@ -87,32 +86,47 @@ def one(case: str, root: Path) -> dict:
         wait(lambda: state(job) == "COMPLETED", job, 900, "completion")
     finally:
         subprocess.run(["scancel", job], capture_output=True)
-    rows, trained = timeline(run_dir)
+    (run_dir / "killed_at").write_text(repr(t_kill))
+    return figures(run_dir, job, t_kill)
+
+
+def figures(run_dir: Path, job: str, t_kill: float) -> dict:
+    """The run's figures around the kill at wall time ``t_kill``, from its logs."""
+    rows = timeline(run_dir)
     a = analyze(run_dir)
     inv = {k: a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups", "staleness_over_k",
                                            "mixed_version_trajectories")}
-    assert a["steps"] == STEPS and not any(inv.values()), (case, a["steps"], inv)
+    assert a["steps"] == STEPS and not any(inv.values()), (run_dir, a["steps"], inv)
     before = [r for r in rows if r["wall"] <= t_kill]
-    after = [r for r in rows if r["wall"] > t_kill]
-    rate = (sum(r["tokens"] for r in before[2:]) / (before[-1]["wall"] - before[1]["wall"]))  # steady, pre-kill
-    left = sum(r["tokens"] for r in after)
+    done = {r["step"] for r in before}
+    rate = sum(r["tokens"] for r in before[2:]) / (before[-1]["wall"] - before[1]["wall"])  # steady, pre-kill
+    # what a run without the kill still had to train at that moment, at the rate it was training
+    left = sum(r["tokens"] for r in rows if r["kept"] and r["step"] not in done)
+    end = max(r["wall"] for r in rows)
     return {"job": job, "attempts": len((run_dir / "attempts.jsonl").read_text().splitlines()),
-            "t_kill": t_kill, "steps_before_kill": len(before), "steps_trained": trained,
-            "steps_redone": trained - STEPS, "tokens_per_s_before": rate,
-            "tokens_per_s_after": left / (after[-1]["wall"] - t_kill),
-            "kill_to_end_s": after[-1]["wall"] - t_kill,
-            "kill_to_next_step_s": after[0]["wall"] - t_kill,
-            "lost_s": after[-1]["wall"] - t_kill - left / rate,  # against the pre-kill rate, no failure
+            "t_kill": t_kill, "steps_before_kill": len(done), "steps_trained": len(rows),
+            "steps_redone": len(rows) - STEPS, "tokens_per_s_before": rate,
+            "tokens_per_s_after": sum(r["tokens"] for r in rows if r["wall"] > t_kill) / (end - t_kill),
+            "kill_to_end_s": end - t_kill,
+            "kill_to_next_step_s": min(r["wall"] for r in rows if r["wall"] > t_kill) - t_kill,
+            "lost_s": end - t_kill - left / rate,  # against the same run without the kill
             "timeline": [{**r, "since_kill": r["wall"] - t_kill} for r in rows]}
 
 
 def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    root = Path(tempfile.mkdtemp(prefix="faults-"))
+    """``measure.py [REPEATS]``: run; ``measure.py --again ROOT``: the figures of runs already made under ROOT."""
+    again = sys.argv[1] == "--again" if len(sys.argv) > 1 else False
+    repeats = len(list(Path(sys.argv[2]).iterdir())) if again else int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    root = Path(sys.argv[2]) if again else Path(tempfile.mkdtemp(prefix="faults-"))
     runs: dict[str, list[dict]] = {c: [] for c in CASES}
     for i in range(repeats):
         for case in CASES:
-            runs[case].append(one(case, root / str(i)))
+            if again:
+                d = root / str(i) / case
+                job = next((d / "slurm").glob("*_submission.sh")).name.split("_")[0]
+                runs[case].append(figures(d, job, float((d / "killed_at").read_text())))
+            else:
+                runs[case].append(one(case, root / str(i)))
             print(f"repeat {i} {case}: lost {runs[case][-1]['lost_s']:.1f} s", file=sys.stderr, flush=True)
     keys = ("lost_s", "kill_to_end_s", "kill_to_next_step_s", "tokens_per_s_before", "tokens_per_s_after",
             "steps_redone", "attempts")

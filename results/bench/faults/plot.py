@@ -16,7 +16,8 @@ BIN_S = 5.0
 
 
 def rate(timeline: list[dict]) -> tuple[list[float], list[float]]:
-    """Kept tokens per second in BIN_S-second bins of time since the kill."""
+    """Trained tokens per second (steps trained again after a requeue included) in BIN_S-second bins of
+    time since the kill."""
     t0 = min(r["since_kill"] for r in timeline)
     n = int((max(r["since_kill"] for r in timeline) - t0) // BIN_S) + 1
     tokens = [0.0] * n
@@ -33,14 +34,15 @@ def main() -> None:
         for i, run in enumerate(runs):
             x, y = rate(run["timeline"])
             axes[0].plot(x, y, color=colors[case], alpha=0.8, label=case if i == 0 else None)
-            done = [r["since_kill"] for r in run["timeline"]]
-            axes[1].step(done, range(1, len(done) + 1), where="post", color=colors[case], alpha=0.8,
+            kept = sorted(r["since_kill"] for r in run["timeline"] if r["kept"])
+            axes[1].step(kept, range(1, len(kept) + 1), where="post", color=colors[case], alpha=0.8,
                          label=case if i == 0 else None)
     for ax in axes:
         ax.axvline(0, color="k", lw=0.8, ls="--")
     axes[0].set(xlabel="seconds since rank 3 was killed", ylabel=f"trained tokens/s ({BIN_S:g} s bins)",
                 title="throughput around the kill")
-    axes[1].set(xlabel="seconds since rank 3 was killed", ylabel="steps kept", title="progress")
+    axes[1].set(xlabel="seconds since rank 3 was killed", ylabel="steps kept",
+                title="progress: steps the run kept, as they were trained")
     med = data["medians"]
     fig.suptitle(f"one rollout instance of 3 lost (SIGKILL) at step {data['kill']['at_step']}: time lost "
                  f"fenced {med['fenced']['lost_s']:.0f} s, requeued {med['requeued']['lost_s']:.0f} s (medians)")
