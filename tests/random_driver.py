@@ -17,6 +17,7 @@ from dora_hpc.core.events import (
     Dispatch,
     Drop,
     Filter,
+    InstanceJoined,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -41,10 +42,11 @@ class InvariantBroken(AssertionError):
 
 
 class RandomDriver:
-    def __init__(self, policy: Policy, rng: random.Random, lose: int = 0) -> None:
+    def __init__(self, policy: Policy, rng: random.Random, lose: int = 0, rejoin: bool = False) -> None:
+        """``lose``: instances to fence at random moments (InstanceLost), at least one always kept;
+        ``rejoin``: a lost instance's replacement joins at a random moment (InstanceJoined)."""
         self.filtered: set[int] = set()
         self.rewards: dict[int, float] = {}  # traj -> the reward it finished with
-        """``lose``: instances to fence at random moments (InstanceLost), at least one always kept."""
         self.p, self.rng = policy, rng
         n = policy.cfg.n_instances + policy.cfg.borrowed  # borrowed instances come after the dedicated ones
         self.borrowed = set(range(policy.cfg.n_instances, n))
@@ -53,6 +55,9 @@ class RandomDriver:
         self.parked: dict[int, int] = {}               # offloaded traj -> the borrowed instance it waits for
         self.to_lose = min(lose, n - 1)
         self.lost: set[int] = set()
+        self.rejoin = rejoin
+        self.joined: set[int] = set()             # instances a replacement took over
+        self.served_after_join: set[int] = set()  # ... and that were dispatched a request since
         self.regenerated: set[int] = set()  # trajectories that were running on a lost instance
         self.started = False
         self.version: list[int | None] = [None] * n   # ready version per instance
@@ -79,6 +84,9 @@ class RandomDriver:
             self.execute(cmd)
 
     def execute(self, cmd) -> None:
+        at = getattr(cmd, "dst", getattr(cmd, "instance", None))
+        if isinstance(cmd, AssignVersion | Dispatch | Migrate) and at in self.lost:
+            raise InvariantBroken(f"{cmd}: instance {at} is lost")
         match cmd:
             case AssignVersion(i, v, src, keep):
                 if i in self.asleep and self.train_step is not None:
@@ -115,6 +123,8 @@ class RandomDriver:
                     raise InvariantBroken(f"trajectory {t} dispatched twice")
                 self.where[t] = i
                 self.served.add(i)
+                if i in self.joined:
+                    self.served_after_join.add(i)
                 self.segments[t].append(v)
             case Migrate(t, src, dst, _):
                 if self.where.get(t) != src or self.version[dst] != self.segments[t][-1]:
@@ -220,6 +230,14 @@ class RandomDriver:
         r = self.rng.random()
         if r < 0.01 and self.to_lose:
             self.lose(self.rng.choice([i for i in range(len(self.version)) if i not in self.lost]))
+            return
+        if r < 0.02 and self.rejoin and self.lost:
+            i = self.rng.choice(sorted(self.lost))
+            self.lost.discard(i)
+            self.joined.add(i)
+            if i in self.borrowed:  # on the trainer's accelerators: it joins asleep
+                self.asleep.add(i)
+            self.feed(InstanceJoined(i))
             return
         if r < 0.03:
             self.feed(Tick())

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 from random_driver import InvariantBroken, RandomDriver
 
 from dora_hpc.core.events import (
+    TRAINER,
     AssignVersion,
     Dispatch,
+    InstanceJoined,
     InstanceLost,
     InstanceReady,
     RequestFinished,
@@ -71,6 +73,47 @@ def test_invariants_hold_when_instances_are_lost(mode, data, seed, lose):
     driver.run(steps=8)
     driver.check_nothing_lost()
     assert driver.steps_done == 8 and len(driver.lost) >= min(lose, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1), lose=st.integers(1, 3))
+def test_invariants_hold_when_lost_instances_are_replaced(mode, data, seed, lose):
+    """Instances lost at random moments and their replacements joining at others (InstanceJoined): a
+    replacement is given nothing while lost, loads a version, takes work again; every invariant holds
+    (staleness <= K, nothing lost or trained twice, one version an episode) and the run makes its steps."""
+    cfg = data.draw(configs(mode))
+    if cfg.n_instances < 2:
+        cfg = PolicyConfig(**{**cfg.__dict__, "n_instances": 2})
+    lose = min(lose, cfg.n_instances - 1)
+    if mode == "partial":
+        lose = max(0, min(lose, cfg.n_instances - -(-cfg.group_size // cfg.slots)))
+    driver = RandomDriver(policy_for(mode, cfg), random.Random(seed), lose=lose, rejoin=True)
+    driver.run(steps=12)
+    driver.check_nothing_lost()
+    assert driver.steps_done == 12
+
+
+def test_a_replacement_loads_the_latest_version_and_takes_work():
+    """DORA, two instances: instance 0 is lost mid-run, its replacement joins, loads the latest version
+    from the trainer and is dispatched requests again; a joined instance that was never lost is refused."""
+    cfg = PolicyConfig(tbs=2, rbs=3, group_size=2, n_instances=2, slots=2, k=2)
+    driver = RandomDriver(policy_for("dora", cfg), random.Random(3), lose=1)
+    driver.run(steps=3)
+    driver.lose(0)
+    driver.advance(steps=5)
+    latest = driver.p.latest
+    cmds = driver.p.on(InstanceJoined(0))
+    assert cmds == [AssignVersion(0, latest, TRAINER)]
+    driver.lost.discard(0)
+    driver.joined.add(0)
+    for cmd in cmds:
+        driver.execute(cmd)
+    driver.advance(steps=10)
+    driver.check_nothing_lost()
+    assert 0 in driver.served_after_join
+    with pytest.raises(ValueError, match="never lost"):
+        driver.p.on(InstanceJoined(1))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,7 +5,7 @@ Invariants kept here (checked on every change, so a policy bug fails loudly in t
   version equals the trajectory's version (single version per trajectory);
 * an instance never holds more live trajectories than it has slots;
 * every live trajectory is in exactly one place: its version's queue or one instance's active set;
-* a lost (fenced) instance hosts nothing and is never given work again;
+* a lost (fenced) instance hosts nothing and is given no work until a replacement joins in its place;
 * a borrowed instance (on the trainer's accelerators) is asleep while the trainer trains: it hosts no
   version and runs nothing. A trajectory it offloaded to host memory waits at the front of its version's
   queue (``TrajView.parked``) and is placed like any other, by a Restore instead of a Dispatch: its KV
@@ -32,7 +32,7 @@ class InstanceView:
     version: int | None = None
     loading: int | None = None
     active: set[int] = field(default_factory=set)
-    lost: bool = False  # fenced by the driver: hosts nothing, ever again
+    lost: bool = False  # fenced by the driver: hosts nothing until a replacement joins
     borrowed: bool = False  # on the trainer's accelerators: asleep while it trains
     asleep: bool = False
 
@@ -196,6 +196,14 @@ class ClusterView:
         inst.lost, inst.asleep, inst.version, inst.loading = True, False, None, None
         self._refresh(instance)
         return out
+
+    def rejoin(self, instance: int) -> None:
+        """Lost ``instance``'s replacement joins: empty, with no weights (a borrowed one asleep)."""
+        inst = self.instances[instance]
+        if not inst.lost:
+            raise ValueError(f"instance {instance} joined but was never lost")
+        inst.lost, inst.asleep = False, inst.borrowed
+        self._refresh(instance)
 
     def offload(self, traj_id: int) -> Offload:
         """Park a running trajectory of a borrowed instance in host memory, at the front of its queue."""

@@ -86,7 +86,16 @@ class Progress:
     decoded: tuple[tuple[int, int], ...]
 
 
-Event = Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick | InstanceLost | Progress
+@dataclass(frozen=True)
+class InstanceJoined:
+    """A replacement takes lost ``instance``'s place (a new process, on a node Slurm gave back or a spare): it
+    holds no weights and runs nothing. The policy gives it a version (a borrowed one joins asleep)."""
+
+    instance: int
+
+
+Event = (Start | InstanceReady | RequestFinished | VersionPublished | KvPressure | Tick | InstanceLost
+         | InstanceJoined | Progress)
 
 
 # -------------------------------------------------------------------------------------- commands out

@@ -19,6 +19,7 @@ from .events import (
     Command,
     Event,
     Filter,
+    InstanceJoined,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -166,6 +167,9 @@ class Policy:
                 if all(inst.lost for inst in self.view.instances):
                     raise ValueError("every rollout instance is lost")
                 return out + self.on_lost()
+            case InstanceJoined(instance):
+                self.view.rejoin(instance)
+                return self.on_joined(instance)
         raise TypeError(f"unknown event {event!r}")
 
     def restore(self, ledger: Ledger, plan: ResumePlan, window: dict | None = None) -> None:
@@ -216,6 +220,16 @@ class Policy:
         for v in sorted(self.view.queues, reverse=True):
             out += self.view.place(v)
         return out
+
+    def on_joined(self, instance: int) -> list[Command]:
+        """A replacement took lost ``instance``'s place: it loads the latest version from the trainer (every
+        mode may generate under it) and takes work once loaded (``on_ready``). A borrowed one stays asleep
+        until the policy wakes it."""
+        if self.view.instances[instance].asleep:
+            return []
+        cmd = AssignVersion(instance, self.latest, FOLDER if self.latest == 0 else TRAINER)
+        self.view.assign(cmd)
+        return [cmd]
 
     # -- helpers -----------------------------------------------------------------------------------
     def admit(self, version: int) -> int:
