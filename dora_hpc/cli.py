@@ -185,6 +185,47 @@ def cmd_prepare(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace, console: Console) -> int:
+    """Become a rollout rank of a running job in a fenced one's place (runtime/join.py), or (--submit) ask
+    Slurm for a node to run one on."""
+    import os
+
+    from .launch.local import LaunchError
+
+    run_dir = Path(args.run_dir).resolve()
+    if args.submit:
+        from .launch.slurm import submit_replacement
+
+        try:
+            job = submit_replacement(run_dir, args.overrides, args.nodelist)
+        except LaunchError as e:
+            return fail("cannot submit a replacement", e)
+        console.print(f"submitted replacement job {job}: it joins {run_dir} once Slurm starts it", soft_wrap=True)
+        return 0
+    if not any(k in os.environ for k in ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK")):
+        # no process manager: MPICH would make this a singleton, and singletons started apart share the
+        # name MPICH knows them by, so a second replacement could not be linked (slurm/NOTES.md)
+        import shutil
+
+        mpiexec = str(Path(sys.executable).with_name("mpiexec")) if Path(sys.executable).with_name(
+            "mpiexec").exists() else shutil.which("mpiexec")
+        if mpiexec is None:
+            return fail("cannot join", "no mpiexec to start the replacement under (or run it under srun)")
+        os.execv(mpiexec, [mpiexec, "-n", "1", sys.executable, "-m", "dora_hpc.cli", *sys.argv[1:]])
+    from .runtime.join import main as join
+
+    try:
+        code = join(str(run_dir), args.overrides)
+    except ConfigError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - after MPI_Init: leave without MPI_Finalize (below)
+        print(f"dora-hpc: join failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # MPI_Finalize would wait for the run's ranks: they are connected processes now
+
+
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
@@ -275,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--run-dir", required=True)
     pr.add_argument("--resume", action="store_true", help="the run exists: keep it (resume on the next start)")
     pr.set_defaults(func=cmd_prepare)
+    j = sub.add_parser("join", help="a replacement: this process takes a fenced rollout rank's place in a running job")
+    j.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
+    j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key as this replacement has it (rank 0 refuses one whose config differs)")
+    j.add_argument("--submit", action="store_true",
+                   help="ask Slurm for a node and run the replacement there (a one-task job: it joins once it starts)")
+    j.add_argument("--nodelist", help="--submit: the node(s) to ask for (sbatch --nodelist)")
+    j.set_defaults(func=cmd_join)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")

@@ -127,6 +127,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "malformed_rows": int(sum(1 for kind in ops["kind"] if kind == "malformed_row")),
         "weights": weight_figures(tsteps, all_tsteps, ops),
         "fenced": fenced(ops),
+        "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
         "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
@@ -197,6 +198,21 @@ def fenced(ops: dict) -> list[dict]:
     return [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
             for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
                                         strict=True) if kind == "fence"]
+
+
+def instance_timeline(ops: dict, dedicated: int) -> dict:
+    """The rollout instances live over the run: each launch starts with all ``dedicated`` of them, a fence
+    takes one away, a replacement joining (runtime/join.py) gives it back; the count after each, in time."""
+    events = sorted((float(t), int(a), str(kind), int(r)) for kind, r, a, t in
+                    zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], strict=True)
+                    if kind in ("start", "fence", "join"))
+    count, timeline = dedicated, []
+    for t, a, kind, r in events:
+        count = dedicated if kind == "start" else count + (1 if kind == "join" else -1)
+        timeline.append({"t": t, "attempt": a, "event": kind, "rank": r if kind != "start" else None,
+                         "instances": count})
+    return {"timeline": timeline, "joined": [e for e in timeline if e["event"] == "join"],
+            "fewest": min((e["instances"] for e in timeline), default=dedicated)}
 
 
 def _counts(values: np.ndarray) -> dict[str, int]:

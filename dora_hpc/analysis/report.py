@@ -30,6 +30,9 @@ def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
             ("fenced rollout ranks (hung or dead; work started again elsewhere)",
              lambda r: ", ".join(f"r{f['rank']} ({f['cause']}, {f['started_again']} trajectories)"
                                  for f in r["fenced"]) or "-"),
+            ("replacements joined (rank at seconds)",
+             lambda r: ", ".join(f"r{j['rank']} at {j['t']:.0f} s" for j in r["instances"]["joined"]) or "-"),
+            ("fewest rollout instances live", lambda r: str(r["instances"]["fewest"])),
             ("max versions live at once", "max_live_versions"),
             ("slot utilization", lambda r: f"{r['slot_utilization']:.3f}"),
             ("bubble fraction (1 - slot utilization)", lambda r: f"{r['bubble_fraction']:.3f}"),

@@ -293,6 +293,9 @@ class RuntimeConfig(Section):
     hang_timeout_s: float = Field(120.0, gt=0, description="a rank silent this long is hung: a rollout rank is "
                                   "fenced and its work done elsewhere; a hung trainer ends the job (resumable). "
                                   "Longer than a train step when serve_weights_while_training is off")
+    join_timeout_s: float = Field(600.0, gt=0, description="a replacement (dora-hpc join) that has not linked to "
+                                  "every rank and loaded its model this long after rank 0 took its offer is given up "
+                                  "on: the rank it was to replace stays fenced")
     serve_weights_while_training: bool = Field(
         True, description="trainer ranks answer weight requests during a train step (a helper thread)")
     data_plane: Literal["mpi", "torch"] = Field(

@@ -142,6 +142,30 @@ def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
             "fi"]
 
 
+def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None = None) -> str:
+    """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/join.py), with the rollout component's
+    resources: Slurm starts it when a node is free (a dead node back in service, a spare), and it joins the
+    running job in a fenced rollout rank's place. Returns the job id."""
+    from ..config import validate
+    from .local import LaunchError
+
+    cfg = validate(json.loads((run_dir / "launch.json").read_text())["config"], saved=True)
+    s, c = cfg.slurm, cfg.slurm.rollout
+    flags = {"job-name": f"{s.job_name}-join", "nodes": 1, "ntasks": 1, "cpus-per-task": c.cpus_per_task,
+             "time": s.time_min, "output": run_dir / "slurm" / "join-%j.out", "partition": c.partition or s.partition,
+             "constraint": c.constraint or s.constraint, "account": s.account, "qos": s.qos,
+             "gpus-per-node": c.gpus_per_node, "mem": f"{int(c.mem_gb * 1024)}MB" if c.mem_gb else None,
+             "nodelist": nodelist}
+    (run_dir / "slurm").mkdir(exist_ok=True)
+    join = shlex.join([sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
+                       *[x for kv in sets for x in ("--set", kv)]])
+    p = subprocess.run(["sbatch", "--parsable", *[f"--{k}={v}" for k, v in flags.items() if v is not None],
+                        "--wrap", "\n".join([*s.setup, *FENCE_NETMOD, join])], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise LaunchError(f"sbatch: {p.stderr.strip() or p.stdout.strip()}")
+    return p.stdout.strip().split(";")[0]
+
+
 def script(cfg: RunConfig, run_dir: Path) -> str:
     """The sbatch script ``submit`` would send (for --dry-run)."""
     ex = make_executor(cfg, run_dir, need_srun=False)

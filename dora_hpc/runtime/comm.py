@@ -8,7 +8,10 @@ Invariants:
   on its own tag, or a torch.distributed gloo/NCCL group beside the MPI world), never pickled tensors;
   a buffer is always announced by a control message that carries its shape and dtype, and is sent
   right after it by the same sender, which keeps the buffer alive (and goes on generating or training)
-  until the send completes.
+  until the send completes;
+* a replacement (runtime/join.py) is not in the world: it takes a fenced rank's number and every live rank
+  reaches it over a *link* of its own (an intercommunicator from MPI_Comm_connect, the replacement its
+  remote rank 0), as it reaches every one of them; ``route`` hides which, so roles and rank numbers stay.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .data_plane import make_plane
-from .messages import Fenced, Heartbeat, MigrateIn, StopRequest, WeightsHeader
+from .messages import Fenced, Heartbeat, Joined, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
 if TYPE_CHECKING:
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
 
     from ..train.publish import Delta
 
-TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced notices, read even mid-send
+TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced/Joined notices, read even mid-send
+TAG_LINK = 5  # the first message on a link to a replacement: the connecting rank
 
 
 # ---------------------------------------------------------------- transport
@@ -44,29 +48,64 @@ class SourceFenced(RuntimeError):
 
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
-                 stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False) -> None:
+                 stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False,
+                 identity: tuple[int, int] | None = None) -> None:
+        """``identity``: a replacement's (rank, world size) in the run's world, which it is not part of."""
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
-        self.rank = self.world.Get_rank()
-        self.roles = Roles(self.world.Get_size(), trainers, trainers if elastic else 0)
+        self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
+        self.links: dict[int, MPI.Intercomm] = {}  # ranks reached over a link of their own (route)
+        self.broken: set[int] = set()  # rollout ranks an MPI call to failed (their process is gone)
+        self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
+        self.roles = Roles(size, trainers, trainers if elastic else 0)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
         self._pending: list[tuple[MPI.Request, int]] = []  # control isends and their destination
-        self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV))
+        self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.route)
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
         self._bulk: list[tuple[object, np.ndarray, int]] = []  # bulk sends (handles), their buffers, destinations
         # sends to a fenced rank never complete: their buffers are kept alive here, and never waited for
         self._abandoned: list[tuple[object, np.ndarray | None, int]] = []
 
+    def _unfinished(self, sends: list) -> list:
+        """The sends (request or handle first, destination last) not yet complete. One whose destination's
+        process is gone fails under MPICH's OFI netmod: it is dropped and its destination is ``broken``."""
+        out = []
+        for e in sends:
+            try:
+                done = e[0].Test() if isinstance(e[0], MPI.Request) else e[0].test()
+            except MPI.Exception as err:
+                self.broke(e[-1], err)
+                continue
+            if not done:
+                out.append(e)
+        return out
+
+    def broke(self, rank: int, err: Exception) -> None:
+        """An MPI call to ``rank`` failed: its process is gone. Fatal unless it is a rollout rank, which
+        rank 0 fences (Orchestrator.died reads ``broken``); other ranks let rank 0 find out."""
+        if self.roles.role(rank) != "rollout":
+            raise err
+        self.broken.add(rank)
+
+    def route(self, rank: int):
+        """(communicator, rank in it) that reaches ``rank``: its link, or the world."""
+        link = self.links.get(rank)
+        return (link, 0) if link is not None else (self.world, rank)
+
     def send(self, obj, dst: int) -> None:
         if dst == 0:
             self._last_to_0 = time.monotonic()
-        self._pending.append((self.world.isend(obj, dest=dst, tag=TAG_CTRL), dst))
-        self._pending = [(r, d) for r, d in self._pending if not r.Test()]
+        comm, at = self.route(dst)
+        try:
+            self._pending.append((comm.isend(obj, dest=at, tag=TAG_CTRL), dst))
+        except MPI.Exception as err:
+            self.broke(dst, err)
+        self._pending = self._unfinished(self._pending)
 
     def poll(self, src: int | None = None) -> tuple[object, int] | None:
         """The next control message and its sender, or None when there is none right now. Every call is
@@ -74,17 +113,15 @@ class Comm:
         and a Heartbeat goes to rank 0 when it has sent rank 0 nothing for heartbeat_s; a Fenced notice
         from rank 0 is acted on (``abandon``)."""
         self._keep_alive()
-        status = MPI.Status()
-        if not self.world.Iprobe(source=MPI.ANY_SOURCE if src is None else src, tag=TAG_CTRL, status=status):
-            return None
-        src = status.Get_source()
-        return self.world.recv(source=src, tag=TAG_CTRL), src
+        if src is None:
+            return self.poll_any()
+        comm, at = self.route(src)
+        return (comm.recv(source=at, tag=TAG_CTRL), src) if comm.Iprobe(source=at, tag=TAG_CTRL) else None
 
     def _keep_alive(self) -> None:
         """Tell rank 0 what it must know from this rank (a stop request, a heartbeat when due) and take in
         its Fenced notices (their own tag, so this never consumes another message)."""
-        while self.world.Iprobe(source=0, tag=TAG_FENCE):
-            self.abandon(self.world.recv(source=0, tag=TAG_FENCE).rank)
+        self._notices()
         if self.rank != 0:
             if self.stop is not None and self.stop.is_set() and not self._stop_told:
                 self._stop_told = True
@@ -92,10 +129,47 @@ class Comm:
             if time.monotonic() - self._last_to_0 > self.heartbeat_s:
                 self.send(Heartbeat(self.rank), 0)
 
+    def _notices(self) -> None:
+        """Rank 0's notices on TAG_FENCE: a rank fenced (stop waiting for it) or replaced (link to it)."""
+        comm, at = self.route(0)
+        while comm.Iprobe(source=at, tag=TAG_FENCE):
+            notice = comm.recv(source=at, tag=TAG_FENCE)
+            if isinstance(notice, Joined):
+                self.link(notice.rank, notice.port)
+            else:
+                self.abandon(notice.rank)
+
+    def link(self, rank: int, port: str) -> None:
+        """Reach fenced ``rank``'s replacement from now on: connect to its port and say who this is."""
+        link = MPI.COMM_SELF.Connect(port)
+        link.send(self.rank, dest=0, tag=TAG_LINK)
+        self.linked(rank, link)
+
+    def linked(self, rank: int, link: MPI.Intercomm) -> None:
+        """``rank`` is its replacement over ``link`` from now on: no longer fenced here; its world process is
+        gone for good."""
+        self.links[rank] = link
+        self.gone.add(rank)
+        self.broken.discard(rank)
+        self.fenced = tuple(r for r in self.fenced if r != rank)
+
+    def accept(self, port: str, peers: tuple[int, ...]) -> None:
+        """A replacement: take a link from each of ``peers`` (each says who it is), in the order they come."""
+        for _ in peers:
+            link = MPI.COMM_SELF.Accept(port)
+            self.links[link.recv(source=0, tag=TAG_LINK)] = link
+
+    def announce(self, rank: int, port: str, others: list[int]) -> None:
+        """Rank 0: tell ``others`` that ``rank`` is replaced and its replacement accepts at ``port``."""
+        for r in others:
+            comm, at = self.route(r)
+            self._pending.append((comm.isend(Joined(rank, port), dest=at, tag=TAG_FENCE), r))
+
     def fence(self, rank: int, others: list[int]) -> None:
         """Rank 0: tell ``others`` that ``rank`` is fenced, and stop waiting for sends to it here too."""
         for r in others:
-            self._pending.append((self.world.isend(Fenced(rank), dest=r, tag=TAG_FENCE), r))
+            comm, at = self.route(r)
+            self._pending.append((comm.isend(Fenced(rank), dest=at, tag=TAG_FENCE), r))
         self.abandon(rank)
 
     def abandon(self, rank: int) -> None:
@@ -113,25 +187,47 @@ class Comm:
         MPI_Finalize finds no message in flight. Fenced ranks are left out (the barriers span the others;
         the caller then ends the job with MPI_Abort, which also ends the fenced ranks).
         Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
-        self.group = self.world if not self.fenced else self.world.Create_group(
-            self.world.Get_group().Excl(list(self.fenced)))
+        for r in self.links if self.rank != 0 else ():  # a replacement leaves without the barriers
+            self.abandon(r)
+        self.group = self.world if not self.left_out else self.world.Create_group(
+            self.world.Get_group().Excl(list(self.left_out)))
         self.group.Barrier()
         dropped = 0
         while True:
-            status = MPI.Status()
-            while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
-                src = status.Get_source()
-                self.discard(self.world.recv(source=src, tag=TAG_CTRL), src)
+            while got := self.poll_any():
+                self.discard(*got)
                 dropped += 1
-            while self.world.Iprobe(source=0, tag=TAG_FENCE):
-                self.abandon(self.world.recv(source=0, tag=TAG_FENCE).rank)
-            self._pending = [(r, d) for r, d in self._pending if not r.Test()]
-            self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
+            self._notices()
+            self._pending = self._unfinished(self._pending)
+            self._bulk = self._unfinished(self._bulk)
             if not self._pending and not self._bulk:
                 break
             time.sleep(0.001)
         self.group.Barrier()
         return dropped
+
+    @property
+    def left_out(self) -> list[int]:
+        """World ranks close() and the job's end leave out: fenced ones, and those a replacement took over."""
+        return sorted({*self.fenced, *self.gone})
+
+    def poll_any(self) -> tuple[object, int] | None:
+        """The next control message from anyone (the world or a link), without this rank's keep-alive."""
+        status = MPI.Status()
+        while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
+            src = status.Get_source()
+            msg = self.world.recv(source=src, tag=TAG_CTRL)
+            if src not in self.gone:  # else: from the replaced process (it hung, then woke): dropped
+                return msg, src
+        for r, link in self.links.items():
+            if r in self.broken:
+                continue
+            try:
+                if link.Iprobe(source=0, tag=TAG_CTRL):
+                    return link.recv(source=0, tag=TAG_CTRL), r
+            except MPI.Exception as err:
+                self.broke(r, err)
+        return None
 
     def discard(self, msg: object, src: int) -> None:
         """Drop a control message nobody will act on, receiving the buffers it announces: their sender
@@ -146,8 +242,22 @@ class Comm:
     def send_array(self, arr: np.ndarray, dst: int, tag: int) -> None:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
         buf = np.ascontiguousarray(arr)
-        self._bulk.append((self.plane.isend(buf, dst, tag), buf, dst))
-        self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
+        try:
+            self._bulk.append((self.plane.isend(buf, dst, tag), buf, dst))
+        except MPI.Exception as err:
+            self.broke(dst, err)
+        self._bulk = self._unfinished(self._bulk)
+
+    def finish_sends(self, timeout_s: float) -> None:
+        """A replacement at the run's end: complete its own sends (its peers are draining, close()), reading
+        and dropping what still comes, for at most ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while (self._pending or self._bulk) and time.monotonic() < end:
+            while got := self.poll_any():
+                self.discard(*got)
+            self._pending = self._unfinished(self._pending)
+            self._bulk = self._unfinished(self._bulk)
+            time.sleep(0.001)
 
     def wait_bulk(self) -> None:
         """Complete every bulk send of this rank (its receivers are waiting for them): a rank about to
@@ -156,7 +266,7 @@ class Comm:
         heartbeats, and gives up on sends to a rank that is fenced meanwhile."""
         while self._bulk:
             self._keep_alive()
-            self._bulk = [(h, b, d) for h, b, d in self._bulk if not h.test()]
+            self._bulk = self._unfinished(self._bulk)
             if self._bulk:
                 time.sleep(0.0005)
 

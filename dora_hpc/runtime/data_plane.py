@@ -29,15 +29,19 @@ if TYPE_CHECKING:
 
 
 class MPIPlane:
-    def __init__(self, world) -> None:
-        self.world = world
+    def __init__(self, world, route=None) -> None:
+        """``route(rank)``: the (communicator, rank in it) that reaches a rank (Comm.route: links to a
+        replacement); default the world."""
+        self.route = route or (lambda rank: (world, rank))
 
     def isend(self, buf: np.ndarray, dst: int, tag: int):
-        return _MPIHandle(self.world.Isend(buf, dest=dst, tag=tag))
+        comm, at = self.route(dst)
+        return _MPIHandle(comm.Isend(buf, dest=at, tag=tag))
 
     def irecv(self, shape: tuple[int, ...], dtype, src: int, tag: int):
         buf = np.empty(shape, dtype=dtype)
-        return _MPIHandle(self.world.Irecv(buf, source=src, tag=tag), buf)
+        comm, at = self.route(src)
+        return _MPIHandle(comm.Irecv(buf, source=at, tag=tag), buf)
 
 
 class _MPIHandle:
@@ -116,10 +120,10 @@ class _TorchHandle:
         pass  # gloo cannot cancel; the job's end takes the thread down
 
 
-def make_plane(kind: str, world=None, tags: tuple[int, ...] = ()):
+def make_plane(kind: str, world=None, tags: tuple[int, ...] = (), route=None):
     world = world or MPI.COMM_WORLD
     if kind == "mpi":
-        return MPIPlane(world)
+        return MPIPlane(world, route)
     if kind == "torch":
         return TorchPlane(world, tags)
     raise ValueError(f"runtime.data_plane: unknown data plane {kind!r} (mpi or torch)")

@@ -284,7 +284,7 @@ def finish(world, comm, run: Path, outcome: str) -> None:
     if outcome == "preempted" and STOP_SIGNAL[:1] == [signal.SIGUSR1] and os.environ.get("SLURM_JOB_ID"):
         # Slurm's early warning (--signal=USR1@T): the checkpoint is in; ask Slurm to run us again
         subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
-    if comm.fenced:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
+    if comm.left_out:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
         comm.group.Barrier()
         if world.Get_rank() == 0:
             if os.environ.get("SLURM_JOB_ID"):  # srun fails a step ended by MPI_Abort: the job script's tail

@@ -179,6 +179,25 @@ class Fenced:             # orchestrator -> every live rank, on TAG_FENCE: rank 
 
 
 @dataclass(frozen=True)
+class Joined:             # orchestrator -> every live rank, on TAG_FENCE: connect to fenced ``rank``'s replacement
+    rank: int             # (runtime/join.py), which accepts at ``port``; ``rank`` is live again from then on
+    port: str
+
+
+@dataclass(frozen=True)
+class JoinPlan:           # orchestrator -> a replacement, first on its link: who it is and who else connects
+    rank: int             # the fenced rank it replaces (its instance: roles.instance_of_rank)
+    size: int             # the world's ranks
+    peers: tuple[int, ...] = ()  # every other live rank, each connecting in turn
+    refused: str = ""     # why it may not join (a wrong model or config, nothing to replace): it exits
+
+
+@dataclass(frozen=True)
+class Hello:              # a replacement -> orchestrator: every peer connected and its engine loaded
+    rank: int
+
+
+@dataclass(frozen=True)
 class StopRequest:        # any rank -> orchestrator: a signal asked this rank to stop
     rank: int
 

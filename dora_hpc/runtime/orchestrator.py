@@ -34,6 +34,7 @@ from ..core.events import (
     Dispatch,
     Drop,
     Filter,
+    InstanceJoined,
     InstanceLost,
     InstanceReady,
     KvPressure,
@@ -57,6 +58,7 @@ from .checkpoints import Checkpointer
 from .clock import OpLog
 from .comm import Comm
 from .dashboard import Dashboard
+from .join import JoinDesk
 from .messages import (
     AbortTraj,
     Checkpointed,
@@ -66,6 +68,7 @@ from .messages import (
     Forget,
     Generate,
     Heartbeat,
+    Hello,
     Initial,
     MigrateOut,
     Park,
@@ -114,6 +117,7 @@ class Orchestrator(OpLog):
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.weights = WeightLoads(comm)
+        self.joins = JoinDesk(self)  # replacements of fenced rollout ranks (runtime/join.py)
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -169,7 +173,9 @@ class Orchestrator(OpLog):
                 continue
             msg, src = got
             self.last_heard[src] = time.monotonic()
-            if src not in self.fenced:  # a fenced rank's work is being done elsewhere
+            if isinstance(msg, Hello):  # a replacement linked and loaded (runtime/join.py)
+                self.joins.hello(src)
+            elif src not in self.fenced:  # a fenced rank's work is being done elsewhere
                 self.on_message(msg, src)
         return self.end()
 
@@ -260,6 +266,7 @@ class Orchestrator(OpLog):
         is fenced while another is left; a trainer (or the last rollout rank, at once when it died) ends the
         job naming it, committing nothing: the last checkpoint stands (resumable: a requeued job continues
         from it)."""
+        self.joins.poll()
         now = time.monotonic()
         for r in self.live_rollout:  # its launcher saw it die (launch/local.py: DeathWatch; launch/slurm.py: task)
             if self.died(r) and len(self.live_rollout) > 1:
@@ -282,6 +289,8 @@ class Orchestrator(OpLog):
     def died(self, r: int) -> bool:
         """``pids/rank-N.dead`` names this start's process of rank ``r`` (a marker of an earlier start, under
         Slurm, where the directory persists across requeues, names another pid)."""
+        if r in self.comm.broken:  # a send to it failed (MPICH's OFI netmod: its process is gone)
+            return True
         pids = self.run_dir / "pids"
         try:
             return (pids / f"rank-{r}.dead").read_text().strip() == (pids / f"rank-{r}").read_text().strip()
@@ -322,6 +331,19 @@ class Orchestrator(OpLog):
         self.weights.source_lost(r)
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
+
+    def rejoin(self, r: int) -> None:
+        """A replacement took fenced rank ``r``'s place (runtime/join.py), linked to every live rank and
+        loaded: it is live again, empty, and the policy gives it a version."""
+        i = self.roles.instance_of_rank(r)
+        self.fenced.discard(r)
+        self.comm.broken.discard(r)
+        self.last_heard[r] = time.monotonic()
+        self.op("join", peer=r, detail=f"instance={i}")
+        self.log.flush()
+        print(f"dora-hpc: rank {r} (rollout instance {i}) is back: its replacement joined; "
+              f"{len(self.live_rollout)} instances", file=sys.stderr, flush=True)
+        self.feed(InstanceJoined(i))
 
     # -- steps -------------------------------------------------------------------------------------
     def record_step(self, msg: Published) -> None:

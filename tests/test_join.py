@@ -1,0 +1,94 @@
+"""A replacement joins a running job in a fenced rollout rank's place (runtime/join.py), under the local
+launcher: MPI's dynamic processes (MPI_Open_port / MPI_Comm_accept / MPI_Comm_connect) with MPICH's OFI
+netmod, which both the run and the replacement use here, as ``slurm.fence_rollout`` makes every Slurm job
+use it (UCX cannot link two processes of one host started apart: slurm/NOTES.md)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dora_hpc.analysis.basic import analyze
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "dora_hpc.cli"]
+OFI = {**os.environ, "MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+def wait_for(cond, what: str, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while not cond():
+        assert time.time() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+PROCS: list[subprocess.Popen] = []  # every process a test started: none outlives it
+
+
+def join(run_dir: Path, *sets: str) -> subprocess.Popen:
+    PROCS.append(subprocess.Popen(CLI + ["join", str(run_dir), *[x for kv in sets for x in ("--set", kv)]],
+                                  cwd=REPO, env=OFI, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return PROCS[-1]
+
+
+@pytest.mark.slow
+def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
+    """One DORA run, two rollout instances, and five replacements in turn:
+    * one while nothing is lost: refused (exit 2, one line), the run goes on;
+    * rank 3 is SIGKILLed and fenced; one with another config: refused;
+    * one joins in rank 3's place: linked to every live rank, it loads the latest version from the trainer
+      and generates; it is SIGKILLed as soon as it joined (while it loads): fenced again (a send to it fails,
+      or it is silent for the hang timeout);
+    * the next one joins and stays to the end.
+    The run makes every step with every invariant 0, and analyze shows both fences and both joins."""
+    run_dir, err = tmp_path / "run", tmp_path / "run.err"
+    steps = 60
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), "--set", f"train.max_steps={steps}",
+                 "--set", "batch.tbs=4", "--set", "batch.rbs=6", "--set", "cluster.rollout_instances=2",
+                 "--set", "runtime.hang_timeout_s=8", "--set", "runtime.heartbeat_s=1"]
+    with err.open("w") as f:
+        run = subprocess.Popen(cmd, cwd=REPO, env=OFI, stdout=subprocess.DEVNULL, stderr=f)
+    PROCS.append(run)
+    log = err.read_text
+    try:
+        wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 2, "two train shards")
+        p = join(run_dir)
+        out = p.communicate(timeout=120)[1]
+        assert p.returncode == 2 and "join refused: no rollout instance is lost" in out, out
+        os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
+        wait_for(lambda: "rank 3 (rollout instance 1) died: fenced" in log(), "rank 3 to be fenced")
+        p = join(run_dir, "engine.kv_blocks=256")
+        out = p.communicate(timeout=120)[1]
+        assert p.returncode == 2 and "join refused: its config differs" in out, out
+        first = join(run_dir)
+        wait_for(lambda: log().count("its replacement joined") == 1, "the first replacement to join")
+        first.kill()  # dies while it loads the latest version
+        first.communicate()
+        wait_for(lambda: len(re.findall(r"rank 3 \(rollout instance 1\) [^\n]*: fenced", log())) == 2,
+                 "the first replacement to be fenced")
+        second = join(run_dir)
+        wait_for(lambda: log().count("its replacement joined") == 2, "the second replacement to join")
+        assert run.wait(timeout=400) == 0, log()[-3000:]
+        out = second.communicate(timeout=60)[1]
+        assert second.returncode == 0 and "joined as rank 3" in out, out
+    finally:
+        for proc in PROCS:
+            if proc.poll() is None:
+                proc.kill()
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+    assert [f["rank"] for f in a["fenced"]] == [3, 3] and a["fenced"][0]["cause"] == "died"
+    events = [(e["event"], e["instances"]) for e in a["instances"]["timeline"]]
+    assert events == [("start", 2), ("fence", 1), ("join", 2), ("fence", 1), ("join", 2)], events
+    joined_at = a["instances"]["joined"][-1]["t"]
+    from dora_hpc.store.shards import read_table
+
+    traj = read_table(run_dir, "traj", "trajectories", ["t_finish"], with_rank=True)
+    assert ((traj["rank"] == 3) & (traj["t_finish"] > joined_at)).sum() >= 4  # the last replacement generated
