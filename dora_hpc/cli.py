@@ -212,7 +212,7 @@ def cmd_join(args: argparse.Namespace, console: Console) -> int:
         if mpiexec is None:
             return fail("cannot join", "no mpiexec to start the replacement under (or run it under srun)")
         os.execv(mpiexec, [mpiexec, "-n", "1", sys.executable, "-m", "dora_hpc.cli", *sys.argv[1:]])
-    from .runtime.join import main as join
+    from .runtime.replacement import main as join
 
     try:
         code = join(str(run_dir), args.overrides)

@@ -1,4 +1,6 @@
-"""A replacement joins the running job in a fenced rollout rank's place (``dora-hpc join RUN_DIR``).
+"""Joins: a replacement takes a fenced rollout rank's place in the running job. This module is rank 0's side
+(``JoinDesk``) and what both sides compare (``identity``); the replacement's process is runtime/replacement.py
+(``dora-hpc join RUN_DIR``).
 
 The mechanism is MPI's dynamic processes (slurm/NOTES.md has the evidence): the replacement is a process
 of its own MPI world (a Slurm step or job of its own, or a plain process), which opens a port
@@ -23,16 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .messages import JoinPlan
-
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
 
 
 def identity(cfg_json: str, model_dir: Path) -> dict[str, str]:
@@ -49,7 +46,8 @@ def identity(cfg_json: str, model_dir: Path) -> dict[str, str]:
 class JoinDesk:
     """Rank 0's side of joins: offers read, vetted, linked and announced; Hellos taken; stale joins dropped."""
 
-    def __init__(self, orch: Orchestrator) -> None:
+    def __init__(self, orch) -> None:
+        """``orch``: rank 0's Orchestrator (runtime/orchestrator.py), whose fenced ranks a replacement takes."""
         self.orch = orch
         self.dir = orch.run_dir / "join"
         self.model_dir = Path(json.loads((orch.run_dir / "launch.json").read_text())["model_dir"])
@@ -115,53 +113,3 @@ class JoinDesk:
             return False
         self.orch.rejoin(rank)
         return True
-
-
-def main(run_dir: str, sets: list[str]) -> int:
-    """``dora-hpc join``: this process becomes a rollout rank of the running job in a fenced one's place."""
-    from ..config import ConfigError, parse_overrides, validate, with_overrides
-    from ..data.tasks import make_task
-    from .comm import Comm
-    from .main import STOP, init_mpi, install_signals
-    from .messages import Hello
-    from .rollout import RolloutRank
-
-    run = Path(run_dir)
-    if not (run / "launch.json").is_file():
-        raise ConfigError(f"{run}: no launch.json (not a run directory this node can see)")
-    meta = json.loads((run / "launch.json").read_text())
-    # an operator's settings: rank 0 refuses a replacement whose config differs from the run's
-    cfg = with_overrides(validate(meta["config"], saved=True), dict(parse_overrides(sets)))
-    attempts = (run / "attempts.jsonl").read_text().splitlines()
-    attempt = json.loads(attempts[-1])["attempt"]
-    mpi = init_mpi()
-    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-    port = mpi.Open_port()
-    offer = {"port": port, "pid": os.getpid(), "host": host, **identity(cfg.model_dump_json(), Path(meta["model_dir"]))}
-    (run / "join").mkdir(exist_ok=True)
-    tmp = run / "join" / f"{host}-{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(offer))
-    tmp.rename(tmp.with_suffix(".offer"))
-    print(f"dora-hpc: offered to join {run} from {host}; waiting for rank 0", file=sys.stderr, flush=True)
-    link = mpi.COMM_SELF.Accept(port)
-    plan: JoinPlan = link.recv(source=0, tag=1)
-    if plan.refused:
-        link.Disconnect()
-        print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
-        return 2
-    comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
-                heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size))
-    comm.links[0] = link
-    comm.accept(port, plan.peers)
-    (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
-    install_signals(run, plan.rank)
-    model_dir = Path(meta["model_dir"])
-    rollout = RolloutRank(comm, cfg, run, model_dir, make_task(cfg, meta["vocab_size"], model_dir), meta["run_id"],
-                          meta["t0"], attempt)
-    comm.send(Hello(plan.rank), 0)
-    print(f"dora-hpc: joined as rank {plan.rank} (rollout instance {comm.roles.instance_of_rank(plan.rank)})",
-          file=sys.stderr, flush=True)
-    rollout.run()
-    comm.finish_sends(timeout_s=cfg.runtime.hang_timeout_s)
-    (run / "pids" / f"rank-{plan.rank}.done").write_text("ok")
-    return 0

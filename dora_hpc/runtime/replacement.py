@@ -1,0 +1,73 @@
+"""The replacement's process (``dora-hpc join RUN_DIR``): it offers itself to the running job, is linked to
+every live rank (runtime/join.py has the protocol) and then is the rollout rank it replaces, to the run's end.
+
+Invariant: it leaves without MPI_Finalize (the caller ends the process with ``os._exit``): its peers are
+connected processes, and Finalize would wait for them; they end with the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .join import identity
+from .messages import JoinPlan
+
+
+def main(run_dir: str, sets: list[str]) -> int:
+    """``dora-hpc join``: this process becomes a rollout rank of the running job in a fenced one's place."""
+    from ..config import ConfigError, parse_overrides, validate, with_overrides
+    from ..data.tasks import make_task
+    from .comm import Comm
+    from .main import STOP, init_mpi, install_signals
+    from .messages import Hello
+    from .rollout import RolloutRank
+
+    run = Path(run_dir)
+    if not (run / "launch.json").is_file():
+        raise ConfigError(f"{run}: no launch.json (not a run directory this node can see)")
+    meta = json.loads((run / "launch.json").read_text())
+    # an operator's settings: rank 0 refuses a replacement whose config differs from the run's
+    cfg = with_overrides(validate(meta["config"], saved=True), dict(parse_overrides(sets)))
+    attempts = (run / "attempts.jsonl").read_text().splitlines()
+    attempt = json.loads(attempts[-1])["attempt"]
+    mpi = init_mpi()
+    link, plan, port = offer(mpi, run, cfg, Path(meta["model_dir"]))
+    if plan.refused:
+        link.Disconnect()
+        print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
+        return 2
+    comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
+                heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size))
+    comm.links[0] = link
+    comm.accept(port, plan.peers)
+    (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
+    install_signals(run, plan.rank)
+    model_dir = Path(meta["model_dir"])
+    rollout = RolloutRank(comm, cfg, run, model_dir, make_task(cfg, meta["vocab_size"], model_dir), meta["run_id"],
+                          meta["t0"], attempt)
+    comm.send(Hello(plan.rank), 0)
+    print(f"dora-hpc: joined as rank {plan.rank} (rollout instance {comm.roles.instance_of_rank(plan.rank)})",
+          file=sys.stderr, flush=True)
+    rollout.run()
+    comm.finish_sends(timeout_s=cfg.runtime.hang_timeout_s)
+    (run / "pids" / f"rank-{plan.rank}.done").write_text("ok")
+    return 0
+
+
+def offer(mpi, run: Path, cfg, model_dir: Path):
+    """Open a port, leave the offer in RUN_DIR/join, and wait for rank 0: (its link, the JoinPlan, the port)."""
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    port = mpi.Open_port()
+    (run / "join").mkdir(exist_ok=True)
+    tmp = run / "join" / f"{host}-{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), "host": host,
+                               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                               **identity(cfg.model_dump_json(), model_dir)}))
+    tmp.rename(tmp.with_suffix(".offer"))
+    print(f"dora-hpc: offered to join {run} from {host}; waiting for rank 0", file=sys.stderr, flush=True)
+    link = mpi.COMM_SELF.Accept(port)
+    plan: JoinPlan = link.recv(source=0, tag=1)
+    return link, plan, port
