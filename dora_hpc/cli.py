@@ -274,6 +274,17 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_join_parser(sub) -> None:
+    j = sub.add_parser("join", help="a replacement: this process takes a fenced rollout rank's place in a running job")
+    j.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
+    j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key as this replacement has it (rank 0 refuses one whose config differs)")
+    j.add_argument("--submit", action="store_true",
+                   help="ask Slurm for a node and run the replacement there (a one-task job: it joins once it starts)")
+    j.add_argument("--nodelist", help="--submit: the node(s) to ask for (sbatch --nodelist)")
+    j.set_defaults(func=cmd_join)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
@@ -316,14 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--run-dir", required=True)
     pr.add_argument("--resume", action="store_true", help="the run exists: keep it (resume on the next start)")
     pr.set_defaults(func=cmd_prepare)
-    j = sub.add_parser("join", help="a replacement: this process takes a fenced rollout rank's place in a running job")
-    j.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
-    j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config key as this replacement has it (rank 0 refuses one whose config differs)")
-    j.add_argument("--submit", action="store_true",
-                   help="ask Slurm for a node and run the replacement there (a one-task job: it joins once it starts)")
-    j.add_argument("--nodelist", help="--submit: the node(s) to ask for (sbatch --nodelist)")
-    j.set_defaults(func=cmd_join)
+    _add_join_parser(sub)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")
