@@ -332,12 +332,14 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
     """The chaos test (issue 47): one DORA run under Slurm, four rollout instances on four nodes of their own,
     ``slurm.fence_rollout`` on. One rollout rank is SIGKILLed, then a whole rollout node dies (every process in
     its namespace, its slurmd too), then a rollout rank hangs (SIGSTOP). Each is fenced and the run goes on
-    on the instances left: it finishes in its first start (no requeue), nothing lost or trained twice,
-    staleness <= K, every episode on one version."""
+    on the instances left. Then the dead node is revived and a replacement submitted there (``dora-hpc join
+    --submit``) joins the running job in rank 2's place. The run finishes in its first start (no requeue),
+    nothing lost or trained twice, staleness <= K, every episode on one version; analyze shows the instance
+    count fall to 1 and rise again."""
     if not _netns_nodes():
         pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
     run_dir = tmp_path / "chaos"
-    steps = 40
+    steps = 80
     job = submit(run_dir, steps, "cluster.rollout_instances=4", "slurm.heterogeneous=false", "slurm.trainer.nodes=5",
                  "slurm.fence_rollout=true",
                  "runtime.hang_timeout_s=20", "slurm.time_min=30")
@@ -357,10 +359,17 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
                  run_dir=run_dir)
         os.kill(pids[4], signal.SIGSTOP)  # a hung rank
         wait_for(fenced(run_dir, job, 4), job, timeout=90, what="rank 4 (stopped) to be fenced", run_dir=run_dir)
+        subprocess.run(["bash", "slurm/start_node.sh", dead[1:]], cwd=REPO, capture_output=True, timeout=60)
+        p = subprocess.run(CLI + ["join", str(run_dir), "--submit", "--nodelist", dead], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)  # a replacement on the revived node
+        assert p.returncode == 0, p.stderr
+        replacement = re.search(r"submitted replacement job (\d+)", p.stdout).group(1)
+        wait_for(lambda: "its replacement joined" in slurm_log(run_dir, job), job, timeout=300,
+                 what="the replacement to join", run_dir=run_dir)
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=600,
-                 what="the run to complete on the instance left", run_dir=run_dir)
+                 what="the run to complete", run_dir=run_dir)
     finally:
-        subprocess.run(["scancel", job], capture_output=True)
+        subprocess.run(["scancel", job, *([replacement] if "replacement" in locals() else [])], capture_output=True)
         revive(dead)
     log = slurm_log(run_dir, job)
     assert attempts(run_dir) == 1 and "requeueing" not in log, log[-3000:]
@@ -370,6 +379,11 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
     assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
                                                 "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
     assert a["staleness"]["max"] <= 2 and a["weights"]["mismatched_loads"] == 0
+    events = [(e["event"], e["rank"], e["instances"]) for e in a["instances"]["timeline"]]
+    assert events == [("start", None, 4), ("fence", 2, 3), ("fence", 3, 2), ("fence", 4, 1), ("join", 2, 2)], events
+    out = (run_dir / "slurm" / f"join-{replacement}.out").read_text()
+    assert "joined as rank 2" in out and f"from {dead}" in out, out[-2000:]
+    assert job_state(replacement).get("JobState") == "COMPLETED", out[-2000:]  # it left at the run's end
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None
              "gpus-per-node": c.gpus_per_node, "mem": f"{int(c.mem_gb * 1024)}MB" if c.mem_gb else None,
              "nodelist": nodelist}
     (run_dir / "slurm").mkdir(exist_ok=True)
-    join = shlex.join([sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
+    join = shlex.join(["srun", "--mpi=pmi2", "--ntasks=1", sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
                        *[x for kv in sets for x in ("--set", kv)]])
     p = subprocess.run(["sbatch", "--parsable", *[f"--{k}={v}" for k, v in flags.items() if v is not None],
                         "--wrap", "\n".join([*s.setup, *FENCE_NETMOD, join])], capture_output=True, text=True)
