@@ -387,6 +387,34 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
 
 
 @pytest.mark.slow
+def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
+    """``slurm.replace_lost``: when rank 0 fences a rollout rank it submits a replacement job, which Slurm
+    starts on a free node of its own and which joins the running job; the run ends with its three instances."""
+    run_dir = tmp_path / "auto"
+    job = submit(run_dir, 80, "slurm.heterogeneous=false", "slurm.trainer.nodes=3", "slurm.replace_lost=true",
+                 "slurm.time_min=20")
+    try:
+        wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
+        os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
+        wait_for(lambda: "its replacement joined" in slurm_log(run_dir, job), job, timeout=300,
+                 what="the replacement to join", run_dir=run_dir)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=400,
+                 what="the run to complete", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    log = slurm_log(run_dir, job)
+    replacement = re.search(r"submitted replacement job (\d+)", log).group(1)
+    assert attempts(run_dir) == 1 and "requeueing" not in log, log[-3000:]
+    a = analyze(run_dir)
+    assert a["steps"] == 80 and not any(a["invariants"][k] for k in (
+        "lost_groups", "duplicate_groups", "split_groups", "staleness_over_k", "mixed_version_trajectories"))
+    assert [(e["event"], e["instances"]) for e in a["instances"]["timeline"]] == [("start", 3), ("fence", 2),
+                                                                                   ("join", 3)]
+    wait_for(lambda: job_state(replacement).get("JobState") == "COMPLETED", replacement, timeout=60,
+             what="the replacement to leave")
+
+
+@pytest.mark.slow
 def test_the_last_rollout_instance_lost_ends_the_start_and_the_job_resumes(tmp_path, slurm_cluster):
     """With one rollout instance there is nothing to fence onto: its death ends the start at once (exit 75,
     resumable), and the job requeues itself and resumes from its last checkpoint."""

@@ -40,6 +40,10 @@ class SlurmConfig(Section):
                                 "that instance, not the job: rank 0 fences it and the step goes on (a dead node "
                                 "only in a plain job: Slurm requeues a heterogeneous one; slurm/NOTES.md). Runs the "
                                 "step with --no-kill and MPICH's OFI netmod unless MPIR_CVAR_CH4_NETMOD is set")
+    replace_lost: bool = Field(False, description="with fence_rollout: when a rollout rank is fenced, rank 0 submits "
+                               "a replacement (dora-hpc join --submit), which Slurm starts once a node is free (a dead "
+                               "one back in service, a spare) and which joins the running job; those that have not "
+                               "joined by the run's end are cancelled")
     mpi_init_timeout_s: float = Field(120, gt=0, description="a rank whose MPI_Init has not completed after this "
                                       "long exits 1 (a stalled PMI exchange), so the step ends and the job "
                                       "requeues; raise it for starts of thousands of ranks")

@@ -143,8 +143,9 @@ def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
 
 
 def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None = None) -> str:
-    """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/join.py), with the rollout component's
-    resources: Slurm starts it when a node is free (a dead node back in service, a spare), and it joins the
+    """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/replacement.py), with the rollout
+    component's resources and a node of its own: Slurm starts it when a node is free (a dead node back in
+    service, a spare), and it joins the
     running job in a fenced rollout rank's place. Returns the job id."""
     from ..config import validate
     from .local import LaunchError
@@ -159,8 +160,11 @@ def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None
     (run_dir / "slurm").mkdir(exist_ok=True)
     join = shlex.join(["srun", "--mpi=pmi2", "--ntasks=1", sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
                        *[x for kv in sets for x in ("--set", kv)]])
-    p = subprocess.run(["sbatch", "--parsable", *[f"--{k}={v}" for k, v in flags.items() if v is not None],
-                        "--wrap", "\n".join([*s.setup, *FENCE_NETMOD, join])], capture_output=True, text=True)
+    # a node of its own (--exclusive): a replacement sharing a node with a rank of the run crashed in
+    # MPI_Comm_accept when that rank connected (slurm/NOTES.md); a replaced node is a whole node anyway
+    args = [f"--{k}={v}" for k, v in flags.items() if v is not None]
+    wrap = "\n".join([*s.setup, *FENCE_NETMOD, join])
+    p = subprocess.run(["sbatch", "--parsable", "--exclusive", *args, "--wrap", wrap], capture_output=True, text=True)
     if p.returncode != 0:
         raise LaunchError(f"sbatch: {p.stderr.strip() or p.stdout.strip()}")
     return p.stdout.strip().split(";")[0]

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced/Joined notices, read even mid-send
 TAG_LINK = 5  # the first message on a link to a replacement: the connecting rank
+CONNECT_TIMEOUT_S = 60  # a replacement accepts its peers one after another, each within seconds
 
 
 # ---------------------------------------------------------------- transport
@@ -140,9 +141,18 @@ class Comm:
                 self.abandon(notice.rank)
 
     def link(self, rank: int, port: str) -> None:
-        """Reach fenced ``rank``'s replacement from now on: connect to its port and say who this is."""
-        link = MPI.COMM_SELF.Connect(port)
-        link.send(self.rank, dest=0, tag=TAG_LINK)
+        """Reach fenced ``rank``'s replacement from now on: connect to its port and say who this is. A
+        replacement that died meanwhile is given up on after CONNECT_TIMEOUT_S (``broken``: rank 0 fences it)."""
+        info = MPI.Info.Create()
+        info.Set("timeout", str(CONNECT_TIMEOUT_S))
+        try:
+            link = MPI.COMM_SELF.Connect(port, info)
+            link.send(self.rank, dest=0, tag=TAG_LINK)
+        except MPI.Exception:
+            self.broken.add(rank)
+            return
+        finally:
+            info.Free()
         self.linked(rank, link)
 
     def linked(self, rank: int, link: MPI.Intercomm) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,8 +55,40 @@ class JoinDesk:
         self.model_dir = Path(json.loads((orch.run_dir / "launch.json").read_text())["model_dir"])
         self.mine = identity(orch.cfg.model_dump_json(), self.model_dir)
         self.pending: dict[int, tuple[float, str]] = {}  # rank -> (deadline for its Hello, its host)
+        self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way (slurm.replace_lost)
+        self.requested: list[str] = []   # replacement jobs rank 0 submitted
+        self.joined_jobs: set[str] = set()  # ... and those whose replacement was taken
+
+    def request(self) -> None:
+        """``slurm.replace_lost``: ask Slurm for a replacement (a one-task job of its own, ``dora-hpc join
+        --submit``, in the background: rank 0 goes on); it joins once Slurm starts it."""
+        self.submitting.append(subprocess.Popen(
+            [sys.executable, "-m", "dora_hpc.cli", "join", str(self.orch.run_dir), "--submit"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def _submitted(self) -> None:
+        for proc in [p for p in self.submitting if p.poll() is not None]:
+            self.submitting.remove(proc)
+            out = proc.stdout.read()
+            job = re.search(r"submitted replacement job (\d+)", out)
+            if job is None:
+                print(f"dora-hpc: could not submit a replacement: {out.strip()}", file=sys.stderr, flush=True)
+                continue
+            self.requested.append(job.group(1))
+            self.orch.op("join_requested", detail=f"slurm_job={job.group(1)}")
+            print(f"dora-hpc: submitted replacement job {job.group(1)}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The run's end: cancel the replacement jobs that have not joined (pending, or still loading)."""
+        for proc in self.submitting:
+            proc.wait(timeout=120)
+        self._submitted()
+        waiting = [j for j in self.requested if j not in self.joined_jobs]
+        if waiting:
+            subprocess.run(["scancel", *waiting], capture_output=True, timeout=60)
 
     def poll(self) -> None:
+        self._submitted()
         for r, (deadline, host) in list(self.pending.items()):
             if time.monotonic() > deadline:
                 self.pending.pop(r)
@@ -88,6 +122,7 @@ class JoinDesk:
                   file=sys.stderr, flush=True)
             return
         orch.comm.linked(rank, link)
+        self.joined_jobs.add(str(offer.get("slurm_job_id")))
         orch.comm.announce(rank, offer["port"], list(peers))
         self.pending[rank] = (time.monotonic() + orch.cfg.runtime.join_timeout_s, offer["host"])
         print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} (rollout instance "

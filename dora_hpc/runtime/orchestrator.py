@@ -254,6 +254,7 @@ class Orchestrator(OpLog):
         self.op(outcome, version=self.checkpoints.last, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
         self.sinks.close()
+        self.joins.close()
         self.comm.fenced = tuple(sorted(self.fenced))
         for r in range(1, self.roles.size):
             if r not in self.fenced:
@@ -331,6 +332,8 @@ class Orchestrator(OpLog):
         self.weights.source_lost(r)
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
+        if self.cfg.slurm.replace_lost and self.cfg.slurm.fence_rollout and os.environ.get("SLURM_JOB_ID"):
+            self.joins.request()
 
     def rejoin(self, r: int) -> None:
         """A replacement took fenced rank ``r``'s place (runtime/join.py), linked to every live rank and

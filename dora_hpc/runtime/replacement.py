@@ -34,6 +34,9 @@ def main(run_dir: str, sets: list[str]) -> int:
     attempts = (run / "attempts.jsonl").read_text().splitlines()
     attempt = json.loads(attempts[-1])["attempt"]
     mpi = init_mpi()
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code (MPI) prints the Python stack
     link, plan, port = offer(mpi, run, cfg, Path(meta["model_dir"]))
     if plan.refused:
         link.Disconnect()
