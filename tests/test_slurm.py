@@ -153,6 +153,21 @@ def test_dry_run_prints_a_heterogeneous_script_and_the_config(tmp_path):
     assert "#SBATCH --partition=gpu" in out and "#SBATCH --exclusive" in out
 
 
+def test_fencing_asks_no_kill_of_a_plain_job_only(tmp_path):
+    """A plain job survives a dead node with --no-kill; a heterogeneous one is requeued by Slurm on any node's
+    failure, and with --no-kill its rollout component would end instead of requeueing (slurm/NOTES.md)."""
+    from dora_hpc.config import load_config
+    from dora_hpc.launch.slurm import script
+
+    het = script(load_config("configs/tiny-cpu.yaml"), tmp_path)
+    plain = script(load_config("configs/tiny-cpu.yaml", ["slurm.heterogeneous=false"]), tmp_path)
+    off = script(load_config("configs/tiny-cpu.yaml", ["slurm.heterogeneous=false", "slurm.fence_rollout=false"]),
+                 tmp_path)
+    assert "--no-kill" not in het and "MPIR_CVAR_CH4_NETMOD" in het
+    assert "#SBATCH --no-kill" in plain and "--kill-on-bad-exit=1 --no-kill" in plain
+    assert "--no-kill" not in off and "MPIR_CVAR_CH4_NETMOD" not in off
+
+
 def test_the_gpu_cluster_template_renders_gpus_for_both_components(tmp_path):
     p = subprocess.run(CLI + ["submit", "configs/cluster-gpu.yaml", "--dry-run", "--run-dir", str(tmp_path / "x")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)

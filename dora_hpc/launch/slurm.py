@@ -13,9 +13,9 @@ Invariants:
   rank 0 commit a checkpoint and requeue the job;
 * with ``slurm.fence_rollout`` (the default) a rollout rank killed by a signal costs that instance, not the
   job: it runs as a child of its task (``task``), which then leaves ``pids/rank-N.dead`` (the child's pid)
-  for rank 0, which fences it, and exits 0, so srun keeps the step; the job and the step run with
-  ``--no-kill``, so a dead node's rollout ranks are fenced too (a plain job only: Slurm requeues a
-  heterogeneous job on any node's failure) and MPICH runs its OFI netmod (FENCE_NETMOD);
+  for rank 0, which fences it, and exits 0, so srun keeps the step; a plain job and its step run with
+  ``--no-kill``, so a dead node's rollout ranks are fenced too (Slurm requeues a heterogeneous job on any
+  node's failure, so it keeps the default); MPICH runs its OFI netmod (FENCE_NETMOD);
 * rank 0 ends a step with fenced ranks (hung ones too) by MPI_Abort(0) after leaving ``pids/complete``
   (this start's job id and restart count), which the script's tail reads as a complete run, not a failure;
 * any other dead rank (orchestrator, trainer, a rank that raised) ends the job step at once
@@ -85,12 +85,14 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     second = _component_flags(s.rollout, c.rollout_instances, cfg) if s.heterogeneous else None
     if second is None:  # one plain job: all ranks in one component
         first["ntasks"] = head + c.rollout_instances
-    if s.fence_rollout:  # a dead node shrinks the job, never cancels it (Slurm reads the flag per component)
+    # a plain job survives a dead node with --no-kill (it shrinks; the node's rollout ranks are fenced). A
+    # heterogeneous one cannot (Slurm requeues its leader whatever it asks), and with --no-kill its rollout
+    # component ended instead of requeueing with it, leaving the job pending for good: no --no-kill there
+    shrink = s.fence_rollout and second is None
+    if shrink:
         first["no_kill"] = True
-        if second is not None:
-            second["no_kill"] = True
     ex = HetSlurmExecutor(folder, second, need_srun)
-    srun_args = (["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--no-kill"] if s.fence_rollout else [])
+    srun_args = (["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--no-kill"] if shrink else [])
                  + (["--het-group=0,1"] if second is not None else []))
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
                               "stderr_to_stdout": True,

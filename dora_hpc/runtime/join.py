@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from .comm import CONNECT_TIMEOUT_S
 from .messages import JoinPlan
 
 
@@ -112,7 +113,17 @@ class JoinDesk:
 
         orch = self.orch
         rank, why = self.vet(offer)
-        link = MPI.COMM_SELF.Connect(offer["port"])
+        info = MPI.Info.Create()
+        info.Set("timeout", str(CONNECT_TIMEOUT_S))
+        try:
+            link = MPI.COMM_SELF.Connect(offer["port"], info)
+        except MPI.Exception:  # the replacement is gone (an offer left by a process that died)
+            orch.op("join_failed", detail=f"host={offer['host']} pid={offer['pid']} unreachable")
+            print(f"dora-hpc: the replacement on {offer['host']} (pid {offer['pid']}) cannot be reached: its "
+                  "offer is dropped", file=sys.stderr, flush=True)
+            return
+        finally:
+            info.Free()
         peers = self.peers(rank) if rank is not None else ()
         link.send(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why), dest=0, tag=1)
         if rank is None:
