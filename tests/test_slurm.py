@@ -512,10 +512,12 @@ def test_rank_0_fences_a_rank_whose_dead_marker_names_this_starts_process(tmp_pa
 
     pids = tmp_path / "pids"
     pids.mkdir()
-    orch = SimpleNamespace(run_dir=tmp_path)
+    orch = SimpleNamespace(run_dir=tmp_path, comm=SimpleNamespace(broken=set()))
     (pids / "rank-3").write_text("4125")
     assert not Orchestrator.died(orch, 3)
     (pids / "rank-3.dead").write_text("3001")  # an earlier start's process (the directory outlives requeues)
     assert not Orchestrator.died(orch, 3)
     (pids / "rank-3.dead").write_text("4125")
     assert Orchestrator.died(orch, 3)
+    orch.comm.broken.add(4)  # a send to rank 4 failed (MPICH's OFI netmod): its process is gone
+    assert Orchestrator.died(orch, 4) and not Orchestrator.died(orch, 5)
