@@ -302,15 +302,17 @@ def test_a_dora_run_across_four_nodes_loses_one_and_resumes_on_the_others(tmp_pa
     """Orchestrator and trainer on one node, one rollout instance on each of three others: every weight load
     comes from another node and crosses the bridge (MPI over TCP, not shared memory), KV migrates between
     nodes, and the logs name each rank's host. Then one rollout node dies (every process in it killed, its
-    slurmd too): Slurm marks it down and requeues the job, which resumes from its last checkpoint on the
-    nodes that are left, nothing lost or trained twice."""
+    slurmd too) with ``slurm.fence_rollout`` off (with it on the run would fence the node's rank and finish
+    before Slurm noticed; the chaos test covers that): Slurm marks the node down and requeues the job, which
+    resumes from its last checkpoint on the nodes that are left, nothing lost or trained twice."""
     from dora_hpc.store.shards import read_table
 
     if not _netns_nodes():
         pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
     run_dir = tmp_path / "nodes"
     before = bridge_bytes()
-    job = submit(run_dir, 16, "slurm.rollout.nodes=3", "train.checkpoint_every=2", "slurm.time_min=20")
+    job = submit(run_dir, 16, "slurm.rollout.nodes=3", "train.checkpoint_every=2", "slurm.time_min=20",
+                 "slurm.fence_rollout=false")  # the node's death is the job's: what a requeue and resume cost
     try:
         wait_for(trained(run_dir, 0, 4), job, what="attempt 0 to train four steps", run_dir=run_dir)
         hosts = rank_hosts(run_dir, job)
