@@ -164,7 +164,7 @@ def test_fencing_asks_no_kill_of_a_plain_job_only(tmp_path):
     off = script(load_config("configs/tiny-cpu.yaml", ["slurm.heterogeneous=false", "slurm.fence_rollout=false"]),
                  tmp_path)
     assert "--no-kill" not in het and "MPIR_CVAR_CH4_NETMOD" in het
-    assert "#SBATCH --no-kill" in plain and "--input=none --no-kill" in plain
+    assert "#SBATCH --no-kill" in plain and "--kill-on-bad-exit=1 --no-kill" in plain
     assert "--no-kill" not in off and "MPIR_CVAR_CH4_NETMOD" not in off
 
 

@@ -92,9 +92,7 @@ def make_executor(cfg: RunConfig, run_dir: Path, need_srun: bool = True) -> HetS
     if shrink:
         first["no_kill"] = True
     ex = HetSlurmExecutor(folder, second, need_srun)
-    # --input=none: srun forwards no stdin, so it writes nothing to a node's step; a write to a dead node's
-    # step made srun abort the whole step ("io error and missing step on node"), --no-kill or not
-    srun_args = (["--mpi=pmi2", "--kill-on-bad-exit=1", "--input=none"] + (["--no-kill"] if shrink else [])
+    srun_args = (["--mpi=pmi2", "--kill-on-bad-exit=1"] + (["--no-kill"] if shrink else [])
                  + (["--het-group=0,1"] if second is not None else []))
     params: dict[str, Any] = {"job_name": s.job_name, "time": s.time_min, "srun_args": srun_args,
                               "stderr_to_stdout": True,
