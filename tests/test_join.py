@@ -90,5 +90,10 @@ def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
     joined_at = a["instances"]["joined"][-1]["t"]
     from dora_hpc.store.shards import read_table
 
+    ops = read_table(run_dir, "events", "ops")
+    linked = [(float(t), int(p)) for t, k, p in zip(ops["t_start"], ops["kind"], ops["peer"], strict=True)
+              if k == "join_linked"]
+    assert [p for _, p in sorted(linked)] == [1, 2, 1, 2], linked  # each join: its peers one after the other
+
     traj = read_table(run_dir, "traj", "trajectories", ["t_finish"], with_rank=True)
     assert ((traj["rank"] == 3) & (traj["t_finish"] > joined_at)).sum() >= 4  # the last replacement generated

@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .data_plane import make_plane
-from .messages import Fenced, Heartbeat, Joined, MigrateIn, StopRequest, WeightsHeader
+from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
 if TYPE_CHECKING:
@@ -39,6 +39,19 @@ CONNECT_TIMEOUT_S = 60  # a replacement accepts its peers one after another, eac
 
 
 # ---------------------------------------------------------------- transport
+def connect(port: str) -> MPI.Intercomm | None:
+    """A link to the process accepting at ``port`` (MPI_Comm_connect from this process alone), or None when
+    it cannot be reached within CONNECT_TIMEOUT_S (it died, or its port is stale)."""
+    info = MPI.Info.Create()
+    info.Set("timeout", str(CONNECT_TIMEOUT_S))
+    try:
+        return MPI.COMM_SELF.Connect(port, info)
+    except MPI.Exception:
+        return None
+    finally:
+        info.Free()
+
+
 class SourceFenced(RuntimeError):
     """A buffer's sender was fenced (dead or hung) before the buffer arrived: it never will."""
 
@@ -141,19 +154,18 @@ class Comm:
                 self.abandon(notice.rank)
 
     def link(self, rank: int, port: str) -> None:
-        """Reach fenced ``rank``'s replacement from now on: connect to its port and say who this is. A
-        replacement that died meanwhile is given up on after CONNECT_TIMEOUT_S (``broken``: rank 0 fences it)."""
-        info = MPI.Info.Create()
-        info.Set("timeout", str(CONNECT_TIMEOUT_S))
-        try:
-            link = MPI.COMM_SELF.Connect(port, info)
-            link.send(self.rank, dest=0, tag=TAG_LINK)
-        except MPI.Exception:
-            self.broken.add(rank)
-            return
-        finally:
-            info.Free()
-        self.linked(rank, link)
+        """Reach fenced ``rank``'s replacement from now on: connect to its port, say who this is, and tell rank
+        0 (``Linked``: it tells the next peer). A replacement that died meanwhile is given up on after
+        CONNECT_TIMEOUT_S (``Linked(ok=False)``: rank 0 fences it again)."""
+        link = connect(port)
+        if link is not None:
+            try:
+                link.send(self.rank, dest=0, tag=TAG_LINK)
+            except MPI.Exception:
+                link = None
+        if link is not None:
+            self.linked(rank, link)
+        self.send(Linked(rank, ok=link is not None), 0)
 
     def linked(self, rank: int, link: MPI.Intercomm) -> None:
         """``rank`` is its replacement over ``link`` from now on: no longer fenced here; its world process is
@@ -164,7 +176,8 @@ class Comm:
         self.fenced = tuple(r for r in self.fenced if r != rank)
 
     def accept(self, port: str, peers: tuple[int, ...]) -> None:
-        """A replacement: take a link from each of ``peers`` (each says who it is), in the order they come."""
+        """A replacement: take a link from each of ``peers`` (each says who it is), one after another (rank 0
+        tells each peer to connect once the one before has linked)."""
         for _ in peers:
             link = MPI.COMM_SELF.Accept(port)
             self.links[link.recv(source=0, tag=TAG_LINK)] = link

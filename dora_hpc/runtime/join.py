@@ -7,15 +7,17 @@ of its own MPI world (a Slurm step or job of its own, or a plain process), which
 (MPI_Open_port) and leaves it in ``RUN_DIR/join/HOST-PID.offer``. Rank 0 reads offers when it watches
 (every ``runtime.tick_s``), vets each (the same config and model as the run, a fenced rollout rank to
 replace, the MPI data plane), connects (MPI_Comm_connect: a *link*) and sends a ``JoinPlan``: the rank it
-replaces, or why it is refused. Rank 0 then tells every live rank (``Joined`` on TAG_FENCE), and each
-connects in turn; the replacement accepts them all, loads the model, and says ``Hello``. Only then does
+replaces, or why it is refused. Rank 0 then tells the live ranks one at a time (``Joined`` on TAG_FENCE)
+to connect, each once the one before has said ``Linked`` (MPICH's MPI_Comm_accept crashes when peers
+connect at once: slurm/NOTES.md); the replacement accepts them all, loads the model, and says ``Hello``. Only then does
 rank 0 take the rank off its fenced list and give the policy ``InstanceJoined``: the instance loads the
 latest version from a trainer and takes work like any other.
 
 Invariants:
 * a replacement runs nothing before its ``Hello`` is taken: until then it is fenced, and rank 0 sends it
   nothing but its plan;
-* a join that has not said ``Hello`` within ``runtime.join_timeout_s`` is abandoned (the rank stays fenced);
+* a join that has not said ``Hello`` within ``runtime.join_timeout_s``, or that a peer could not link to, is
+  abandoned (the rank stays fenced);
   a replacement that dies or hangs after it joined is fenced again, like any rollout rank;
 * a replacement leaves at the run's end without MPI_Finalize (its peers end with the job: MPI_Abort(0)
   follows any fenced rank), once its own sends are done.
@@ -31,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from .comm import CONNECT_TIMEOUT_S
-from .messages import JoinPlan
+from .comm import connect
+from .messages import JoinPlan, Linked
 
 
 def identity(cfg_json: str, model_dir: Path) -> dict[str, str]:
@@ -56,6 +58,7 @@ class JoinDesk:
         self.model_dir = Path(json.loads((orch.run_dir / "launch.json").read_text())["model_dir"])
         self.mine = identity(orch.cfg.model_dump_json(), self.model_dir)
         self.pending: dict[int, tuple[float, str]] = {}  # rank -> (deadline for its Hello, its host)
+        self.to_link: dict[int, tuple[str, list[int]]] = {}  # rank -> (its port, the peers yet to be told)
         self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way (slurm.replace_lost)
         self.requested: list[str] = []   # replacement jobs rank 0 submitted
         self.joined_jobs: set[str] = set()  # ... and those whose replacement was taken
@@ -90,15 +93,10 @@ class JoinDesk:
 
     def poll(self) -> None:
         self._submitted()
-        for r, (deadline, host) in list(self.pending.items()):
+        for r, (deadline, _) in list(self.pending.items()):
             if time.monotonic() > deadline:
-                self.pending.pop(r)
-                self.orch.op("join_failed", peer=r, detail=f"host={host} no Hello")
-                print(f"dora-hpc: the replacement of rank {r} on {host} did not finish joining within "
-                      f"runtime.join_timeout_s={self.orch.cfg.runtime.join_timeout_s:g} s: rank {r} stays fenced",
-                      file=sys.stderr, flush=True)
-                self.orch.comm.links.pop(r, None)
-                self.orch.comm.fence(r, self.peers(r))
+                self.abandon(r, "no Hello", "did not finish joining within runtime.join_timeout_s="
+                                            f"{self.orch.cfg.runtime.join_timeout_s:g} s")
         for offer in sorted(self.dir.glob("*.offer")) if self.dir.is_dir() else ():
             taken = offer.with_suffix(".taken")
             offer.rename(taken)
@@ -108,22 +106,43 @@ class JoinDesk:
         """Every live rank but rank 0 and ``rank``: each links to the replacement."""
         return tuple(r for r in range(1, self.orch.roles.size) if r != rank and r not in self.orch.fenced)
 
-    def take(self, offer: dict) -> None:
-        from mpi4py import MPI
+    def abandon(self, r: int, op_detail: str, why: str) -> None:
+        """Give up on the join of ``r``'s replacement: ``r`` stays fenced, and every live rank is told so."""
+        host = self.pending.pop(r)[1]
+        self.to_link.pop(r, None)
+        self.orch.op("join_failed", peer=r, detail=f"host={host} {op_detail}")
+        print(f"dora-hpc: the replacement of rank {r} on {host} {why}: rank {r} stays fenced",
+              file=sys.stderr, flush=True)
+        self.orch.comm.links.pop(r, None)
+        self.orch.comm.fence(r, self.peers(r))
 
+    def linked(self, msg: Linked, src: int) -> None:
+        """Peer ``src`` linked to ``msg.rank``'s replacement (or could not: the join is abandoned); the next
+        peer is told to connect."""
+        if msg.rank not in self.pending:
+            return
+        if not msg.ok:
+            self.abandon(msg.rank, f"rank {src} could not link", f"could not be reached from rank {src}")
+            return
+        self.orch.op("join_linked", peer=src, detail=f"rank={msg.rank}")
+        self._tell_next(msg.rank)
+
+    def _tell_next(self, rank: int) -> None:
+        port, left = self.to_link[rank]
+        while left and left[0] in self.orch.fenced:  # fenced meanwhile: the replacement waits for it in vain
+            left.pop(0)                              # and its join times out, as with any lost peer
+        if left:
+            self.orch.comm.announce(rank, port, [left.pop(0)])
+
+    def take(self, offer: dict) -> None:
         orch = self.orch
         rank, why = self.vet(offer)
-        info = MPI.Info.Create()
-        info.Set("timeout", str(CONNECT_TIMEOUT_S))
-        try:
-            link = MPI.COMM_SELF.Connect(offer["port"], info)
-        except MPI.Exception:  # the replacement is gone (an offer left by a process that died)
+        link = connect(offer["port"])
+        if link is None:  # the replacement is gone (an offer left by a process that died)
             orch.op("join_failed", detail=f"host={offer['host']} pid={offer['pid']} unreachable")
             print(f"dora-hpc: the replacement on {offer['host']} (pid {offer['pid']}) cannot be reached: its "
                   "offer is dropped", file=sys.stderr, flush=True)
             return
-        finally:
-            info.Free()
         peers = self.peers(rank) if rank is not None else ()
         link.send(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why), dest=0, tag=1)
         if rank is None:
@@ -134,8 +153,9 @@ class JoinDesk:
             return
         orch.comm.linked(rank, link)
         self.joined_jobs.add(str(offer.get("slurm_job_id")))
-        orch.comm.announce(rank, offer["port"], list(peers))
         self.pending[rank] = (time.monotonic() + orch.cfg.runtime.join_timeout_s, offer["host"])
+        self.to_link[rank] = (offer["port"], list(peers))
+        self._tell_next(rank)
         print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} (rollout instance "
               f"{orch.roles.instance_of_rank(rank)}): linking it to {len(peers)} ranks", file=sys.stderr, flush=True)
 

@@ -185,10 +185,16 @@ class Joined:             # orchestrator -> every live rank, on TAG_FENCE: conne
 
 
 @dataclass(frozen=True)
+class Linked:             # a live rank -> orchestrator, after a Joined: its link to ``rank``'s replacement is made
+    rank: int             # (ok), or failed (the replacement is gone). Rank 0 tells the next peer only then:
+    ok: bool = True       # MPICH's MPI_Comm_accept crashes when peers connect at once (slurm/NOTES.md)
+
+
+@dataclass(frozen=True)
 class JoinPlan:           # orchestrator -> a replacement, first on its link: who it is and who else connects
     rank: int             # the fenced rank it replaces (its instance: roles.instance_of_rank)
     size: int             # the world's ranks
-    peers: tuple[int, ...] = ()  # every other live rank, each connecting in turn
+    peers: tuple[int, ...] = ()  # every other live rank, each connecting in turn, one at a time
     refused: str = ""     # why it may not join (a wrong model or config, nothing to replace): it exits
 
 

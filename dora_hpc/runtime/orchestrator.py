@@ -70,6 +70,7 @@ from .messages import (
     Heartbeat,
     Hello,
     Initial,
+    Linked,
     MigrateOut,
     Park,
     Pause,
@@ -175,6 +176,8 @@ class Orchestrator(OpLog):
             self.last_heard[src] = time.monotonic()
             if isinstance(msg, Hello):  # a replacement linked and loaded (runtime/join.py)
                 self.joins.hello(src)
+            elif isinstance(msg, Linked):  # a peer linked to a replacement: the next one may
+                self.joins.linked(msg, src)
             elif src not in self.fenced:  # a fenced rank's work is being done elsewhere
                 self.on_message(msg, src)
         return self.end()
