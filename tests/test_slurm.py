@@ -376,6 +376,9 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
                  run_dir=run_dir)
         os.kill(pids[4], signal.SIGSTOP)  # a hung rank
         wait_for(fenced(run_dir, job, 4), job, timeout=90, what="rank 4 (stopped) to be fenced", run_dir=run_dir)
+        # a node comes back after Slurm declared it down: a slurmd that registers before that reports the
+        # step missing, and srun then aborts the step on the dead I/O connection (slurm/NOTES.md)
+        wait_for(lambda: node_down(dead), job, timeout=120, what=f"Slurm to declare {dead} down", run_dir=run_dir)
         subprocess.run(["bash", "slurm/start_node.sh", dead[1:]], cwd=REPO, capture_output=True, timeout=60)
         p = subprocess.run(CLI + ["join", str(run_dir), "--submit", "--nodelist", dead], cwd=REPO,
                            capture_output=True, text=True, timeout=60)  # a replacement on the revived node
@@ -460,6 +463,12 @@ def fenced(run_dir: Path, job: str, rank: int):
 def slurm_log(run_dir: Path, job: str) -> str:
     """Task 0's log (rank 0's output and the script's own lines) of every start of the job."""
     return "".join(f.read_text(errors="replace") for f in (run_dir / "slurm").glob(f"{job}_0_log.out"))
+
+
+def node_down(node: str) -> bool:
+    """slurmctld has declared ``node`` down (its State has DOWN, e.g. ``DOWN+NOT_RESPONDING``)."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True).stdout
+    return "DOWN" in (re.search(r"State=(\S+)", out) or [None, ""])[1]
 
 
 def revive(node: str | None) -> None:
