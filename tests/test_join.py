@@ -97,3 +97,54 @@ def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
 
     traj = read_table(run_dir, "traj", "trajectories", ["t_finish"], with_rank=True)
     assert ((traj["rank"] == 3) & (traj["t_finish"] > joined_at)).sum() >= 4  # the last replacement generated
+
+
+class _Comm:  # rank 0's sends, recorded (the desk's bookkeeping is what this test checks; test above: the wire)
+    def __init__(self) -> None:
+        self.told: list[tuple[int, int]] = []
+        self.fenced: list[int] = []
+        self.links: dict = {}
+
+    def announce(self, rank: int, port: str, others: list[int]) -> None:
+        self.told += [(rank, r) for r in others]
+
+    def fence(self, rank: int, others) -> None:
+        self.fenced.append(rank)
+
+
+def test_rank_0_tells_one_peer_at_a_time_and_excuses_its_silence_while_it_links(tmp_path):
+    """MPICH's MPI_Comm_accept crashes when peers connect to one port at once (slurm/NOTES.md), so rank 0
+    tells the next peer only when the one before said Linked; the peer told is not hung while it connects;
+    a peer that could not link abandons the join (the rank stays fenced)."""
+    from types import SimpleNamespace
+
+    from dora_hpc.config import load_config
+    from dora_hpc.runtime.comm import CONNECT_TIMEOUT_S
+    from dora_hpc.runtime.join import JoinDesk
+    from dora_hpc.runtime.messages import Linked
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "launch.json").write_text(f'{{"model_dir": "{model}"}}')
+    cfg = load_config("configs/tiny-cpu.yaml", ["cluster.rollout_instances=3", "runtime.hang_timeout_s=20"])
+    ops: list[tuple] = []
+    orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, comm=_Comm(), fenced={3, 5}, roles=SimpleNamespace(size=6),
+                           op=lambda kind, peer=-1, detail="": ops.append((kind, peer)))
+    desk = JoinDesk(orch)
+    desk.pending[3] = (time.monotonic() + 600, "n3")
+    desk.to_link[3] = ("port", [1, 2, 4])
+    desk._tell_next(3)
+    assert orch.comm.told == [(3, 1)]  # one peer at a time
+    assert desk.excused(1, time.monotonic() + CONNECT_TIMEOUT_S) and not desk.excused(2, time.monotonic())
+    assert not desk.excused(1, time.monotonic() + CONNECT_TIMEOUT_S + 21)  # connect returned long ago: hung
+    desk.linked(Linked(3), 1)
+    assert orch.comm.told == [(3, 1), (3, 2)] and 1 not in desk.linking and ("join_linked", 1) in ops
+    orch.fenced.add(4)
+    desk.linked(Linked(3), 2)  # rank 4 was fenced meanwhile: nobody left to tell
+    assert orch.comm.told == [(3, 1), (3, 2)] and not desk.linking
+    desk.pending[5] = (time.monotonic() + 600, "n5")
+    desk.to_link[5] = ("port5", [1, 2])
+    desk._tell_next(5)
+    desk.linked(Linked(5, ok=False), 1)  # its replacement could not be reached: given up, rank 5 fenced again
+    assert 5 not in desk.pending and 5 not in desk.to_link and not desk.linking and orch.comm.fenced == [5]
+    assert orch.comm.told[-1] == (5, 1) and ("join_failed", 5) in ops

@@ -215,19 +215,25 @@ class Comm:
         self.group = self.world if not self.left_out else self.world.Create_group(
             self.world.Get_group().Excl(list(self.left_out)))
         self.group.Barrier()
-        dropped = 0
+        dropped = self._drain(float("inf"), notices=True)
+        self.group.Barrier()
+        return dropped
+
+    def _drain(self, timeout_s: float, notices: bool) -> int:
+        """Read and drop what comes (with the buffers it announces) until this rank's own sends completed,
+        for at most ``timeout_s``; ``notices``: act on rank 0's notices meanwhile. The messages dropped."""
+        end, dropped = time.monotonic() + timeout_s, 0
         while True:
             while got := self.poll_any():
                 self.discard(*got)
                 dropped += 1
-            self._notices()
+            if notices:
+                self._notices()
             self._pending = self._unfinished(self._pending)
             self._bulk = self._unfinished(self._bulk)
-            if not self._pending and not self._bulk:
-                break
+            if not (self._pending or self._bulk) or time.monotonic() >= end:
+                return dropped
             time.sleep(0.001)
-        self.group.Barrier()
-        return dropped
 
     @property
     def left_out(self) -> list[int]:
@@ -274,13 +280,7 @@ class Comm:
     def finish_sends(self, timeout_s: float) -> None:
         """A replacement at the run's end: complete its own sends (its peers are draining, close()), reading
         and dropping what still comes, for at most ``timeout_s``."""
-        end = time.monotonic() + timeout_s
-        while (self._pending or self._bulk) and time.monotonic() < end:
-            while got := self.poll_any():
-                self.discard(*got)
-            self._pending = self._unfinished(self._pending)
-            self._bulk = self._unfinished(self._bulk)
-            time.sleep(0.001)
+        self._drain(timeout_s, notices=False)
 
     def wait_bulk(self) -> None:
         """Complete every bulk send of this rank (its receivers are waiting for them): a rank about to

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .comm import connect
+from .comm import CONNECT_TIMEOUT_S, connect
 from .messages import JoinPlan, Linked
 
 
@@ -59,6 +59,7 @@ class JoinDesk:
         self.mine = identity(orch.cfg.model_dump_json(), self.model_dir)
         self.pending: dict[int, tuple[float, str]] = {}  # rank -> (deadline for its Hello, its host)
         self.to_link: dict[int, tuple[str, list[int]]] = {}  # rank -> (its port, the peers yet to be told)
+        self.linking: dict[int, tuple[int, float]] = {}  # peer told to connect -> (the rank, when it was told)
         self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way (slurm.replace_lost)
         self.requested: list[str] = []   # replacement jobs rank 0 submitted
         self.joined_jobs: set[str] = set()  # ... and those whose replacement was taken
@@ -110,6 +111,7 @@ class JoinDesk:
         """Give up on the join of ``r``'s replacement: ``r`` stays fenced, and every live rank is told so."""
         host = self.pending.pop(r)[1]
         self.to_link.pop(r, None)
+        self.linking = {p: v for p, v in self.linking.items() if v[0] != r}
         self.orch.op("join_failed", peer=r, detail=f"host={host} {op_detail}")
         print(f"dora-hpc: the replacement of rank {r} on {host} {why}: rank {r} stays fenced",
               file=sys.stderr, flush=True)
@@ -119,6 +121,7 @@ class JoinDesk:
     def linked(self, msg: Linked, src: int) -> None:
         """Peer ``src`` linked to ``msg.rank``'s replacement (or could not: the join is abandoned); the next
         peer is told to connect."""
+        self.linking.pop(src, None)
         if msg.rank not in self.pending:
             return
         if not msg.ok:
@@ -132,7 +135,15 @@ class JoinDesk:
         while left and left[0] in self.orch.fenced:  # fenced meanwhile: the replacement waits for it in vain
             left.pop(0)                              # and its join times out, as with any lost peer
         if left:
-            self.orch.comm.announce(rank, port, [left.pop(0)])
+            peer = left.pop(0)
+            self.orch.comm.announce(rank, port, [peer])
+            self.linking[peer] = (rank, time.monotonic())
+
+    def excused(self, peer: int, now: float) -> bool:
+        """``peer`` is silent because it is connecting to a replacement (MPI_Comm_connect blocks it for up to
+        CONNECT_TIMEOUT_S): not hung until that and the hang timeout have passed."""
+        told = self.linking.get(peer)
+        return told is not None and now - told[1] <= CONNECT_TIMEOUT_S + self.orch.cfg.runtime.hang_timeout_s
 
     def take(self, offer: dict) -> None:
         orch = self.orch

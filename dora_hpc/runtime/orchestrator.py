@@ -280,7 +280,7 @@ class Orchestrator(OpLog):
                 self.log.flush()
                 raise RankHung(f"rank {r}, the last rollout instance, died")
         for r, t in list(self.last_heard.items()):
-            if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s:
+            if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s or self.joins.excused(r, now):
                 continue
             if self.roles.role(r) == "rollout" and len(self.live_rollout) > 1:
                 self.fence(r, now - t)
