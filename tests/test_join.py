@@ -148,3 +148,32 @@ def test_rank_0_tells_one_peer_at_a_time_and_excuses_its_silence_while_it_links(
     desk.linked(Linked(5, ok=False), 1)  # its replacement could not be reached: given up, rank 5 fenced again
     assert 5 not in desk.pending and 5 not in desk.to_link and not desk.linking and orch.comm.fenced == [5]
     assert orch.comm.told[-1] == (5, 1) and ("join_failed", 5) in ops
+
+
+def test_a_replacement_with_another_model_or_config_is_refused(tmp_path):
+    """Rank 0's vetting (the run above tests a wrong config end to end): an offer whose model folder differs
+    (files or config.json) or whose config differs is refused with one line naming what differs."""
+    from types import SimpleNamespace
+
+    from dora_hpc.config import load_config
+    from dora_hpc.runtime.join import JoinDesk, identity
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    for d, size in ((model, 10), (other, 11)):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * size)
+        (d / "config.json").write_text("{}")
+    (tmp_path / "launch.json").write_text(f'{{"model_dir": "{model}"}}')
+    cfg = load_config("configs/tiny-cpu.yaml")
+    orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, fenced={3}, roles=SimpleNamespace(size=4, rollout_ranks=[2, 3]))
+    desk = JoinDesk(orch)
+    mine = identity(cfg.model_dump_json(), model)
+    assert desk.vet(mine) == (3, "")
+    rank, why = desk.vet(identity(cfg.model_dump_json(), other))
+    assert rank is None and why == f"its model folder differs from the run's ({model})"
+    (other / "model.safetensors").write_bytes(b"x" * 10)
+    (other / "config.json").write_text('{"hidden_size": 8}')
+    assert desk.vet(identity(cfg.model_dump_json(), other))[0] is None  # same files, another config.json
+    changed = load_config("configs/tiny-cpu.yaml", ["engine.kv_blocks=256"])
+    assert desk.vet(identity(changed.model_dump_json(), model)) == (None, "its config differs from the run's "
+                                                                          "(launch.json)")
