@@ -31,6 +31,17 @@ def test_the_panel_fits_a_small_terminal_and_names_every_figure():
     assert "step 7/40" in line(STATUS) and "reward 0.512" in line(STATUS)
 
 
+def test_instances_lost_and_joined_show_as_the_live_count_over_time():
+    s = {**STATUS, "live": [[0.0, 16], [52.3, 15], [90.0, 16]]}
+    console = Console(width=80, record=True, color_system=None)
+    console.print(panel(s))
+    text = console.export_text()
+    assert len(text.rstrip("\n").split("\n")) <= 10, text
+    assert "live instances over time: 16 (0 s) → 15 (52 s) → 16 (90 s)" in text
+    assert "| live 16 (0 s) → 15 (52 s) → 16 (90 s) |" in line(s)
+    assert "live" not in line({**STATUS, "live": [[0.0, 16]]})  # nothing lost yet: no count shown
+
+
 def test_a_multi_turn_run_shows_the_episodes_waiting_on_their_environment():
     s = {**STATUS, "instances": STATUS["instances"][:8], "env_waiting": [3, 0, 5, 1, 0, 0, 2, 9]}
     console = Console(width=80, record=True, color_system=None)

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
+LIVE_SHOWN = 6  # the live instance count's last changes the dashboard shows
 MARKER = "\x1edora-status "  # starts a status line (ASCII record separator: never in a rank's own output)
 
 
@@ -36,6 +37,7 @@ def status(orch) -> dict:
             "env_waiting": [orch.env_waiting.get(i, 0) for i in range(len(orch.policy.view.instances))]
             if orch.cfg.env.multi_turn else None,
             "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced),
+            "live": [[round(t, 1), n] for t, n in orch.live_counts[-LIVE_SHOWN:]],
             "queued": {str(v): len(q) for v, q in sorted(orch.policy.view.queues.items()) if q},
             "stale": {str(s): n for s, n in sorted(orch.stale.items())}}
 
@@ -56,9 +58,16 @@ def mean_staleness(s: dict) -> str:
     return f"{sum(int(k) * c for k, c in s['stale'].items()) / n:.2f}" if n else "-"
 
 
+def live(s: dict) -> str:
+    """The live instance count over time, once it has changed ("" before): "4 (0 s) → 3 (52 s) → 4 (90 s)"."""
+    counts = s.get("live") or []
+    return " → ".join(f"{n} ({t:.0f} s)" for t, n in counts) if len(counts) > 1 else ""
+
+
 def line(s: dict) -> str:
     """One plain status line (logs, Slurm)."""
     inst = " ".join(_label(*x) + _env(s, i) for i, x in enumerate(s["instances"]))
+    inst += f" | live {live(s)}" if live(s) else ""
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
             f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "
@@ -86,7 +95,8 @@ def panel(s: dict):
         inst.append("  ")
     queued = "  ".join(f"v{v}: {n}" for v, n in s["queued"].items()) or "-"
     stale = "  ".join(f"{k}: {n}" for k, n in s["stale"].items()) or "-"
-    return Group(head, bar, inst, Text(f"queued per version: {queued}"),
+    counts = [Text(f"live instances over time: {live(s)}")] if live(s) else []
+    return Group(head, bar, inst, *counts, Text(f"queued per version: {queued}"),
                  Text(f"staleness of consumed groups (staleness: groups): {stale}   mean {mean_staleness(s)}"))
 
 

@@ -115,6 +115,7 @@ class Orchestrator(OpLog):
         # liveness: a rank is watched from its first message on (model loading may take long before it)
         self.last_heard: dict[int, float] = {}
         self.fenced: set[int] = set()           # rollout ranks given up on (hung): never sent to again
+        self.live_counts: list[tuple[float, int]] = [(0.0, len(self.roles.instance_ranks))]  # (t, live) changes
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.weights = WeightLoads(comm)
@@ -333,6 +334,7 @@ class Orchestrator(OpLog):
         for t in in_transit:
             self.moved_from.pop(t, None)
         self.weights.source_lost(r)
+        self.live_counts.append((self.now(), len(self.live_instance_ranks)))
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
         if self.cfg.slurm.replace_lost and self.cfg.slurm.fence_rollout and os.environ.get("SLURM_JOB_ID"):
@@ -349,6 +351,7 @@ class Orchestrator(OpLog):
         self.log.flush()
         print(f"dora-hpc: rank {r} (rollout instance {i}) is back: its replacement joined; "
               f"{len(self.live_rollout)} instances", file=sys.stderr, flush=True)
+        self.live_counts.append((self.now(), len(self.live_instance_ranks)))
         self.feed(InstanceJoined(i))
 
     # -- steps -------------------------------------------------------------------------------------
