@@ -96,15 +96,17 @@ def test_invariants_hold_when_lost_instances_are_replaced(mode, data, seed, lose
 
 def test_a_replacement_loads_the_latest_version_and_takes_work():
     """DORA, two instances: instance 0 is lost mid-run, its replacement joins, loads the latest version
-    from the trainer and is dispatched requests again; a joined instance that was never lost is refused."""
+    (from instance 1 when it holds it, else from the trainer) and is dispatched requests again; a joined
+    instance that was never lost is refused."""
     cfg = PolicyConfig(tbs=2, rbs=3, group_size=2, n_instances=2, slots=2, k=2)
     driver = RandomDriver(policy_for("dora", cfg), random.Random(3), lose=1)
     driver.run(steps=3)
     driver.lose(0)
     driver.advance(steps=5)
     latest = driver.p.latest
+    peer = driver.p.view.hosts(latest, ready_only=True) == [1]
     cmds = driver.p.on(InstanceJoined(0))
-    assert cmds == [AssignVersion(0, latest, TRAINER)]
+    assert cmds == [AssignVersion(0, latest, 1 if peer else TRAINER)]
     driver.lost.discard(0)
     driver.joined.add(0)
     for cmd in cmds:
@@ -114,6 +116,20 @@ def test_a_replacement_loads_the_latest_version_and_takes_work():
     assert 0 in driver.served_after_join
     with pytest.raises(ValueError, match="never lost"):
         driver.p.on(InstanceJoined(1))
+
+
+def test_a_replacement_loads_from_a_peer_that_holds_the_latest_version():
+    """When a live instance already holds the latest version, a replacement loads it from that peer, not
+    from the trainer (a replacement dying mid-load then costs a rollout instance, not the start)."""
+    cfg = PolicyConfig(tbs=2, rbs=3, group_size=2, n_instances=2, slots=2, k=2)
+    driver = RandomDriver(policy_for("dora", cfg), random.Random(0), lose=1)
+    driver.run(steps=3)
+    driver.lose(0)
+    for _ in range(2000):
+        if driver.p.view.hosts(driver.p.latest, ready_only=True) == [1]:
+            break
+        driver.step_once()
+    assert driver.p.on(InstanceJoined(0)) == [AssignVersion(0, driver.p.latest, 1)]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

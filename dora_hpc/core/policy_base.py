@@ -222,12 +222,15 @@ class Policy:
         return out
 
     def on_joined(self, instance: int) -> list[Command]:
-        """A replacement took lost ``instance``'s place: it loads the latest version from the trainer (every
-        mode may generate under it) and takes work once loaded (``on_ready``). A borrowed one stays asleep
-        until the policy wakes it."""
+        """A replacement took lost ``instance``'s place: it loads the latest version (every mode may generate
+        under it) from a peer instance that holds it, else from the trainer, and takes work once loaded
+        (``on_ready``). A peer first, as the planner does: a replacement that dies while it loads can take
+        its sender's process with it (slurm/NOTES.md), and a lost peer is fenced where a lost trainer ends
+        the start. A borrowed one stays asleep until the policy wakes it."""
         if self.view.instances[instance].asleep:
             return []
-        cmd = AssignVersion(instance, self.latest, FOLDER if self.latest == 0 else TRAINER)
+        peers = [i for i in self.view.hosts(self.latest, ready_only=True) if i != instance]
+        cmd = AssignVersion(instance, self.latest, peers[0] if peers else FOLDER if self.latest == 0 else TRAINER)
         self.view.assign(cmd)
         return [cmd]
 
