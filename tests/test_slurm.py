@@ -392,7 +392,7 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
         subprocess.run(["scancel", job, *([replacement] if "replacement" in locals() else [])], capture_output=True)
         revive(dead)
     log = slurm_log(run_dir, job)
-    assert attempts(run_dir) == 1 and "requeueing" not in log, log[-3000:]
+    assert attempts(run_dir) == 1 and "requeueing" not in since_attempt_0(log), log[-3000:]
     assert "the run is complete (rank 0 ended the step over its fenced ranks)" in log
     a = analyze(run_dir)
     assert a["steps"] == steps and a["consumed"] == steps * 4 * 4
@@ -424,7 +424,7 @@ def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
         subprocess.run(["scancel", job], capture_output=True)
     log = slurm_log(run_dir, job)
     replacement = re.search(r"submitted replacement job (\d+)", log).group(1)
-    assert attempts(run_dir) == 1 and "requeueing" not in log, log[-3000:]
+    assert attempts(run_dir) == 1 and "requeueing" not in since_attempt_0(log), log[-3000:]
     a = analyze(run_dir)
     assert a["steps"] == 80 and not any(a["invariants"][k] for k in (
         "lost_groups", "duplicate_groups", "split_groups", "staleness_over_k", "mixed_version_trajectories"))
@@ -463,6 +463,12 @@ def fenced(run_dir: Path, job: str, rank: int):
 def slurm_log(run_dir: Path, job: str) -> str:
     """Task 0's log (rank 0's output and the script's own lines) of every start of the job."""
     return "".join(f.read_text(errors="replace") for f in (run_dir / "slurm").glob(f"{job}_0_log.out"))
+
+
+def since_attempt_0(log: str) -> str:
+    """The job's log from its first attempt on: a start that never got through MPI_Init (Slurm's pmi2 stall,
+    slurm/NOTES.md) records no attempt and is requeued before it; the faults a test injects come after."""
+    return log[log.index("attempt 0: one MPI world"):]
 
 
 def node_down(node: str) -> bool:
