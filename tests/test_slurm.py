@@ -468,7 +468,7 @@ def slurm_log(run_dir: Path, job: str) -> str:
 def since_attempt_0(log: str) -> str:
     """The job's log from its first attempt on: a start that never got through MPI_Init (Slurm's pmi2 stall,
     slurm/NOTES.md) records no attempt and is requeued before it; the faults a test injects come after."""
-    return log[log.index("attempt 0: one MPI world"):]
+    return log[max(0, log.find("attempt 0: one MPI world")):]
 
 
 def node_down(node: str) -> bool:
