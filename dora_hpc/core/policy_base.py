@@ -229,7 +229,7 @@ class Policy:
         the start. A borrowed one stays asleep until the policy wakes it."""
         if self.view.instances[instance].asleep:
             return []
-        peers = [i for i in self.view.hosts(self.latest, ready_only=True) if i != instance]
+        peers = self.view.hosts(self.latest, ready_only=True)  # never ``instance``: it holds no version
         cmd = AssignVersion(instance, self.latest, peers[0] if peers else FOLDER if self.latest == 0 else TRAINER)
         self.view.assign(cmd)
         return [cmd]

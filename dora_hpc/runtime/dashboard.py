@@ -67,7 +67,8 @@ def live(s: dict) -> str:
 def line(s: dict) -> str:
     """One plain status line (logs, Slurm)."""
     inst = " ".join(_label(*x) + _env(s, i) for i, x in enumerate(s["instances"]))
-    inst += f" | live {live(s)}" if live(s) else ""
+    counts = live(s)
+    inst += f" | live {counts}" if counts else ""
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
             f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "
@@ -95,8 +96,9 @@ def panel(s: dict):
         inst.append("  ")
     queued = "  ".join(f"v{v}: {n}" for v, n in s["queued"].items()) or "-"
     stale = "  ".join(f"{k}: {n}" for k, n in s["stale"].items()) or "-"
-    counts = [Text(f"live instances over time: {live(s)}")] if live(s) else []
-    return Group(head, bar, inst, *counts, Text(f"queued per version: {queued}"),
+    counts = live(s)
+    return Group(head, bar, inst, *([Text(f"live instances over time: {counts}")] if counts else []),
+                 Text(f"queued per version: {queued}"),
                  Text(f"staleness of consumed groups (staleness: groups): {stale}   mean {mean_staleness(s)}"))
 
 

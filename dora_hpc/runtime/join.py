@@ -11,7 +11,7 @@ replaces, or why it is refused. Rank 0 then tells the live ranks one at a time (
 to connect, each once the one before has said ``Linked`` (MPICH's MPI_Comm_accept crashes when peers
 connect at once: slurm/NOTES.md); the replacement accepts them all, loads the model, and says ``Hello``. Only then does
 rank 0 take the rank off its fenced list and give the policy ``InstanceJoined``: the instance loads the
-latest version from a trainer and takes work like any other.
+latest version from a peer instance that holds it (else from a trainer) and takes work like any other.
 
 Invariants:
 * a replacement runs nothing before its ``Hello`` is taken: until then it is fenced, and rank 0 sends it
