@@ -83,24 +83,32 @@ ENDED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_F
 
 
 def why(job: str, run_dir: Path | None) -> str:
-    """The tail of the job's log and what this host's slurmd's said about its MPI start (pmi2)."""
+    """The tail of the job's log (and its replacements'), what this host's slurmd's said about its MPI start
+    (pmi2), and the queue and the nodes' states."""
     out = ""
     if run_dir is not None:
-        out = "".join(f.read_text()[-3000:] for f in sorted((run_dir / "slurm").glob("*_0_log.out")))
+        logs = [*sorted((run_dir / "slurm").glob("*_0_log.out")), *sorted((run_dir / "slurm").glob("join-*.out"))]
+        out = "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in logs)
     pmi = [line for f in sorted(Path("/var/log/slurm").glob("slurmd-*.log")) if os.access(f, os.R_OK)
            for line in f.read_text(errors="replace").splitlines() if "mpi/pmi2" in line]
-    return out + ("\nslurmd, mpi/pmi2:\n" + "\n".join(pmi[-8:]) if pmi else "")
+    queue = subprocess.run(["squeue", "-o", "%i %j %T %R"], capture_output=True, text=True).stdout
+    nodes = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %T"], capture_output=True, text=True).stdout
+    return (out + ("\nslurmd, mpi/pmi2:\n" + "\n".join(pmi[-8:]) if pmi else "")
+            + f"\nsqueue:\n{queue}sinfo:\n{nodes}")
 
 
 def wait_for(cond, job: str, timeout: float = 300, what: str = "", run_dir: Path | None = None) -> None:
-    """Poll ``cond`` until it holds; fail at once (with the job's log) if the job ends before it does."""
+    """Poll ``cond`` until it holds; fail at once (with the job's log) if the job ends (or completes) before
+    it does."""
     end = time.time() + timeout
     while not cond():
         st = job_state(job)
-        if st.get("JobState") in ENDED and not cond():
+        if st.get("JobState") in {*ENDED, "COMPLETED"} and not cond():
             pytest.fail(f"job {job} ended {st['JobState']} ({st.get('Reason')}) while waiting for {what}\n"
                         + why(job, run_dir))
-        assert time.time() < end, f"timed out waiting for {what}: job {job} {st.get('JobState')} ({st.get('Reason')})"
+        if time.time() > end:
+            pytest.fail(f"timed out waiting for {what}: job {job} {st.get('JobState')} ({st.get('Reason')})\n"
+                        + why(job, run_dir))
         if st.get("JobState") == "PENDING" and st.get("Reason") == "None":
             # Slurm 22.05 leaves a requeued heterogeneous job pending with Reason=None until the job is
             # updated; any no-op update (release) makes the scheduler consider it again (slurm/NOTES.md)
@@ -409,10 +417,14 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
 @pytest.mark.slow
 def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
     """``slurm.replace_lost``: when rank 0 fences a rollout rank it submits a replacement job, which Slurm
-    starts on a free node of its own and which joins the running job; the run ends with its three instances."""
+    starts on a free node of its own and which joins the running job; the run ends with its three instances.
+    The first replacement job fails before its MPI start (a setup line exits 3): rank 0 sees it end without
+    joining and submits another."""
     run_dir = tmp_path / "auto"
-    job = submit(run_dir, 80, "slurm.heterogeneous=false", "slurm.trainer.nodes=3", "slurm.replace_lost=true",
-                 "slurm.time_min=20")
+    once = tmp_path / "first-replacement-failed"
+    fail_first = f'test "$SLURM_JOB_NAME" != dora-hpc-join || test -e {once} || (touch {once}; exit 3) || exit 3'
+    job = submit(run_dir, 120, "slurm.heterogeneous=false", "slurm.trainer.nodes=3", "slurm.replace_lost=true",
+                 "slurm.time_min=20", f"slurm.setup=[{fail_first}]")
     try:
         wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
         os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
@@ -423,10 +435,11 @@ def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     log = slurm_log(run_dir, job)
-    replacement = re.search(r"submitted replacement job (\d+)", log).group(1)
+    failed, replacement = re.findall(r"submitted replacement job (\d+)", log)
+    assert f"replacement job {failed} ended without joining" in log and once.exists(), log[-3000:]
     assert attempts(run_dir) == 1 and "requeueing" not in since_attempt_0(log), log[-3000:]
     a = analyze(run_dir)
-    assert a["steps"] == 80 and not any(a["invariants"][k] for k in (
+    assert a["steps"] == 120 and not any(a["invariants"][k] for k in (
         "lost_groups", "duplicate_groups", "split_groups", "staleness_over_k", "mixed_version_trajectories"))
     assert [(e["event"], e["instances"]) for e in a["instances"]["timeline"]] == [("start", 3), ("fence", 2),
                                                                                    ("join", 3)]

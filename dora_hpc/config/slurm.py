@@ -44,6 +44,9 @@ class SlurmConfig(Section):
                                "a replacement (dora-hpc join --submit), which Slurm starts once a node is free (a dead "
                                "one back in service, a spare) and which joins the running job; those that have not "
                                "joined by the run's end are cancelled")
+    replace_retries: int = Field(3, ge=0, description="with replace_lost: a replacement job that ends without "
+                                 "joining (its MPI start failed, its node died) is submitted again, at most this "
+                                 "many times per run")
     mpi_init_timeout_s: float = Field(120, gt=0, description="a rank whose MPI_Init has not completed after this "
                                       "long exits 1 (a stalled PMI exchange), so the step ends and the job "
                                       "requeues; raise it for starts of thousands of ranks")

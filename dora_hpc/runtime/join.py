@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -35,6 +36,20 @@ from pathlib import Path
 
 from .comm import CONNECT_TIMEOUT_S, connect
 from .messages import JoinPlan, Linked
+
+ALIVE_CHECK_S = 10.0  # how often rank 0 asks Slurm whether the replacement jobs it waits for are alive
+
+
+def alive_jobs(jobs: list[str]) -> set[str] | None:
+    """Which of ``jobs`` Slurm still holds (pending, running, completing); None if slurmctld did not answer."""
+    try:
+        p = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:  # every id unknown (purged) is an error too
+        return set() if "Invalid job id" in p.stderr else None
+    return set(p.stdout.split())
 
 
 def identity(cfg_json: str, model_dir: Path) -> dict[str, str]:
@@ -60,16 +75,44 @@ class JoinDesk:
         self.pending: dict[int, tuple[float, str]] = {}  # rank -> (deadline for its Hello, its host)
         self.to_link: dict[int, tuple[str, list[int]]] = {}  # rank -> (its port, the peers yet to be told)
         self.linking: dict[int, tuple[int, float]] = {}  # peer told to connect -> (the rank, when it was told)
-        self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way (slurm.replace_lost)
+        s = orch.cfg.slurm
+        self.auto = s.replace_lost and s.fence_rollout and "SLURM_JOB_ID" in os.environ  # slurm.replace_lost
+        self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way
         self.requested: list[str] = []   # replacement jobs rank 0 submitted
-        self.joined_jobs: set[str] = set()  # ... and those whose replacement was taken
+        self.joined_jobs: set[str] = set()  # ... those whose replacement was taken
+        self.ended_jobs: set[str] = set()   # ... and those that ended without offering (a failed start)
+        self.failures = 0  # replacements that came to nothing: not submitted, ended without offering, abandoned
+        self.checked_at = 0.0  # when Slurm was last asked which requested jobs are alive
 
-    def request(self) -> None:
-        """``slurm.replace_lost``: ask Slurm for a replacement (a one-task job of its own, ``dora-hpc join
-        --submit``, in the background: rank 0 goes on); it joins once Slurm starts it."""
+    def ask(self) -> None:
+        """``slurm.replace_lost``: keep one replacement job asked for per lost rollout rank (a one-task job
+        of its own, ``dora-hpc join --submit``, in the background: rank 0 goes on); each joins once Slurm
+        starts it. A job that ends without offering (its MPI start failed, its node died) is asked for
+        again, at most ``slurm.replace_retries`` times per run."""
+        self._submitted()
+        waiting = [j for j in self.requested if j not in self.joined_jobs and j not in self.ended_jobs]
+        if waiting and time.monotonic() - self.checked_at > ALIVE_CHECK_S:
+            self.checked_at = time.monotonic()
+            alive = alive_jobs(waiting)
+            for job in [j for j in waiting if alive is not None and j not in alive]:
+                self.ended_jobs.add(job)
+                waiting.remove(job)
+                self.orch.op("join_failed", detail=f"slurm_job={job} ended without joining")
+                self._failed(f"replacement job {job} ended without joining (its log: slurm/join-{job}.out)")
+        lost = [r for r in self.orch.roles.rollout_ranks if r in self.orch.fenced and r not in self.pending]
+        if len(lost) <= len(waiting) + len(self.submitting):
+            return
+        if self.failures > self.orch.cfg.slurm.replace_retries:
+            return  # given up (said when the last one failed)
         self.submitting.append(subprocess.Popen(
             [sys.executable, "-m", "dora_hpc.cli", "join", str(self.orch.run_dir), "--submit"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def _failed(self, what: str) -> None:
+        self.failures += 1
+        retries = self.orch.cfg.slurm.replace_retries
+        print(f"dora-hpc: {what}" + (f"; no more replacements are asked for (slurm.replace_retries={retries})"
+                                     if self.auto and self.failures > retries else ""), file=sys.stderr, flush=True)
 
     def _submitted(self) -> None:
         for proc in [p for p in self.submitting if p.poll() is not None]:
@@ -77,7 +120,7 @@ class JoinDesk:
             out = proc.stdout.read()
             job = re.search(r"submitted replacement job (\d+)", out)
             if job is None:
-                print(f"dora-hpc: could not submit a replacement: {out.strip()}", file=sys.stderr, flush=True)
+                self._failed(f"could not submit a replacement: {out.strip()}")
                 continue
             self.requested.append(job.group(1))
             self.orch.op("join_requested", detail=f"slurm_job={job.group(1)}")
@@ -88,12 +131,13 @@ class JoinDesk:
         for proc in self.submitting:
             proc.wait(timeout=120)
         self._submitted()
-        waiting = [j for j in self.requested if j not in self.joined_jobs]
+        waiting = [j for j in self.requested if j not in self.joined_jobs and j not in self.ended_jobs]
         if waiting:
             subprocess.run(["scancel", *waiting], capture_output=True, timeout=60)
 
     def poll(self) -> None:
-        self._submitted()
+        if self.auto:
+            self.ask()
         for r, (deadline, _) in list(self.pending.items()):
             if time.monotonic() > deadline:
                 self.abandon(r, "no Hello", "did not finish joining within runtime.join_timeout_s="
@@ -113,8 +157,7 @@ class JoinDesk:
         self.to_link.pop(r, None)
         self.linking = {p: v for p, v in self.linking.items() if v[0] != r}
         self.orch.op("join_failed", peer=r, detail=f"host={host} {op_detail}")
-        print(f"dora-hpc: the replacement of rank {r} on {host} {why}: rank {r} stays fenced",
-              file=sys.stderr, flush=True)
+        self._failed(f"the replacement of rank {r} on {host} {why}: rank {r} stays fenced")
         self.orch.comm.links.pop(r, None)
         self.orch.comm.fence(r, self.peers(r))
 

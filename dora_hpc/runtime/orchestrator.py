@@ -337,8 +337,6 @@ class Orchestrator(OpLog):
         self.live_counts.append((self.now(), len(self.live_instance_ranks)))
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
-        if self.cfg.slurm.replace_lost and self.cfg.slurm.fence_rollout and os.environ.get("SLURM_JOB_ID"):
-            self.joins.request()
 
     def rejoin(self, r: int) -> None:
         """A replacement took fenced rank ``r``'s place (runtime/join.py), linked to every live rank and
