@@ -120,7 +120,7 @@ def test_rank_0_tells_one_peer_at_a_time_and_excuses_its_silence_while_it_links(
 
     from dora_hpc.config import load_config
     from dora_hpc.runtime.comm import CONNECT_TIMEOUT_S
-    from dora_hpc.runtime.join import JoinDesk
+    from dora_hpc.runtime.join import Join, JoinDesk
     from dora_hpc.runtime.messages import Linked
 
     model = tmp_path / "model"
@@ -131,22 +131,21 @@ def test_rank_0_tells_one_peer_at_a_time_and_excuses_its_silence_while_it_links(
     orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, comm=_Comm(), fenced={3, 5}, roles=SimpleNamespace(size=6),
                            op=lambda kind, peer=-1, detail="": ops.append((kind, peer)))
     desk = JoinDesk(orch)
-    desk.pending[3] = (time.monotonic() + 600, "n3")
-    desk.to_link[3] = ("port", [1, 2, 4])
+    desk.pending[3] = Join("n3", "port", time.monotonic() + 600, [1, 2, 4])
     desk._tell_next(3)
     assert orch.comm.told == [(3, 1)]  # one peer at a time
     assert desk.excused(1, time.monotonic() + CONNECT_TIMEOUT_S) and not desk.excused(2, time.monotonic())
     assert not desk.excused(1, time.monotonic() + CONNECT_TIMEOUT_S + 21)  # connect returned long ago: hung
     desk.linked(Linked(3), 1)
-    assert orch.comm.told == [(3, 1), (3, 2)] and 1 not in desk.linking and ("join_linked", 1) in ops
+    assert orch.comm.told == [(3, 1), (3, 2)] and desk.pending[3].told == 2 and ("join_linked", 1) in ops
+    assert not desk.excused(1, time.monotonic())  # linked: no longer excused
     orch.fenced.add(4)
     desk.linked(Linked(3), 2)  # rank 4 was fenced meanwhile: nobody left to tell
-    assert orch.comm.told == [(3, 1), (3, 2)] and not desk.linking
-    desk.pending[5] = (time.monotonic() + 600, "n5")
-    desk.to_link[5] = ("port5", [1, 2])
+    assert orch.comm.told == [(3, 1), (3, 2)] and desk.pending[3].told is None and not desk.excused(2, time.monotonic())
+    desk.pending[5] = Join("n5", "port5", time.monotonic() + 600, [1, 2])
     desk._tell_next(5)
     desk.linked(Linked(5, ok=False), 1)  # its replacement could not be reached: given up, rank 5 fenced again
-    assert 5 not in desk.pending and 5 not in desk.to_link and not desk.linking and orch.comm.fenced == [5]
+    assert 5 not in desk.pending and not desk.excused(1, time.monotonic()) and orch.comm.fenced == [5]
     assert orch.comm.told[-1] == (5, 1) and ("join_failed", 5) in ops
 
 

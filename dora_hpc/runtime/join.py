@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .comm import CONNECT_TIMEOUT_S, connect
@@ -63,6 +64,18 @@ def identity(cfg_json: str, model_dir: Path) -> dict[str, str]:
     return {"config": hashlib.sha256(cfg_json.encode()).hexdigest()[:16], "model": model.hexdigest()[:16]}
 
 
+@dataclass
+class Join:
+    """A replacement taken but not yet live: where it listens, whom rank 0 has yet to tell to link to it,
+    the peer told last (linking now), and until when its ``Hello`` is awaited."""
+    host: str
+    port: str
+    deadline: float
+    left: list[int]  # the live ranks yet to be told to connect, in order
+    told: int | None = None  # the peer connecting now (its Linked awaited) ...
+    told_at: float = field(default=0.0)  # ... and since when
+
+
 class JoinDesk:
     """Rank 0's side of joins: offers read, vetted, linked and announced; Hellos taken; stale joins dropped."""
 
@@ -72,9 +85,7 @@ class JoinDesk:
         self.dir = orch.run_dir / "join"
         self.model_dir = Path(json.loads((orch.run_dir / "launch.json").read_text())["model_dir"])
         self.mine = identity(orch.cfg.model_dump_json(), self.model_dir)
-        self.pending: dict[int, tuple[float, str]] = {}  # rank -> (deadline for its Hello, its host)
-        self.to_link: dict[int, tuple[str, list[int]]] = {}  # rank -> (its port, the peers yet to be told)
-        self.linking: dict[int, tuple[int, float]] = {}  # peer told to connect -> (the rank, when it was told)
+        self.pending: dict[int, Join] = {}  # the rank a replacement takes -> its join, until its Hello
         s = orch.cfg.slurm
         self.auto = s.replace_lost and s.fence_rollout and "SLURM_JOB_ID" in os.environ  # slurm.replace_lost
         self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way
@@ -138,8 +149,8 @@ class JoinDesk:
     def poll(self) -> None:
         if self.auto:
             self.ask()
-        for r, (deadline, _) in list(self.pending.items()):
-            if time.monotonic() > deadline:
+        for r, join in list(self.pending.items()):
+            if time.monotonic() > join.deadline:
                 self.abandon(r, "no Hello", "did not finish joining within runtime.join_timeout_s="
                                             f"{self.orch.cfg.runtime.join_timeout_s:g} s")
         for offer in sorted(self.dir.glob("*.offer")) if self.dir.is_dir() else ():
@@ -153,9 +164,7 @@ class JoinDesk:
 
     def abandon(self, r: int, op_detail: str, why: str) -> None:
         """Give up on the join of ``r``'s replacement: ``r`` stays fenced, and every live rank is told so."""
-        host = self.pending.pop(r)[1]
-        self.to_link.pop(r, None)
-        self.linking = {p: v for p, v in self.linking.items() if v[0] != r}
+        host = self.pending.pop(r).host
         self.orch.op("join_failed", peer=r, detail=f"host={host} {op_detail}")
         self._failed(f"the replacement of rank {r} on {host} {why}: rank {r} stays fenced")
         self.orch.comm.links.pop(r, None)
@@ -164,9 +173,10 @@ class JoinDesk:
     def linked(self, msg: Linked, src: int) -> None:
         """Peer ``src`` linked to ``msg.rank``'s replacement (or could not: the join is abandoned); the next
         peer is told to connect."""
-        self.linking.pop(src, None)
-        if msg.rank not in self.pending:
+        join = self.pending.get(msg.rank)
+        if join is None or join.told != src:  # given up meanwhile
             return
+        join.told = None
         if not msg.ok:
             self.abandon(msg.rank, f"rank {src} could not link", f"could not be reached from rank {src}")
             return
@@ -174,19 +184,18 @@ class JoinDesk:
         self._tell_next(msg.rank)
 
     def _tell_next(self, rank: int) -> None:
-        port, left = self.to_link[rank]
-        while left and left[0] in self.orch.fenced:  # fenced meanwhile: the replacement waits for it in vain
-            left.pop(0)                              # and its join times out, as with any lost peer
-        if left:
-            peer = left.pop(0)
-            self.orch.comm.announce(rank, port, [peer])
-            self.linking[peer] = (rank, time.monotonic())
+        join = self.pending[rank]
+        while join.left and join.left[0] in self.orch.fenced:  # fenced meanwhile: the replacement waits for it
+            join.left.pop(0)                                   # in vain and its join times out, as with any lost peer
+        if join.left:
+            join.told, join.told_at = join.left.pop(0), time.monotonic()
+            self.orch.comm.announce(rank, join.port, [join.told])
 
     def excused(self, peer: int, now: float) -> bool:
         """``peer`` is silent because it is connecting to a replacement (MPI_Comm_connect blocks it for up to
         CONNECT_TIMEOUT_S): not hung until that and the hang timeout have passed."""
-        told = self.linking.get(peer)
-        return told is not None and now - told[1] <= CONNECT_TIMEOUT_S + self.orch.cfg.runtime.hang_timeout_s
+        limit = CONNECT_TIMEOUT_S + self.orch.cfg.runtime.hang_timeout_s
+        return any(j.told == peer and now - j.told_at <= limit for j in self.pending.values())
 
     def take(self, offer: dict) -> None:
         orch = self.orch
@@ -207,8 +216,8 @@ class JoinDesk:
             return
         orch.comm.linked(rank, link)
         self.joined_jobs.add(str(offer.get("slurm_job_id")))
-        self.pending[rank] = (time.monotonic() + orch.cfg.runtime.join_timeout_s, offer["host"])
-        self.to_link[rank] = (offer["port"], list(peers))
+        self.pending[rank] = Join(offer["host"], offer["port"], time.monotonic() + orch.cfg.runtime.join_timeout_s,
+                                  list(peers))
         self._tell_next(rank)
         print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} (rollout instance "
               f"{orch.roles.instance_of_rank(rank)}): linking it to {len(peers)} ranks", file=sys.stderr, flush=True)
