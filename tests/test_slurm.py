@@ -97,6 +97,20 @@ def why(job: str, run_dir: Path | None) -> str:
             + f"\nsqueue:\n{queue}sinfo:\n{nodes}")
 
 
+def stacks(run_dir: Path) -> str:
+    """Where every live rank of the run waits: each prints its threads' Python stacks to its task log on
+    SIGQUIT (runtime/main.py); the tails of the other tasks' logs (task 0's is in ``why``)."""
+    for f in (run_dir / "pids").glob("rank-*"):
+        if f.name.removeprefix("rank-").isdigit():  # not rank-N.dead or .cleanup
+            try:
+                os.kill(int(f.read_text()), signal.SIGQUIT)
+            except (ValueError, OSError):
+                pass
+    time.sleep(2)
+    logs = [f for f in sorted((run_dir / "slurm").glob("*_log.out")) if not f.name.endswith("_0_log.out")]
+    return "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-2500:]}" for f in logs)
+
+
 def wait_for(cond, job: str, timeout: float = 300, what: str = "", run_dir: Path | None = None) -> None:
     """Poll ``cond`` until it holds; fail at once (with the job's log) if the job ends (or completes) before
     it does."""
@@ -108,7 +122,7 @@ def wait_for(cond, job: str, timeout: float = 300, what: str = "", run_dir: Path
                         + why(job, run_dir))
         if time.time() > end:
             pytest.fail(f"timed out waiting for {what}: job {job} {st.get('JobState')} ({st.get('Reason')})\n"
-                        + why(job, run_dir))
+                        + why(job, run_dir) + (stacks(run_dir) if run_dir is not None else ""))
         if st.get("JobState") == "PENDING" and st.get("Reason") == "None":
             # Slurm 22.05 leaves a requeued heterogeneous job pending with Reason=None until the job is
             # updated; any no-op update (release) makes the scheduler consider it again (slurm/NOTES.md)

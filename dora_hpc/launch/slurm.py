@@ -190,7 +190,8 @@ def submit(cfg: RunConfig, run_dir: Path, resume: str = "no"):
     return ex.submit(task if cfg.slurm.fence_rollout else rank_main, str(run_dir))
 
 
-RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # the rank's own to act on
+# the rank's own to act on (SIGQUIT: print every thread's stack, runtime/main.py)
+RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
 def task(run_dir: str) -> int:

@@ -189,6 +189,7 @@ def main(run_dir: str) -> int:
     import faulthandler
 
     faulthandler.enable()  # a crash in native code (MPI, UCX, torch) prints every thread's Python stack
+    faulthandler.register(signal.SIGQUIT, all_threads=True)  # and SIGQUIT prints them, the rank goes on
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
