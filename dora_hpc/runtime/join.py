@@ -32,7 +32,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .comm import CONNECT_TIMEOUT_S, connect
@@ -73,7 +73,7 @@ class Join:
     deadline: float
     left: list[int]  # the live ranks yet to be told to connect, in order
     told: int | None = None  # the peer connecting now (its Linked awaited) ...
-    told_at: float = field(default=0.0)  # ... and since when
+    told_at: float = 0.0  # ... and since when
 
 
 class JoinDesk:
@@ -101,11 +101,11 @@ class JoinDesk:
         starts it. A job that ends without offering (its MPI start failed, its node died) is asked for
         again, at most ``slurm.replace_retries`` times per run."""
         self._submitted()
-        waiting = [j for j in self.requested if j not in self.joined_jobs and j not in self.ended_jobs]
+        waiting = self._waiting()
         if waiting and time.monotonic() - self.checked_at > ALIVE_CHECK_S:
             self.checked_at = time.monotonic()
             alive = alive_jobs(waiting)
-            for job in [j for j in waiting if alive is not None and j not in alive]:
+            for job in [j for j in waiting if j not in alive] if alive is not None else []:
                 self.ended_jobs.add(job)
                 waiting.remove(job)
                 self.orch.op("join_failed", detail=f"slurm_job={job} ended without joining")
@@ -118,6 +118,10 @@ class JoinDesk:
         self.submitting.append(subprocess.Popen(
             [sys.executable, "-m", "dora_hpc.cli", "join", str(self.orch.run_dir), "--submit"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def _waiting(self) -> list[str]:
+        """Requested replacement jobs neither taken nor seen to end: pending, starting, or loading."""
+        return [j for j in self.requested if j not in self.joined_jobs and j not in self.ended_jobs]
 
     def _failed(self, what: str) -> None:
         self.failures += 1
@@ -142,8 +146,7 @@ class JoinDesk:
         for proc in self.submitting:
             proc.wait(timeout=120)
         self._submitted()
-        waiting = [j for j in self.requested if j not in self.joined_jobs and j not in self.ended_jobs]
-        if waiting:
+        if waiting := self._waiting():
             subprocess.run(["scancel", *waiting], capture_output=True, timeout=60)
 
     def poll(self) -> None:
