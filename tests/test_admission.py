@@ -64,28 +64,35 @@ def test_the_pipeline_depth_sets_the_mean_staleness_and_k_only_bounds_it():
         assert learned < eager - 0.3, (learned, eager)  # learned: between (it pays staleness for no trainer wait)
 
 
-def test_the_learned_depth_shrinks_with_surplus_and_grows_when_the_cap_starved_the_trainer():
+def test_the_learned_depth_shrinks_with_surplus_and_grows_by_what_the_cap_held_back():
     lean = LeanDepth(tbs=8, k=3)
     assert lean.depth == 16                        # a batch in training and the next one in the making
+    lean.on_trainer_free(complete=8, can_train=True)
+    assert lean.depth == 16                        # exactly a batch: nothing to spare
     lean.on_trainer_free(complete=14, can_train=True)
-    assert lean.depth == 16                        # 6 groups to spare: under an eighth of them is nothing
-    lean.on_trainer_free(complete=32, can_train=True)
-    assert lean.depth == 13                        # 24 to spare: an eighth of them go
+    assert lean.depth == 15                        # 6 groups to spare: at least one goes
+    lean.on_trainer_free(complete=31, can_train=True)
+    assert lean.depth == 12                        # 23 to spare: an eighth of them, rounded up
     lean.on_trainer_free(complete=5, can_train=False)
-    assert lean.depth == 13                        # short, but the cap withheld nothing: not its doing
-    assert lean.room(in_pipeline=10, wanted=5) == 3 and lean.capped
-    lean.on_trainer_free(complete=5, can_train=False)
-    assert lean.depth == 16 and not lean.capped    # short by 3 while capped: 3 more
-    for _ in range(10):
-        lean.room(in_pipeline=lean.depth, wanted=1)
+    assert lean.depth == 12                        # short, but the cap withheld nothing: not its doing
+    assert lean.room(in_pipeline=11, wanted=5) == 1 and lean.capped
+    assert lean.room(in_pipeline=12, wanted=2) == 0 and lean.withheld == 4  # the most held back at once
+    lean.on_trainer_free(complete=6, can_train=False)
+    assert lean.depth == 14 and not lean.capped    # short by 2, 4 held back: 2 more
+    assert lean.room(in_pipeline=14, wanted=1) == 0
+    lean.on_trainer_free(complete=0, can_train=False)
+    assert lean.depth == 15                        # short by 8, but only 1 held back: the cap does not ratchet
+    for _ in range(30):
+        lean.room(in_pipeline=lean.depth, wanted=8)
         lean.on_trainer_free(complete=0, can_train=False)
-    assert lean.depth == lean.ceiling == 40        # never past what the window could hold
-    for _ in range(20):
-        lean.on_trainer_free(complete=30, can_train=True)
-    assert lean.depth == 8                         # never below one batch
+    assert lean.depth == lean.ceiling == 32        # never past what the window holds: (K + 1) batches
+    for _ in range(40):
+        lean.on_trainer_free(complete=9, can_train=True)
+    assert lean.depth == 8                         # never below one batch; a surplus of 1 still shrinks it
     fixed = LeanDepth(tbs=8, k=3, fixed=1.5)
     fixed.on_trainer_free(complete=30, can_train=True)
     assert fixed.depth == 12                      # dora.depth: not learned
+    assert LeanDepth(tbs=8, k=1, depth=40).depth == 16  # a restored cap is clamped to this run's range
 
 
 def test_a_group_queued_whole_takes_the_version_it_will_start_under():

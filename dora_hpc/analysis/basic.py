@@ -131,6 +131,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
         "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
+        "admission_cap": admission_caps(ops, cfg.get("batch", {}).get("tbs", 1)),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -225,6 +226,19 @@ def invariant_figures(chk, mixed: list) -> dict:
               "lost_groups": chk.lost.tolist(), "duplicate_groups": chk.duplicate.tolist(),
               "split_groups": chk.split.tolist()}
     return {**{k: len(v) for k, v in broken.items()}, "offenders": {k: v[:20] for k, v in broken.items()}}
+
+
+def admission_caps(ops: dict, tbs: int) -> dict | None:
+    """Lean admission's cap on the pipeline's depth (``admission_cap`` ops, one per train step; a later attempt's
+    row for a step replaces an earlier one's): by step in groups, the last, and the mean in units of TBS. None
+    when the run's admission has no cap (eager, or another mode)."""
+    caps = {int(v): int(str(d).removeprefix("groups=")) for kind, v, d in
+            zip(ops["kind"], ops["version"], ops["detail"], strict=True) if kind == "admission_cap"}
+    if not caps:
+        return None
+    by_step = [caps[s] for s in sorted(caps)]
+    return {"by_step": {str(s): caps[s] for s in sorted(caps)}, "last": by_step[-1],
+            "mean_tbs": sum(by_step) / len(by_step) / tbs}
 
 
 def migration_figures(ops: dict[str, np.ndarray]) -> dict:

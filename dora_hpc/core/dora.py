@@ -102,6 +102,9 @@ class Dora(Policy):
             out["window"]["depth"] = self.lean.depth
         return out
 
+    def admission_cap(self) -> int | None:
+        return self.lean.depth if self.lean is not None else None
+
     def on_published(self) -> list[Command]:
         self.window.publish(self.latest)
         if self.lean is not None:

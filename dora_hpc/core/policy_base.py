@@ -248,6 +248,10 @@ class Policy:
         free = len(self.view.live) * self.cfg.slots - len(self.view.trajs)
         return max(0, -(-free // self.cfg.group_size))
 
+    def admission_cap(self) -> int | None:
+        """The cap on the pipeline's depth in groups (lean admission, core/admission.py); None: not capped."""
+        return None
+
     def n_complete(self) -> int:
         return sum(len(q) for q in self.complete.values())
 

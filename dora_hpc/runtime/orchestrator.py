@@ -413,6 +413,8 @@ class Orchestrator(OpLog):
                     stale = [step - self.policy.ledger.groups[g].version for g in groups]
                     self.stale.update(stale)
                     self.figures.on_train(step, stale)
+                    if (cap := self.policy.admission_cap()) is not None:
+                        self.op("admission_cap", version=step, detail=f"groups={cap}")
                     for t in self.roles.trainer_ranks:  # each replica trains on its share of the groups
                         self.comm.send(TrainMsg(step, groups), t)
                     if self.colocated and not self.paused:

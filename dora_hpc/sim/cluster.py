@@ -397,7 +397,8 @@ class Simulator(Borrowing, EpisodeSteps):
         begin = max(drained, self.cfg.sim.hardware.trainer_start_s)  # and the trainer's model built
         self.drain_end.clear()
         self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
-                           "train_s": dur, "drain_s": drained - self.now, "staleness": stale})
+                           "train_s": dur, "drain_s": drained - self.now, "staleness": stale,
+                           "admission_cap": self.policy.admission_cap()})
         self._at(begin + dur, "trained", step)
 
     def _busy_now(self, inst: Instance) -> float:

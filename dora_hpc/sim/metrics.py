@@ -9,6 +9,7 @@ Definitions (also in results/sim/README.md):
   (core: Policy.train_wait): "capacity" (requests queued for a rollout slot), "tail" (nothing queued:
   the batch's last requests are decoding), "window" (TBS groups complete, but the staleness window
   needs older ones still decoding);
+* admission_cap: lean admission's cap on the pipeline's depth at each step's start (core/admission.py);
 * mean_staleness: over every step, the fill included; mean_staleness_steady: over the steps started in the
   measured window (what the frontier and plan report);
 * slot_utilization: integral of live sequences / (instances x max_num_seqs x window), borrowed
@@ -139,6 +140,7 @@ def summarize(sim: Simulator) -> dict:
         "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
         "mean_staleness_steady": sum(sum(s["staleness"]) for s in sim.steps[w:]) / ((len(sim.steps) - w)
                                                                                   * cfg.batch.tbs),
+        "admission_cap": admission_cap([s["admission_cap"] for s in sim.steps], cfg.batch.tbs, w),
         "lost_groups": lost,
         "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
         "mixed_version_trajectories": mixed,
@@ -164,6 +166,15 @@ def summarize(sim: Simulator) -> dict:
         "steps": len(sim.steps),
         "sim_time_s": t1,
     }
+
+
+def admission_cap(by_step: list[int | None], tbs: int, warmup: int = 0) -> dict | None:
+    """Lean admission's cap on the pipeline's depth at each train step's start, in groups, and its mean over the
+    steps from ``warmup`` on in units of TBS (None: the run's admission has no cap)."""
+    if not by_step or by_step[0] is None:
+        return None
+    steady = by_step[warmup:] or by_step
+    return {"by_step": list(by_step), "last": by_step[-1], "mean_steady_tbs": sum(steady) / len(steady) / tbs}
 
 
 def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = None, borrowed: int = 0) -> float:
