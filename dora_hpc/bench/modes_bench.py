@@ -29,6 +29,7 @@ CASES: dict[str, list[str]] = {
     "dora-elastic": ["mode=dora", "dora.k=2", "cluster.elastic=true"],  # trainer ranks host borrowed instances
     "dora-k2-lean": ["mode=dora", "dora.k=2", "dora.admission=lean"],  # hold what keeps slots and trainer busy
     "dora-k2-eager": ["mode=dora", "dora.k=2", "dora.admission=eager"],  # fill the window, whatever the default
+    "dora-k2-work": ["mode=dora", "dora.k=2", "dora.planner=work"],  # the planner weighs decode tokens left
 }
 SERVE, BETWEEN = "runtime.serve_weights_while_training=true", "runtime.serve_weights_while_training=false"
 ABLATIONS: dict[str, dict] = {  # name -> its cases and the (with, without) pairs whose ratios are reported

@@ -169,6 +169,12 @@ class EnvWaiting:         # rollout -> orchestrator: its episodes waiting on the
 
 
 @dataclass(frozen=True)
+class DecodeProgress:     # rollout -> orchestrator, every runtime.tick_s under dora.planner: work: the tokens each
+    instance: int         # live request has decoded (core's Progress: what the work planner weighs)
+    decoded: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class Heartbeat:          # any rank -> orchestrator, when it has sent rank 0 nothing for heartbeat_s
     rank: int
 

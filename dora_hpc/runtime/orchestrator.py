@@ -40,6 +40,7 @@ from ..core.events import (
     KvPressure,
     Migrate,
     Offload,
+    Progress,
     RequestFinished,
     Restore,
     Sleep,
@@ -62,6 +63,7 @@ from .join import JoinDesk
 from .messages import (
     AbortTraj,
     Checkpointed,
+    DecodeProgress,
     Done,
     EnvWaiting,
     Flushed,
@@ -206,6 +208,8 @@ class Orchestrator(OpLog):
                 self.record_step(msg)            # checkpoint being taken, so its record is kept
             case _ if self.stopping:
                 pass  # frozen: the final snapshot is taken; what happens now is not kept
+            case DecodeProgress():
+                self.feed(Progress(msg.instance, msg.decoded))
             case Initial():
                 self.weights.initial(msg.version, msg.checksum)
             case Ready():

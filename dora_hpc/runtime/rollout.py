@@ -43,6 +43,7 @@ from .messages import (
     AgentEnded,
     AgentHere,
     AgentTurn,
+    DecodeProgress,
     Done,
     Flush,
     Flushed,
@@ -90,6 +91,9 @@ class RolloutRank(OpLog, Migrations):
         self.parked: dict[int, tuple[dict, object]] = {}  # a borrowed instance's offloaded requests: (meta, KV)
         self.park_on_arrival: set[int] = set()  # parked while still migrating here: parked when it lands
         self.episodes = make_episodes(self, model_dir) if cfg.env.multi_turn else None
+        # dora.planner: work weighs versions by decode tokens left: rank 0 hears each request's progress a tick
+        self.progress_every = cfg.runtime.tick_s if cfg.dora.planner == "work" else None
+        self.progress_at = 0.0
 
     def run(self) -> None:
         while self.running:
@@ -144,6 +148,10 @@ class RolloutRank(OpLog, Migrations):
                 self.episodes.turn_ended(f, self.info[f.req_id])
             else:
                 self.finish(f, st["kv_used_fraction"])
+        if self.progress_every is not None and self.now() >= self.progress_at:
+            self.progress_at = self.now() + self.progress_every
+            live = [t for t in self.info if self.engine.has_request(t)]
+            self.comm.send(DecodeProgress(self.instance, tuple((t, self.engine.progress(t)[1]) for t in live)), 0)
 
     def live_groups(self) -> int:
         """Groups with a sample on the engine (running, waiting, held or offloaded)."""
