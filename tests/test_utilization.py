@@ -67,3 +67,32 @@ def test_a_large_synthetic_log_analyses_with_its_invariants(tmp_path):
     assert s["consumed"] == s["trajectories"] == 19_968 and s["max_staleness"] == 2
     assert s["invariants"] == {"mixed_version_trajectories": 0, "staleness_over_k": 0, "lost_groups": 0,
                                "duplicate_groups": 0, "split_groups": 0}
+
+
+def test_the_window_gate_is_the_requests_the_held_step_consumes_that_finish_inside_the_wait():
+    from dora_hpc.analysis.gate import gate_figures
+
+    a = np.array
+    # one window wait [10, 14] before step 3 (starts 14.1), one tail wait [20, 21] before step 4
+    ops = {"kind": a(["trainer_wait", "trainer_wait", "publish"], dtype=object),
+           "detail": a(["window", "tail", "x"], dtype=object),
+           "t_start": a([10.0, 20.0, 5.0]), "t_end": a([14.0, 21.0, 5.0])}
+    tsteps = {"step": a([3, 4]), "t_start": a([14.1, 21.1])}
+    # step 3 consumes 7 (finished at 13 on rank 5), 8 (at 12 on rank 6) and 9 (before the wait: not gating)
+    consumed = {"traj_id": a([7, 8, 9, 11]), "consume_step": a([3, 3, 3, 4])}
+    finished = {"traj_id": a([7, 8, 9, 11]), "t_finish": a([13.0, 12.0, 4.0, 20.5]), "rank": a([5, 6, 5, 5])}
+    # rank 5: steps of 1 s with 2 running from 9 on; rank 6: steps of 0.5 s with 4 running
+    r5 = np.arange(9.0, 22.0)
+    r6 = np.arange(10.0, 12.0, 0.5)
+    esteps = {"rank": np.concatenate([np.full(len(r5), 5), np.full(len(r6), 6)]),
+              "t_start": np.concatenate([r5, r6]), "t_end": np.concatenate([r5 + 1.0, r6 + 0.5]),
+              "running": np.concatenate([np.full(len(r5), 2), np.full(len(r6), 4)])}
+    w = gate_figures("window", ops, tsteps, consumed, finished, esteps)
+    assert w["waits"] == 1 and w["wait_s"] == 4.0 and w["gating_requests"] == 2
+    assert w["explained"] == 0.75                   # the last gating request finished 3 s into the 4 s wait
+    # request 7: rank 5's steps starting in [10, 13): 3 of 1 s at 2; request 8: rank 6's in [10, 12): 4 of 0.5 s at 4
+    assert w["decode_step_s"] == (3 * 1.0 + 4 * 0.5) / 7 and w["batch"] == (3 * 2 + 4 * 4) / 7
+    t = gate_figures("tail", ops, tsteps, consumed, finished, esteps)
+    assert t["gating_requests"] == 1 and t["explained"] == 0.5 and t["batch"] == 2.0
+    none = {**ops, "detail": a(["capacity", "capacity", "x"], dtype=object)}
+    assert gate_figures("window", none, tsteps, consumed, finished, esteps) is None

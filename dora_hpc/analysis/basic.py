@@ -15,6 +15,7 @@ import numpy as np
 from ..core.policies import MODES, traits_of
 from ..store.shards import ShardError, ShardScan, read_table, scan
 from .episodes import episode_figures
+from .gate import gate_figures
 from .history import history
 from .invariants import check, fence_detail, joined, read_trajectories
 from .staleness import stratified
@@ -130,7 +131,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
-        "admission_cap": admission_caps(ops, cfg.get("batch", {}).get("tbs", 1)),
+        "admission_cap": admission_caps(ops, cfg), **gates(run_dir, scans["traj"], ops, tsteps, consumed, esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -227,7 +228,14 @@ def invariant_figures(chk, mixed: list) -> dict:
     return {**{k: len(v) for k, v in broken.items()}, "offenders": {k: v[:20] for k, v in broken.items()}}
 
 
-def admission_caps(ops: dict, tbs: int) -> dict | None:
+def gates(run_dir: Path, traj_scan: ShardScan, ops: dict, tsteps: dict, consumed: dict, esteps: dict) -> dict:
+    """``window_gate`` and ``tail_gate`` (analysis/gate.py): the requests the trainer's waits of each kind wait for."""
+    finished = read_table(run_dir, "traj", "trajectories", columns=["traj_id", "t_finish"],
+                          scan_result=traj_scan, with_rank=True)
+    return {f"{kind}_gate": gate_figures(kind, ops, tsteps, consumed, finished, esteps) for kind in ("window", "tail")}
+
+
+def admission_caps(ops: dict, cfg: dict) -> dict | None:
     """Lean admission's cap on the pipeline's depth (``admission_cap`` ops, one per train step; a later attempt's
     row for a step replaces an earlier one's): by step in groups, the last, and the mean in units of TBS. None
     when the run's admission has no cap (eager, or another mode)."""
@@ -235,7 +243,7 @@ def admission_caps(ops: dict, tbs: int) -> dict | None:
             zip(ops["kind"], ops["version"], ops["detail"], strict=True) if kind == "admission_cap"}
     if not caps:
         return None
-    by_step = [caps[s] for s in sorted(caps)]
+    by_step, tbs = [caps[s] for s in sorted(caps)], cfg.get("batch", {}).get("tbs", 1)
     return {"by_step": {str(s): caps[s] for s in sorted(caps)}, "last": by_step[-1],
             "mean_tbs": sum(by_step) / len(by_step) / tbs}
 

@@ -247,7 +247,7 @@ def bench_modes(config: str, out: Path, sets: list[str] | None = None, repeats: 
 
 def _mode_ratios(rows: list[dict]) -> dict:
     out = {}
-    for dora in ("dora-k1", "dora-k2", "dora-k3", "dora-k2-auto", "dora-elastic", "dora-k2-lean"):
+    for dora in ("dora-k1", "dora-k2", "dora-k3", "dora-k2-auto", "dora-elastic", "dora-k2-lean", "dora-k2-work"):
         for base in ("sync", "one_step", "partial", "oversample", "dora-k2", "dora-k2-eager"):
             v = ratio(rows, dora, base)
             if v is not None:

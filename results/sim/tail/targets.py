@@ -1,0 +1,71 @@
+"""Issue 53's simulator targets at the defaults (dora.admission: lean since this issue), steady state, 3 seeds:
+sync, DORA, DORA under eager admission, and DORA with borrowed instances (cluster.elastic, off by default), each
+seed against its own sync run. Writes JSON on stdout.
+
+    .venv/bin/python results/sim/tail/targets.py [SEEDS [WORKERS]] > results/sim/tail/targets.json   # ~35 min
+
+Rollout speed-up (the production rows, as results/sim/production-4096 reports it): sync's rollout-only seconds per
+step over DORA's. Trainer waits: the window's and the tail's shares of the measured window, summed.
+"""
+
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from dora_hpc.config import load_config
+from dora_hpc.sim.cluster import Simulator
+from dora_hpc.sim.metrics import summarize
+
+HEAVY = ["workload.response_len.sigma=1.6", "workload.response_len.max=65536", "dora.k=6", "sim.warmup_steps=12"]
+WORKLOADS = {  # name -> (config, the workload's shape, its base seed)
+    "paper-64": ("configs/sim/paper-64.yaml", [], 0),
+    "paper-128": ("configs/sim/paper-128.yaml", [], 0),
+    "heavy tail": ("configs/sim/paper-64.yaml", HEAVY, 7),  # results/sim/elastic's heavy tail and base seed
+    "production reasoning": ("configs/sim/production-4096.yaml", [], 0),
+    "production agentic": ("configs/sim/production-4096-agentic.yaml", [], 0),
+}
+POINTS = {"sync": ("sync", []), "dora": ("dora", []), "dora eager": ("dora", ["dora.admission=eager"]),
+          "dora elastic": ("dora", ["cluster.elastic=true"])}
+SEEDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+WORKERS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+
+
+def job(key: tuple[str, str, int]) -> dict:
+    w, p, seed = key
+    path, shape, _ = WORKLOADS[w]
+    mode, sets = POINTS[p]
+    s = summarize(Simulator(load_config(path, [*shape, *sets, f"seed={seed}"]), mode, timeline=False).run())
+    waits = s["trainer_wait_fraction"]
+    return {"seed": seed, "throughput_tokens_per_s": s["throughput_tokens_per_s"],
+            "mean_staleness": s["mean_staleness_steady"], "max_staleness": s["max_staleness"],
+            "trainer_wait_fraction": waits, "window_and_tail": waits["window"] + waits["tail"],
+            "rollout_only_s_per_step": s["rollout_only_fraction"] * s["mean_step_time_s"],
+            "admission_cap_tbs": (s["admission_cap"] or {}).get("mean_steady_tbs"),
+            "invariants": {k: s[k] for k in ("lost_groups", "duplicate_groups", "mixed_version_trajectories")}}
+
+
+def main() -> None:
+    keys = [(w, p, WORKLOADS[w][2] + i) for w in WORKLOADS for p in POINTS for i in range(SEEDS)]
+    with ProcessPoolExecutor(max_workers=WORKERS) as pool:
+        runs = dict(zip(keys, pool.map(job, keys), strict=True))
+    out = {}
+    for w in WORKLOADS:
+        r = {p: [runs[(w, p, WORKLOADS[w][2] + i)] for i in range(SEEDS)] for p in POINTS}
+        row = {"runs": r}
+        for p in POINTS:
+            if p == "sync":
+                continue
+            over = [a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"] for a, b in zip(r[p], r["sync"])]
+            speed = [b["rollout_only_s_per_step"] / a["rollout_only_s_per_step"] for a, b in zip(r[p], r["sync"])]
+            row[p] = {"over_sync": statistics.median(over), "over_sync_by_seed": over,
+                      "rollout_speedup": statistics.median(speed),
+                      "mean_staleness": statistics.median(x["mean_staleness"] for x in r[p]),
+                      "window_and_tail": statistics.median(x["window_and_tail"] for x in r[p])}
+        out[w] = row
+    json.dump(out, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
