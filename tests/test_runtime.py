@@ -99,11 +99,13 @@ def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp
     nearly every group is trained K=2 steps stale whatever the capacity. Lean caps the pipeline's depth: at a
     fixed cap of one batch (dora.depth=1) nothing is admitted while the trainer trains, so every group is
     trained on the version it was tagged with (staleness 0, whatever the timing); the learned cap sits between
-    and is in the checkpoint (the window's snapshot). How far below eager the learned cap lands depends on the
-    machine's timing (1.375 and 1.525 against 1.70 on two runs), so only the order is asserted."""
-    means = {}
+    and is in the checkpoint (the window's snapshot) and in the logs (an ``admission_cap`` op a step). How far below
+    eager the learned cap lands depends on the machine's timing (1.375 and 1.525 against 1.70 on two runs), so only
+    the order is asserted. The depth-1 run also plans by work, so its rollout ranks report their requests' progress
+    (DecodeProgress) to rank 0 every tick."""
+    means, caps = {}, {}
     for name, sets, steps in (("eager", ["dora.admission=eager"], 10), ("lean", ["dora.admission=lean"], 10),
-                              ("depth1", ["dora.admission=lean", "dora.depth=1"], 4)):
+                              ("depth1", ["dora.admission=lean", "dora.depth=1", "dora.planner=work"], 4)):
         sets = [a for s in sets + ["cluster.rollout_instances=6", "cluster.accelerators=8"] for a in ("--set", s)]
         p, run_dir = run(tmp_path, "dora", *sets, steps=steps, name=name)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -113,9 +115,16 @@ def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp
         assert inv["mixed_version_trajectories"] == 0 and a["staleness"]["max"] <= 2
         means[name] = a["staleness"]["mean"]
         assert f"(mean {a['staleness']['mean']:.2f})" in p.stdout  # the closing line says it
+        cap = a["admission_cap"]
+        if name == "eager":
+            assert cap is None
+        else:  # one a step, within [TBS, (K + 1) TBS]
+            assert len(cap["by_step"]) == steps and all(4 <= c <= 12 for c in cap["by_step"].values()), cap
+        caps[name] = cap
     assert means["eager"] > 1.5 and means["depth1"] == 0 and means["lean"] < means["eager"], means
     state = json.loads((tmp_path / "lean" / "checkpoints" / "step-10" / "state.json").read_text())
     assert state["orchestrator"]["window"]["depth"] >= 4  # the learned cap, in groups (TBS 4)
+    assert set(caps["depth1"]["by_step"].values()) == {4}  # dora.depth=1: one batch, never learned
 
 
 def engine_steps_during_training(run_dir, grace_s=0.05):
