@@ -22,6 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ..config import load_config
 from .modes_bench import _fresh, machine, refuse_overridden, run_case
 
 CASES: dict[str, list[str]] = {
@@ -186,6 +187,8 @@ def bench_convergence(config: str, out: Path, sets: list[str] | None = None, see
     refuse_overridden(sets, {f"--losses {loss}": (LOSSES[loss], f"choose the objective with --losses (one of "
                                                              f"{', '.join(LOSSES)})") for loss in losses}
                       | {f"--cases {c}": (CASES[c], "choose the cases with --cases") for c in which or DEFAULT_CASES})
+    if eval_n and not (train := load_config(config, sets).train).checkpoint_every:  # eval reads the last checkpoint
+        sets.append(f"train.checkpoint_every={train.max_steps}")
     _fresh(out)
     (out / "runs").mkdir()
     with Progress(console=console) as bar:

@@ -47,7 +47,7 @@ def summarize(runs: dict, seeds: tuple[int, ...]) -> dict:
                                   for k in r["dora"][0]["trainer_wait_fraction"]},
         }
     med = [out["by_sigma"][str(s)]["dora_over_sync"]["median"] for s in SIGMAS]
-    out["dora_over_sync_rises_with_sigma"] = all(a < b for a, b in zip(med, med[1:]))
+    out["dora_over_sync_rises_with_sigma"] = all(a < b for a, b in zip(med, med[1:], strict=False))
     return out
 
 

@@ -56,8 +56,9 @@ def main() -> None:
         for p in POINTS:
             if p == "sync":
                 continue
-            over = [a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"] for a, b in zip(r[p], r["sync"])]
-            speed = [b["rollout_only_s_per_step"] / a["rollout_only_s_per_step"] for a, b in zip(r[p], r["sync"])]
+            pairs = list(zip(r[p], r["sync"], strict=True))
+            over = [a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"] for a, b in pairs]
+            speed = [b["rollout_only_s_per_step"] / a["rollout_only_s_per_step"] for a, b in pairs]
             row[p] = {"over_sync": statistics.median(over), "over_sync_by_seed": over,
                       "rollout_speedup": statistics.median(speed),
                       "mean_staleness": statistics.median(x["mean_staleness"] for x in r[p]),
