@@ -4,6 +4,10 @@ own reference run. Steady state (the config's 40 steps, the first 6 left out).
 
     .venv/bin/python results/sim/tail/tail.py [SEEDS [WORKERS]] > results/sim/tail/tail.json
     .venv/bin/python results/sim/tail/tail.py --plot results/sim/tail/tail.json   # tail.png
+    .venv/bin/python results/sim/tail/tail.py --elastic results/sim/tail/tail.json > results/sim/tail/tail-elastic.json
+
+``--elastic``: DORA again with cluster.elastic (borrowed instances, off by default), against the sync and partial
+runs of the given sweep.
 """
 
 import json
@@ -24,10 +28,10 @@ def shape(sigma: float) -> dict:
     return {"workload.response_len.sigma": sigma, "workload.response_len.max": 65536}
 
 
-def run_all(seeds: tuple[int, ...], workers: int) -> dict:
+def run_all(seeds: tuple[int, ...], workers: int, modes: tuple[str, ...] = MODES, extra: dict | None = None) -> dict:
     base = load_config(CONFIG)
-    jobs = {(s, m, seed): (base, {"mode": m, "changes": shape(s)}, seed)
-            for s in SIGMAS for m in MODES for seed in seeds}
+    jobs = {(s, m, seed): (base, {"mode": m, "changes": shape(s) | (extra or {})}, seed)
+            for s in SIGMAS for m in modes for seed in seeds}
     with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = {key: pool.submit(run_point, *args) for key, args in jobs.items()}
         return {key: f.result() for key, f in futures.items()}
@@ -80,6 +84,15 @@ def plot(path: Path) -> Path:
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:
         print(plot(Path(sys.argv[2])))
+        return
+    if sys.argv[1:2] == ["--elastic"]:
+        base = json.loads(Path(sys.argv[2]).read_text())
+        seeds = tuple(base["seeds"])
+        runs = {(s, m, seed): r for s in SIGMAS for m in ("sync", "partial")
+                for seed, r in zip(seeds, base["by_sigma"][str(s)]["runs"][m], strict=True)}
+        runs |= run_all(seeds, 2, ("dora",), {"cluster.elastic": True})
+        json.dump(summarize(runs, seeds) | {"dora": "cluster.elastic=true"}, sys.stdout, indent=2)
+        print()
         return
     seeds = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (0, 1, 2)
     workers = int(sys.argv[2]) if len(sys.argv) > 2 else 2
