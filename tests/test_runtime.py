@@ -301,7 +301,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_and_trains_tbs_informative
     from dora_hpc.store.shards import read_table
 
     p, run_dir = run(tmp_path, "dora", "--set", "dora.k=3", "--set", "batch.filter_groups=true", "--set",
-                     "task.reward_fn=binary_reward:first_token_even", steps=6,
+                     "task.reward_fn=binary_reward:first_token_quarter", steps=6,
                      env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert p.returncode == 0, p.stderr[-3000:]
     a = analyze(run_dir)
