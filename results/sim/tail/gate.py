@@ -43,19 +43,13 @@ def probe(case: str) -> dict:
             gate = sim.policy.window.must_consume()
             gating = [t for t, tr in sim.policy.view.trajs.items() if tr.version <= gate]
             stats["wait_s"] += dt
+            where_now = {}
+            for inst in sim.inst:  # one pass over the instances, not one a gating request
+                where_now |= {t: ("running", len(inst.reqs)) for t in inst.reqs}
+                where_now |= {t: ("held", 0) for t in inst.held} | {r.traj: ("queued", 0) for r in inst.waiting}
             for t in gating:
-                state = "in transit" if t in sim.in_transit else "parked"
-                for inst in sim.inst:
-                    if t in inst.reqs:
-                        state = "running"
-                        stats["batch_s"] += len(inst.reqs) * dt
-                        break
-                    if t in inst.held:
-                        state = "held"
-                        break
-                    if any(r.traj == t for r in inst.waiting):
-                        state = "queued"
-                        break
+                state, n = where_now.get(t, ("in transit" if t in sim.in_transit else "parked", 0))
+                stats["batch_s"] += n * dt
                 where[state] += dt
                 stats["request_s"] += dt
         mark()
