@@ -87,12 +87,12 @@ def test_the_window_gate_is_the_requests_the_held_step_consumes_that_finish_insi
     esteps = {"rank": np.concatenate([np.full(len(r5), 5), np.full(len(r6), 6)]),
               "t_start": np.concatenate([r5, r6]), "t_end": np.concatenate([r5 + 1.0, r6 + 0.5]),
               "running": np.concatenate([np.full(len(r5), 2), np.full(len(r6), 4)])}
-    w = gate_figures("window", ops, tsteps, consumed, finished, esteps)
+    w = gate_figures(ops, tsteps, consumed, finished, esteps)["window_gate"]
     assert w["waits"] == 1 and w["wait_s"] == 4.0 and w["gating_requests"] == 2
     assert w["explained"] == 0.75                   # the last gating request finished 3 s into the 4 s wait
     # request 7: rank 5's steps starting in [10, 13): 3 of 1 s at 2; request 8: rank 6's in [10, 12): 4 of 0.5 s at 4
     assert w["decode_step_s"] == (3 * 1.0 + 4 * 0.5) / 7 and w["batch"] == (3 * 2 + 4 * 4) / 7
-    t = gate_figures("tail", ops, tsteps, consumed, finished, esteps)
+    t = gate_figures(ops, tsteps, consumed, finished, esteps)["tail_gate"]
     assert t["gating_requests"] == 1 and t["explained"] == 0.5 and t["batch"] == 2.0
     none = {**ops, "detail": a(["capacity", "capacity", "x"], dtype=object)}
-    assert gate_figures("window", none, tsteps, consumed, finished, esteps) is None
+    assert gate_figures(none, tsteps, consumed, finished, esteps)["window_gate"] is None

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 
 from ..core.policies import MODES, traits_of
-from ..store.shards import ShardError, ShardScan, read_table, scan
+from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
 from .gate import gate_figures
 from .history import history
@@ -45,10 +45,6 @@ def prompt_of(group_id: np.ndarray, cfg: dict) -> np.ndarray | None:
     return None
 
 
-def _rank(path: str | Path) -> int:
-    return int(Path(path).name.split("-")[1][1:])  # traj-r3-00001.h5 -> 3
-
-
 def unclean_ranks(run_dir: Path) -> list[int]:
     """Ranks of the latest launch with no clean exit on record: each rank writes ``pids/rank-N`` at start
     and ``pids/rank-N.done`` (newer) when it ends cleanly, after its last shard. Such a rank is still
@@ -68,7 +64,7 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
     cluster = cfg.get("cluster", {})
     first = 1 + cluster.get("trainer_ranks", 0)
     for kind in ("traj", "events"):
-        have = {_rank(p) for p in scans[kind].files}
+        have = {rank_of(p) for p in scans[kind].files}
         n = cluster.get("rollout_ranks", cluster.get("rollout_instances", 0))  # an older release's name first
         absent = [r for r in range(first, first + n) if r not in have]
         if absent:
@@ -131,7 +127,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
-        "admission_cap": admission_caps(ops, cfg), **gates(run_dir, scans["traj"], ops, tsteps, consumed, esteps),
+        "admission_cap": admission_caps(ops, cfg), **gate_figures(ops, tsteps, consumed, traj, esteps),
         **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -226,13 +222,6 @@ def invariant_figures(chk, mixed: list) -> dict:
               "lost_groups": chk.lost.tolist(), "duplicate_groups": chk.duplicate.tolist(),
               "split_groups": chk.split.tolist()}
     return {**{k: len(v) for k, v in broken.items()}, "offenders": {k: v[:20] for k, v in broken.items()}}
-
-
-def gates(run_dir: Path, traj_scan: ShardScan, ops: dict, tsteps: dict, consumed: dict, esteps: dict) -> dict:
-    """``window_gate`` and ``tail_gate`` (analysis/gate.py): the requests the trainer's waits of each kind wait for."""
-    finished = read_table(run_dir, "traj", "trajectories", columns=["traj_id", "t_finish"],
-                          scan_result=traj_scan, with_rank=True)
-    return {f"{kind}_gate": gate_figures(kind, ops, tsteps, consumed, finished, esteps) for kind in ("window", "tail")}
 
 
 def admission_caps(ops: dict, cfg: dict) -> dict | None:

@@ -22,13 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def gate_figures(kind: str, ops: dict, tsteps: dict, consumed: dict, finished: dict, esteps: dict) -> dict | None:
-    """``finished``: the trajectories table's ``traj_id``, ``t_finish`` and ``rank`` (the rank that wrote the row,
-    where the request finished); ``esteps``: engine steps with ``rank``, ``t_start``, ``t_end`` and ``running``."""
-    is_wait = (ops["kind"] == "trainer_wait") & (ops["detail"].astype(str) == kind) & (ops["t_end"] > ops["t_start"])
-    starts, ends = ops["t_start"][is_wait].astype(float), ops["t_end"][is_wait].astype(float)
-    if not len(starts) or not len(tsteps["step"]):
-        return None
+def gate_figures(ops: dict, tsteps: dict, consumed: dict, finished: dict, esteps: dict) -> dict[str, dict | None]:
+    """``window_gate`` and ``tail_gate``. ``finished``: trajectories with ``traj_id``, ``t_finish`` and ``rank`` (the
+    rank that wrote the row, where the request finished; read_trajectories' columns); ``esteps``: engine steps with
+    ``rank``, ``t_start``, ``t_end`` and ``running``."""
     order = np.argsort(tsteps["t_start"])
     step_t, step_n = tsteps["t_start"][order].astype(float), tsteps["step"][order]
     fin_of = dict(zip(finished["traj_id"].tolist(), zip(finished["t_finish"].tolist(), finished["rank"].tolist(),
@@ -37,6 +34,18 @@ def gate_figures(kind: str, ops: dict, tsteps: dict, consumed: dict, finished: d
     for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
         by_step.setdefault(int(s), []).append(int(t))
     steps = _steps_by_rank(esteps)
+    waits = (ops["kind"] == "trainer_wait") & (ops["t_end"] > ops["t_start"])
+    detail = ops["detail"].astype(str)
+    return {f"{kind}_gate": _gate(ops["t_start"][waits & (detail == kind)].astype(float),
+                                  ops["t_end"][waits & (detail == kind)].astype(float), step_t, step_n, fin_of,
+                                  by_step, steps) for kind in ("window", "tail")}
+
+
+def _gate(starts: np.ndarray, ends: np.ndarray, step_t: np.ndarray, step_n: np.ndarray, fin_of: dict, by_step: dict,
+          steps: dict) -> dict | None:
+    """The figures of the waits [starts, ends) of one kind (module docstring); None when there is none."""
+    if not len(starts) or not len(step_t):
+        return None
     n_gating, covered, step_s, batch = [], 0.0, [], []
     for a, b in zip(starts, ends, strict=True):
         i = int(np.searchsorted(step_t, b - 1e-6))

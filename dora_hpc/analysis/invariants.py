@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..store.shards import ShardScan
+from ..store.shards import ShardScan, rank_of
 
 TRAJ_COLUMNS = ["traj_id", "group_id", "version", "attempt", "response_len", "reprefill_tokens", "turns"]
 ENV_ERRORS = ("", "raised", "timed_out", "worker_died")  # env_error codes (episodes.py's error texts)
@@ -30,16 +30,19 @@ def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
     """The trajectory columns analyze needs, shard by shard and never the token columns: each shard's
     vlen ``segment_versions`` is reduced at once to the first and lowest version and a switch flag, and
     ``reward_error`` to a flag and ``env_error`` to a code (ENV_ERRORS), so memory grows by a few numbers per
-    trajectory whatever the lengths. ``lifetime`` is t_finish - t_dispatch; ``turns`` is 1 before schema 8."""
+    trajectory whatever the lengths. ``lifetime`` is t_finish - t_dispatch; ``turns`` is 1 before schema 8; ``rank``
+    is the rank that wrote the row (where the trajectory finished)."""
     parts: dict[str, list[np.ndarray]] = defaultdict(list)
     extra = ["segment_versions", "reward_error", "env_error", "env_s", "t_dispatch", "t_finish"]
-    for _path, shard in found.read("trajectories", TRAJ_COLUMNS + extra):
+    for path, shard in found.read("trajectories", TRAJ_COLUMNS + extra):
         seg = shard.pop("segment_versions")
         parts["has_error"].append(np.fromiter((bool(e) for e in shard.pop("reward_error")), bool, len(seg)))
         parts["env_error"].append(np.fromiter((env_error_code(str(e)) for e in shard.pop("env_error")), np.int64,
                                               len(seg)))
         parts["env_s"].append(np.nan_to_num(shard.pop("env_s").astype(np.float64)))
-        parts["lifetime"].append((shard.pop("t_finish") - shard.pop("t_dispatch")).astype(np.float64))
+        parts["t_finish"].append(shard.pop("t_finish").astype(np.float64))
+        parts["lifetime"].append(parts["t_finish"][-1] - shard.pop("t_dispatch").astype(np.float64))
+        parts["rank"].append(np.full(len(seg), rank_of(path), np.int64))
         shard["turns"] = np.maximum(shard["turns"], 1)  # -1: a shard before episodes (schema < 8)
         version = shard["version"].astype(np.int64)
         lens = np.fromiter((len(s) for s in seg), np.int64, len(seg))
@@ -55,8 +58,9 @@ def read_trajectories(found: ShardScan) -> dict[str, np.ndarray]:
             parts[name].append(col)
         for c in TRAJ_COLUMNS:
             parts[c].append(shard[c].astype(np.int64))
-    names = TRAJ_COLUMNS + ["first_version", "min_version", "switched", "has_error", "env_error", "env_s", "lifetime"]
-    empty = {"switched": bool, "has_error": bool, "env_s": np.float64, "lifetime": np.float64}
+    names = TRAJ_COLUMNS + ["first_version", "min_version", "switched", "has_error", "env_error", "env_s", "lifetime",
+                            "t_finish", "rank"]
+    empty = {"switched": bool, "has_error": bool, "env_s": np.float64, "lifetime": np.float64, "t_finish": np.float64}
     return {c: np.concatenate(parts[c]) if parts[c] else np.empty(0, empty.get(c, np.int64)) for c in names}
 
 

@@ -238,6 +238,11 @@ def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None =
     return out
 
 
+def rank_of(path: str | Path) -> int:
+    """The writing rank in a rollout shard's name: traj-r3-00001.h5 and events-r3-00001.h5 -> 3."""
+    return int(Path(path).name.split("-")[1][1:])
+
+
 def _kind_of(path: Path) -> str:
     """A shard's kind from its name: traj-r3-00001.h5, events-r3-00001.h5, train-00001.h5."""
     return Path(path).name.split("-")[0]
