@@ -88,13 +88,20 @@ def why(job: str, run_dir: Path | None) -> str:
     out = ""
     if run_dir is not None:
         logs = [*sorted((run_dir / "slurm").glob("*_0_log.out")), *sorted((run_dir / "slurm").glob("join-*.out"))]
-        out = "".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in logs)
+        out = "".join(f"--- {f.name}: its dora-hpc lines\n{said(f)}\n--- {f.name}: its end\n{f.read_text()[-3000:]}"
+                      for f in logs)
     pmi = [line for f in sorted(Path("/var/log/slurm").glob("slurmd-*.log")) if os.access(f, os.R_OK)
            for line in f.read_text(errors="replace").splitlines() if "mpi/pmi2" in line]
     queue = subprocess.run(["squeue", "-o", "%i %j %T %R"], capture_output=True, text=True).stdout
     nodes = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %T"], capture_output=True, text=True).stdout
     return (out + ("\nslurmd, mpi/pmi2:\n" + "\n".join(pmi[-8:]) if pmi else "")
             + f"\nsqueue:\n{queue}sinfo:\n{nodes}")
+
+
+def said(log: Path) -> str:
+    """The lines a log's ranks and launch script wrote as ``dora-hpc: ...`` (starts, faults, fences, joins,
+    requeues), the last 60: what happened over the whole job, where the tail shows only its end."""
+    return "\n".join([ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("dora-hpc:")][-60:])
 
 
 def stacks(run_dir: Path) -> str:
@@ -109,6 +116,24 @@ def stacks(run_dir: Path) -> str:
     time.sleep(2)
     logs = [f for f in sorted((run_dir / "slurm").glob("*_log.out")) if not f.name.endswith("_0_log.out")]
     return "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-2500:]}" for f in logs)
+
+
+def kill_rank(run_dir: Path, rank: int) -> None:
+    """SIGKILL the rank's process (its pid file, runtime/main.py) and see it gone; fail if that pid is not a
+    dora_hpc process."""
+    pid = int((run_dir / "pids" / f"rank-{rank}").read_text())
+    cmd = Path(f"/proc/{pid}/cmdline")
+    assert "dora_hpc" in cmd.read_bytes().decode(errors="replace"), f"pid {pid} (rank {rank}) is {cmd.read_bytes()!r}"
+    os.kill(pid, signal.SIGKILL)
+    end = time.time() + 30
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                return  # dead, not yet reaped
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        assert time.time() < end, f"rank {rank} (pid {pid}) outlived SIGKILL by 30 s"
+        time.sleep(0.1)
 
 
 def wait_for(cond, job: str, timeout: float = 300, what: str = "", run_dir: Path | None = None) -> None:
@@ -441,7 +466,9 @@ def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
                  "slurm.time_min=20", f"slurm.setup=[{fail_first}]")
     try:
         wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
-        os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
+        kill_rank(run_dir, 3)
+        wait_for(lambda: "rank 3 (rollout instance 1) died: fenced" in slurm_log(run_dir, job), job, timeout=120,
+                 what="rank 0 to fence the killed rank", run_dir=run_dir)
         wait_for(lambda: "its replacement joined" in slurm_log(run_dir, job), job, timeout=300,
                  what="the replacement to join", run_dir=run_dir)
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=400,
@@ -469,7 +496,7 @@ def test_the_last_rollout_instance_lost_ends_the_start_and_the_job_resumes(tmp_p
     job = submit(run_dir, 8, "cluster.rollout_instances=1", "train.checkpoint_every=2", "slurm.time_min=20")
     try:
         wait_for(trained(run_dir, 0, 3), job, what="the run to train three steps", run_dir=run_dir)
-        os.kill(int((run_dir / "pids" / "rank-2").read_text()), signal.SIGKILL)
+        kill_rank(run_dir, 2)
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 2, job, timeout=400,
                  what="the job to resume and complete", run_dir=run_dir)
     finally:
