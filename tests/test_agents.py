@@ -158,19 +158,22 @@ def test_the_async_client_text_completions_and_langchain_return_their_own_reward
         assert [(i["env_error"], i["env_rewards"], i["turns"]) for _, i in recs.values()] == [("", [reward], turns)] * 2
 
 
-@pytest.mark.parametrize("agent,error", [
-    ("raises", "agent: RuntimeError: the agent's own bug"),
-    ("hangs", "agent: it ran past env.timeout_s of its own time (between an answer and its next call or its "
-              "return): after 4s"),
-    ("too_many_calls", "agent: more than env.max_turns (4) calls"),
-    ("rewrites_history", "messages[0]: it differs from the episode's conversation"),
-    ("returns_at_once", "agent: returned without calling the model"),
+@pytest.mark.parametrize("agent,error,kind", [
+    ("raises", "agent: RuntimeError: the agent's own bug", "raised"),
+    ("hangs", "agent: timed out: it ran past env.timeout_s of its own time (between an answer and its next call or "
+              "its return): after 4s", "timed_out"),
+    ("too_many_calls", "agent: more than env.max_turns (4) calls", "raised"),
+    ("rewrites_history", "messages[0]: it differs from the episode's conversation", "raised"),
+    ("returns_at_once", "agent: returned without calling the model", "raised"),
 ])
-def test_a_faulty_agent_costs_its_episode_with_the_cause(host, agent, error):
+def test_a_faulty_agent_costs_its_episode_with_the_cause(host, agent, error, kind):
+    from dora_hpc.analysis.invariants import ENV_ERRORS, env_error_code
+
     recs = host.play(agent, n=2)
     assert len(recs) == 2
     for f, info in recs.values():
         assert error in info["env_error"] and f.finish_reason == "env_error", info["env_error"]  # so reward 0
+        assert ENV_ERRORS[env_error_code(info["env_error"])] == kind  # analyze's env_errors_by_kind
         assert f.response and len(f.logprobs) == len(f.response)  # a real sample the trainer can take
 
 

@@ -344,8 +344,8 @@ class AgentEpisodes:
                 continue
             if r.error:
                 self._end_home(tid, 0.0, "agent: " + r.error.replace(
-                    "environment step timed out", "it ran past env.timeout_s of its own time (between an answer "
-                    "and its next call or its return):"))
+                    "environment step timed out", "timed out: it ran past env.timeout_s of its own time (between an "
+                    "answer and its next call or its return):"))  # "timed out": analyze counts it as timed_out
             elif r.output["metadata"].get("scored_by_task"):
                 try:
                     self._end_home(tid, Scorer(h.group_id)(h.reply), "")
