@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("reproduced", "differs", "agrees", "inconclusive", "consistent", "not yet measured", "not measurable",
-         "ours only")
+         "ours only", "not comparable", "shown, not judged")
 
 
 @pytest.fixture
@@ -120,3 +120,51 @@ def test_a_reward_claim_needs_five_seeds_and_is_two_sided(report):
     report.edit("results/bench/staleness/learning/summary.json",
                 lambda s: small(s) | {"seeds": s["seeds"][:3]})
     assert _row(report, item)["verdict"].startswith("inconclusive")
+
+    def near(s):  # 0.04 +- 2.015 x 0.008: the 90% interval straddles the 0.05 margin
+        s["verdict"]["dora-k3-eager ppo_clip"] |= {"gap_to_sync": -0.04}
+        return s
+    report.edit("results/bench/staleness/learning/summary.json", near)
+    assert _row(report, item)["verdict"].startswith("inconclusive: 90% interval [-0.056, -0.024]")
+
+
+def test_equivalence_is_two_one_sided_tests_against_the_margin(report):
+    """More seeds make equivalence easier to show, never harder (a failure-to-reject test did the reverse)."""
+    assert report.equivalent(0.0, 0.02, 4, 0.05) is True       # 2.132 x 0.02 = 0.043 inside 0.05
+    assert report.equivalent(0.0, 0.03, 4, 0.05) is None       # too noisy to decide
+    assert report.equivalent(0.2, 0.03, 4, 0.05) is False      # shown past the margin
+    assert report.equivalent(0.03, 0.01, 9, 0.05) is True      # a gap 3 se from 0 is still equivalent
+    assert report.equivalent(0.03, 0.01, 4, 0.05) is None      # ... but on 5 seeds it cannot be shown
+
+
+def test_absolute_figures_diagnostics_and_small_denominators_are_shown_not_judged(report):
+    assert _row(report, "DORA throughput, 64 GPUs")["verdict"].startswith("not comparable")
+    assert _row(report, "DORA / partial rollout throughput, 64 GPUs, both on DORA's split")["verdict"].startswith(
+        "shown, not judged: a diagnostic the paper never ran")
+    item = "rollout-only time, sync / DORA, 64 GPUs"
+    assert not _row(report, item)["verdict"].startswith("shown")
+
+    def tiny(s):
+        s["modes"]["dora"]["rollout_only_fraction"] = 0.005
+        return s
+    report.edit("results/sim/paper-64/summary.json", tiny)
+    assert _row(report, item)["verdict"].startswith("shown, not judged: the denominator is 0.50% of a step")
+
+
+def test_a_median_that_misses_with_seeds_across_the_papers_figure_is_inconclusive(report):
+    item = "KV-reuse ablation: rollout-only time a step, re-prefill / KV, paper-64"
+
+    def seeds(ratios):
+        def edit(s):
+            runs = s["scenarios"]["paper-64"]["runs"]
+            for r, x in zip(runs.values(), ratios, strict=True):
+                r["kv"] |= {"rollout_only_fraction": 0.1, "mean_step_time_s": 100.0}
+                r["reprefill"] |= {"rollout_only_fraction": 0.1 * x, "mean_step_time_s": 100.0}
+            return s
+        return edit
+    report.edit("results/sim/kv-ablation/summary.json", seeds([1.05, 1.07, 1.2]))
+    assert _row(report, item)["verdict"].startswith("inconclusive: its 3 seeds span 1.050-1.200")
+    report.edit("results/sim/kv-ablation/summary.json", seeds([1.03, 1.04, 1.06]))
+    assert _row(report, item)["verdict"].startswith("differs")
+    report.edit("results/sim/kv-ablation/summary.json", seeds([1.08, 1.1, 1.2]))
+    assert _row(report, item)["verdict"] == "reproduced"
