@@ -108,3 +108,66 @@ def test_a_sink_that_fails_warns_once_and_the_run_goes_on(tmp_path, capsys):
     assert sinks.sinks == []
     err = capsys.readouterr().err
     assert err.count("metrics sink tensorboard failed and is switched off") == 1, err
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of the endpoint's text format: ``name{labels}`` -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_the_prometheus_sink_serves_step_records_and_the_live_state(tmp_path):
+    from dora_hpc.runtime.metrics import PrometheusSink
+
+    sink = PrometheusSink(tmp_path, 0)
+    port = int((tmp_path / "prometheus-port").read_text())
+    try:
+        for step in (0, 1):
+            sink.log(step, {"train/loss": 0.5 + step, "rollout/tokens_per_s": 100.0, "staleness/mean": 0.5,
+                            "staleness/groups_at_0": 2, "staleness/groups_at_1": 2, "staleness/tokens_at_0": 30,
+                            "staleness/tokens_at_1": 50, "trainer_wait/window_s": 1.5, "trainer_wait/tail_s": 0.0,
+                            "instances/fenced": step, "instances/joined": 0, "instances_behind_1": 1})
+        sink.live({"step": 2, "latest": 2, "instances": [[2, False, 3], [1, True, 0], [None, False, 0]],
+                   "fenced": [2], "queued": {"2": 4}})
+        got = scrape(port)
+    finally:
+        sink.close()
+    assert got["dora_step{}"] == 2 and got["dora_latest_version{}"] == 2 and got["dora_versions_live{}"] == 2
+    assert got["dora_train_loss{}"] == 1.5 and got["dora_rollout_tokens_per_s{}"] == 100
+    assert got["dora_staleness_groups_total{staleness=1}"] == 4
+    assert got["dora_staleness_tokens_total{staleness=0}"] == 60
+    assert got["dora_trainer_wait_seconds_total{kind=window}"] == 3.0
+    assert got["dora_instances_fenced_total{}"] == 1 and got["dora_instances_live{}"] == 2
+    assert got["dora_queued_groups{version=2}"] == 4
+
+
+@pytest.mark.slow
+def test_a_runs_prometheus_endpoint_is_scraped_while_it_trains(tmp_path):
+    """``metrics.prometheus``: rank 0 serves its figures during a real run; the counts the endpoint shows
+    add up to what the run's logs hold."""
+    run_dir, steps = tmp_path / "prom", 20
+    proc = launch(run_dir, "configs/tiny-cpu.yaml", "--set", f"train.max_steps={steps}", *BASE,
+                  "--set", "metrics.prometheus=0")
+    seen = []
+    try:
+        wait_for(lambda: (run_dir / "prometheus-port").is_file())
+        port = int((run_dir / "prometheus-port").read_text())
+        wait_for(lambda: seen.append(scrape(port)) or seen[-1].get("dora_step{}", 0) >= 2)
+        mid = seen[-1]
+        assert proc.poll() is None, "the run ended before the endpoint showed two steps"
+    finally:
+        err = finish(proc, 240)
+    assert proc.returncode == 0, err[-3000:]
+    assert mid["dora_instances_live{}"] == 3 and 1 <= mid["dora_versions_live{}"] <= 3, mid
+    assert mid["dora_rollout_tokens_per_s{}"] >= 0 and "dora_train_loss{}" in mid
+    trained = sum(v for k, v in mid.items() if k.startswith("dora_staleness_groups_total"))
+    assert trained == 4 * mid["dora_step{}"] or trained == 4 * (mid["dora_step{}"] - 1), mid  # TBS a step
+    assert "metrics sink" not in err  # no sink failed
+    assert set(k for k in mid if k.startswith("dora_staleness_groups_total")) <= {
+        f"dora_staleness_groups_total{{staleness={s}}}" for s in range(3)}
+    assert sum(v for k, v in mid.items() if k.startswith("dora_staleness_tokens_total")) > 0

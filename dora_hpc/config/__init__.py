@@ -283,6 +283,9 @@ class MetricsConfig(Section):
     """Where rank 0 sends one record per train step besides the HDF5 logs (runtime/metrics.py)."""
     tensorboard: bool = Field(False, description="write TensorBoard event files under RUN_DIR/tensorboard/")
     wandb: WandbConfig | None = Field(None, description="log to Weights & Biases (pip install 'dora-hpc[wandb]')")
+    prometheus: int | None = Field(None, ge=0, le=65535, description="serve rank 0's figures in Prometheus' text "
+                                   "format on this port (0: any free one; the port is written to "
+                                   "RUN_DIR/prometheus-port)")
 
 
 class RuntimeConfig(Section):

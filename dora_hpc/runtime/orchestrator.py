@@ -230,7 +230,7 @@ class Orchestrator(OpLog):
         self.moved_from.pop(msg.traj_id, None)
         self.checkpoints.done(src, msg.traj_id)
         self.finished_tokens += msg.response_len
-        self.figures.on_done(msg.response_len, msg.kv_transfer_s, msg)
+        self.figures.on_done(msg.response_len, msg.kv_transfer_s, msg, self.policy.ledger.group_of(msg.traj_id))
         self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward, msg.response_len))
         if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
             self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
@@ -322,6 +322,7 @@ class Orchestrator(OpLog):
         waiting for a buffer from it stop waiting. The run goes on with one instance fewer."""
         i = self.roles.instance_of_rank(r)
         self.fenced.add(r)
+        self.figures.fenced += 1
         in_transit = tuple(sorted(t for t, src in self.moved_from.items() if src == i))
         again = len(self.policy.view.instances[i].active) + len(in_transit)
         # rows it held in memory are lost with it; the trainer has the trajectories, analyze is told which
@@ -347,6 +348,7 @@ class Orchestrator(OpLog):
         loaded: it is live again, empty, and the policy gives it a version."""
         i = self.roles.instance_of_rank(r)
         self.fenced.discard(r)
+        self.figures.joined += 1
         self.comm.broken.discard(r)
         self.last_heard[r] = time.monotonic()
         self.op("join", peer=r, detail=f"instance={i}")
@@ -408,15 +410,17 @@ class Orchestrator(OpLog):
                     self.weights.slept(i)
                     self.comm.send(SleepEngine(), r(i))
                 case Drop(g, reason):
+                    self.figures.forget(g)
                     self.op("drop", detail=f"group={g} {reason}")
                     self.comm.send(Forget(g), self.roles.trainer_of_group(g))
                 case Filter(g):
+                    self.figures.forget(g)
                     self.op("filter", detail=f"group={g}")
                     self.comm.send(Forget(g), self.roles.trainer_of_group(g))
                 case StartTrain(step, groups):
                     stale = [step - self.policy.ledger.groups[g].version for g in groups]
                     self.stale.update(stale)
-                    self.figures.on_train(step, stale)
+                    self.figures.on_train(step, stale, list(groups))
                     if (cap := self.policy.admission_cap()) is not None:
                         self.op("admission_cap", version=step, detail=f"groups={cap}")
                     for t in self.roles.trainer_ranks:  # each replica trains on its share of the groups
@@ -434,3 +438,4 @@ class Orchestrator(OpLog):
 
     def report(self, force: bool = False) -> None:
         self.dashboard.update(self, force)
+        self.sinks.live(self)
