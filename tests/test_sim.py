@@ -408,3 +408,21 @@ def test_sharing_a_system_prompt_raises_the_kv_bound_limit_and_the_throughput_un
     assert runs[True][0] > runs[False][0]
     assert runs[True][1]["throughput_tokens_per_s"] > runs[False][1]["throughput_tokens_per_s"]
     assert runs[True][1]["prefix_hit_tokens"] > 0 == runs[False][1]["prefix_hit_tokens"]
+
+
+def test_a_chunked_reprefill_stalls_the_batch_only_beyond_its_chunks_decode_steps():
+    """sim.hardware.reprefill: blocking charges the whole prefill; chunked charges each 512-token chunk at
+    10% less efficiency, minus the decode step's fixed part each chunk's iteration carries the decodes in."""
+    blocking = cost(prefill_per_token=1e-4)
+    chunked = cost(prefill_per_token=1e-4, chunk_tokens=512, chunk_slowdown=1 / 0.9)
+    whole = blocking.prefill_time(5000)  # 0.5 s
+    assert blocking.reprefill_stall(5000, whole) == whole
+    assert chunked.reprefill_stall(5000, whole) == pytest.approx(whole / 0.9 - 10 * 0.01)
+    assert chunked.reprefill_stall(50, blocking.prefill_time(50)) == 0  # a chunk within one decode step
+    inst = Instance(0, chunked, kv_offload=False, version=0)
+    inst.admit(Req(0, prompt=300, target=500))
+    inst.reqs[0].owes = "reprefill"  # as a partial rollout's invalidate_kv leaves it, before it runs again
+    req = inst.remove(0)
+    before = inst.offset
+    inst.admit(req)
+    assert before - inst.offset == pytest.approx(chunked.reprefill_stall(300, chunked.prefill_time(300)))

@@ -3,6 +3,8 @@ it prices, and the simulation's own settings (sim/)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from .base import Section
@@ -105,6 +107,16 @@ class HardwareSpec(Section):
     decode_bw_efficiency: float = Field(0.7, gt=0, le=1)
     prefill_mfu: float = Field(0.5, gt=0, le=1)
     train_mfu: float = Field(0.3, gt=0, le=1)
+    reprefill: Literal["blocking", "chunked"] = Field(
+        "blocking", description="how a re-prefill (partial rollout's, a migration without KV) is priced: "
+        "blocking, the whole context at prefill_mfu while the instance's decodes wait; chunked, in chunks of "
+        "prefill_chunk_tokens beside the decodes (vLLM's chunked prefill; Sarathi, arXiv 2308.16369): each "
+        "chunk's compute at prefill_mfu less chunked_prefill_loss, the decodes piggybacking on it, so the "
+        "batch loses only what the chunks take beyond a decode step")
+    prefill_chunk_tokens: int = Field(512, ge=1, description="reprefill: chunked: tokens a chunk")
+    chunked_prefill_loss: float = Field(0.10, ge=0, lt=1, description="reprefill: chunked: the prefill "
+                                        "efficiency a chunk loses against one whole prefill (Sarathi, arXiv "
+                                        "2308.16369: within 10% at 512-token chunks, 20% at 256)")
     step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
     kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
     weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")

@@ -12,6 +12,9 @@ Rules (every constant comes from SimConfig; see configs/sim/*.yaml for sources):
 * a mixture of experts: prefill and training FLOPs count the active parameters; a decode step, a
   weight load and memory count all of them (a decode batch of n sequences routes n x top-k tokens, so
   nearly every expert is read each step);
+* a re-prefill stalls the instance's decodes for its whole prefill (``reprefill: blocking``), or runs in
+  chunks beside them (``chunked``: each chunk at ``prefill_mfu`` less ``chunked_prefill_loss``, its decodes
+  piggybacking, the stall only what the chunks take beyond one decode step's fixed part each);
 * KV transfers (instance to instance, device to host) and weight loads cost bytes / link bandwidth;
 * a borrowed instance (cluster.elastic) runs at the same speed on the trainer's accelerators, with the
   KV room their resident training state leaves.
@@ -38,6 +41,8 @@ class CostModel:
     weight_load_s: float
     colocated_switch_s: float
     kv_capacity_tokens: float
+    chunk_tokens: int = 0       # reprefill: chunked: tokens a chunk (0: blocking)
+    chunk_slowdown: float = 1.0  # ... and a chunk's prefill time over its share of a whole prefill
 
     @classmethod
     def build(cls, sim: SimConfig, tp: int, reserved_bytes: float = 0.0) -> CostModel:
@@ -59,6 +64,8 @@ class CostModel:
             weight_load_s=m.weight_bytes / tp / (h.weight_link_gbps * 1e9),
             colocated_switch_s=h.colocated_switch_s,
             kv_capacity_tokens=free_hbm / m.kv_bytes_per_token,
+            chunk_tokens=h.prefill_chunk_tokens if h.reprefill == "chunked" else 0,
+            chunk_slowdown=1 / (1 - h.chunked_prefill_loss),
         )
 
     def decode_time(self, k: int, n: int, kv0: float) -> float:
@@ -80,6 +87,15 @@ class CostModel:
 
     def prefill_time(self, tokens: float) -> float:
         return tokens * self.prefill_per_token + tokens * tokens * self.prefill_per_token2
+
+    def reprefill_stall(self, tokens: float, blocking_s: float) -> float:
+        """Seconds a re-prefill of ``tokens`` (``blocking_s`` as one whole prefill) holds back the instance's
+        decodes: all of it when blocking; chunked, its chunks' time less one decode step's fixed part per
+        chunk (the decodes of that iteration ride along), never below 0."""
+        if not self.chunk_tokens:
+            return blocking_s
+        chunks = -(-int(tokens) // self.chunk_tokens)
+        return max(0.0, blocking_s * self.chunk_slowdown - chunks * self.a)
 
     def train_time(self, tokens: float, accelerators: int) -> float:
         return tokens * self.train_flops_per_token / (accelerators * self.train_flops_per_accel)

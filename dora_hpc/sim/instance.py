@@ -224,8 +224,11 @@ class Instance:
         if r.owes == OWES_PROMPT:
             self.offset -= self.cost.prefill_time(r.prompt) - saved
         elif r.owes in (OWES_RECOMPUTE, OWES_REPREFILL):
-            self.offset -= self.cost.prefill_time(ctx) - saved
-            self.ops[r.owes] += self.cost.prefill_time(ctx) - saved
+            cost = self.cost.prefill_time(ctx) - saved
+            if r.owes == OWES_REPREFILL:  # CostModel.reprefill_stall: blocking, or chunked beside the decodes
+                cost = self.cost.reprefill_stall(ctx - have, cost)
+            self.offset -= cost
+            self.ops[r.owes] += cost
             if r.owes == OWES_RECOMPUTE:
                 self.counts["preempt_recompute_tokens"] += ctx
             r.env_owed = 0  # rebuilt with the rest

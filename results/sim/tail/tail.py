@@ -5,9 +5,13 @@ own reference run. Steady state (the config's 40 steps, the first 6 left out).
     .venv/bin/python results/sim/tail/tail.py [SEEDS [WORKERS]] > results/sim/tail/tail.json
     .venv/bin/python results/sim/tail/tail.py --plot results/sim/tail/tail.json   # tail.png
     .venv/bin/python results/sim/tail/tail.py --elastic results/sim/tail/tail.json > results/sim/tail/tail-elastic.json
+    T=results/sim/tail; .venv/bin/python $T/tail.py --reprefill $T/tail.json > $T/tail-chunked.json
+    .venv/bin/python results/sim/tail/tail.py --plot results/sim/tail/tail.json results/sim/tail/tail-chunked.json
 
 ``--elastic``: DORA again with cluster.elastic (borrowed instances, off by default), against the sync and partial
-runs of the given sweep.
+runs of the given sweep. ``--reprefill``: partial rollout again with its re-prefill priced the second way,
+``sim.hardware.reprefill: chunked`` (in chunks beside the decodes: Sarathi, arXiv 2308.16369), against the sync
+and DORA runs of the given sweep (neither re-prefills). ``--plot A B``: B's DORA / partial drawn beside A's.
 """
 
 import json
@@ -55,7 +59,7 @@ def summarize(runs: dict, seeds: tuple[int, ...]) -> dict:
     return out
 
 
-def plot(path: Path) -> Path:
+def plot(path: Path, chunked: Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,8 +72,12 @@ def plot(path: Path) -> Path:
         ys = [d["by_sigma"][str(s)][f"dora_over_{b}"]["median"] for s in xs]
         lo = [min(d["by_sigma"][str(s)][f"dora_over_{b}"]["by_seed"]) for s in xs]
         hi = [max(d["by_sigma"][str(s)][f"dora_over_{b}"]["by_seed"]) for s in xs]
-        ax.plot(xs, ys, style, label=f"DORA / {b}")
+        ax.plot(xs, ys, style, label=f"DORA / {b}" + (" (re-prefill blocking)" if b == "partial" and chunked else ""))
         ax.fill_between(xs, lo, hi, alpha=0.2)
+    if chunked is not None:
+        c = json.loads(chunked.read_text())
+        ax.plot(xs, [c["by_sigma"][str(s)]["dora_over_partial"]["median"] for s in xs], "^:",
+                label="DORA / partial (re-prefill chunked)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("response length sigma (lognormal, median 1,100, cap 64k)")
     ax.set_ylabel("tokens/s ratio (median of seeds; band: range)")
@@ -83,7 +91,16 @@ def plot(path: Path) -> Path:
 
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:
-        print(plot(Path(sys.argv[2])))
+        print(plot(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None))
+        return
+    if sys.argv[1:2] == ["--reprefill"]:
+        base = json.loads(Path(sys.argv[2]).read_text())
+        seeds = tuple(base["seeds"])
+        runs = {(s, m, seed): r for s in SIGMAS for m in ("sync", "dora")
+                for seed, r in zip(seeds, base["by_sigma"][str(s)]["runs"][m], strict=True)}
+        runs |= run_all(seeds, 2, ("partial",), {"sim.hardware.reprefill": "chunked"})
+        json.dump(summarize(runs, seeds) | {"partial": "sim.hardware.reprefill=chunked"}, sys.stdout, indent=2)
+        print()
         return
     if sys.argv[1:2] == ["--elastic"]:
         base = json.loads(Path(sys.argv[2]).read_text())
