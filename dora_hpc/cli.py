@@ -75,7 +75,8 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                       "window holds the pipeline's fill (at step K the trainer first waits for every group admitted "
                       f"at the start); its steady state: --set sim.warmup_steps={2 * cfg.dora.k} and more sim.steps",
                       soft_wrap=True, highlight=False)
-    summary, sims = simulate_modes(cfg, modes, timeline=not args.no_plots, console=console)
+    summary, sims = simulate_modes(cfg, modes, timeline=not args.no_plots, console=console,
+                                   run_dir=Path(args.run_dir) if args.run_dir else None)
     console.print(render_table(summary, f"{args.config}: {cfg.cluster.accelerators} accelerators"))
     if "dora_over_sync" in summary:
         console.print(f"DORA / sync throughput: {summary['dora_over_sync']:.2f}x; zero-bubble limit "
@@ -92,6 +93,9 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                           f"{row['limit_share']:.0%} of the limit counting them ({row['limit_tokens_per_s']:,.0f})")
     paths = write_outputs(summary, sims, out, plots=not args.no_plots)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    if args.run_dir:
+        console.print(f"wrote each mode's HDF5 logs under {args.run_dir}/<mode>/: dora-hpc analyze opens them "
+                      "like a real run's", soft_wrap=True)
     return 0
 
 
@@ -305,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", default="1,2,3", help="--frontier: comma-separated K values (default 1,2,3; the config's "
                    "own K is always added)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
+    p.add_argument("--run-dir", help="also write each mode's run as the runtime's HDF5 logs into RUN_DIR/<mode>/ "
+                   "(docs/hdf5-schema.md), for dora-hpc analyze")
     p.set_defaults(func=cmd_simulate)
     r = sub.add_parser("run", help="a real training run: orchestrator + trainer + rollout ranks under mpiexec")
     r.add_argument("config", nargs="?", help="YAML config (see configs/); optional with --resume")

@@ -37,7 +37,8 @@ TABLE_COLUMNS = [
 
 
 def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: bool = True,
-                   console: Console | None = None) -> tuple[dict, dict[str, Simulator]]:
+                   console: Console | None = None, run_dir: Path | None = None) -> tuple[dict, dict[str, Simulator]]:
+    """Each mode's summary and simulator; with ``run_dir``, each mode's HDF5 logs in ``run_dir/<mode>/``."""
     moments = Workload(cfg.workload, cfg.seed).moments()
     limits = {p: zero_bubble_limit(cfg, p, moments) for p in ("colocated", "disaggregated")}
     summary: dict = {"modes": {}, "workload": {"response_p50": moments["p50"], "response_p99": moments["p99"],
@@ -49,7 +50,10 @@ def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: boo
         task = progress.add_task("simulating", total=len(modes))
         for mode in modes:
             progress.update(task, description=f"simulating {mode}")
-            sim = Simulator(cfg, mode, timeline=timeline).run()
+            sim = Simulator(cfg, mode, timeline=timeline, log=run_dir is not None).run()
+            if run_dir is not None:
+                sim.write_logs(run_dir / mode)
+                sim.log = None  # its tables are on disk
             row = summarize(sim)
             limit = (zero_bubble_limit(cfg, row["placement"], moments, row["borrowed_instances"])
                      if row["borrowed_instances"] else limits[row["placement"]])

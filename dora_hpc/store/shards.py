@@ -148,27 +148,36 @@ class ShardWriter:
         if not any(self._rows.values()):
             return None
         final = self.run_dir / f"{self._stem()}-{self.seq:05d}.h5"
-        tmp = final.with_suffix(".h5.tmp")
-        image = io.BytesIO()  # the whole file in memory first: the disk sees one plain write
-        with h5py.File(image, "w") as f:
-            f.attrs.update({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "rank": self.rank,
-                            "role": self.role, "config_json": self.config_json,
-                            "attempt": self.attempt})
-            for table, schema in self.tables.items():
-                g = f.create_group(table)
-                rows = self._rows[table]
-                for col, kind in schema.items():
-                    g.create_dataset(col, data=_column(kind, [r.get(col, _default(kind)) for r in rows]),
-                                     dtype=_dtype(kind))
-        with writing(final, tmp):
-            with open(tmp, "wb") as fh:
-                fh.write(image.getbuffer())
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
+        columns = {table: {col: _column(kind, [r.get(col, _default(kind)) for r in self._rows[table]])
+                           for col, kind in schema.items()} for table, schema in self.tables.items()}
+        write_shard(final, self.kind, {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "rank": self.rank,
+                                       "role": self.role, "config_json": self.config_json,
+                                       "attempt": self.attempt}, columns)
         self._rows = {t: [] for t in self.tables}
         self.seq += 1
         return final
+
+
+def write_shard(final: Path, kind: str, attrs: dict, columns: dict[str, dict[str, np.ndarray | list]]) -> Path:
+    """One complete shard of ``kind`` from whole columns (``columns[table][column]``, each table's the same
+    length): built in memory, then written as ``*.h5.tmp``, fsync'd and renamed. A column the dict leaves out
+    is absent from the file, and readers read it as its default (``iter_shard_columns``)."""
+    tmp = final.with_suffix(".h5.tmp")
+    image = io.BytesIO()  # the whole file in memory first: the disk sees one plain write
+    with h5py.File(image, "w") as f:
+        f.attrs.update(attrs)
+        for table, schema in FILE_KINDS[kind].items():
+            g = f.create_group(table)
+            for col, values in columns.get(table, {}).items():
+                data = values if isinstance(values, np.ndarray) else _column(schema[col], list(values))
+                g.create_dataset(col, data=data, dtype=_dtype(schema[col]))
+    with writing(final, tmp):
+        with open(tmp, "wb") as fh:
+            fh.write(image.getbuffer())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    return final
 
 
 @dataclass
