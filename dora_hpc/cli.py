@@ -35,6 +35,20 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
+def _print_waits(summary: dict, console: Console) -> None:
+    """What each simulated mode's trainer waited for, and its borrowed instances' drains."""
+    for mode, row in summary["modes"].items():
+        w = row["trainer_wait_fraction"]
+        console.print(f"{mode}: the trainer waited {sum(w.values()):.0%} of the time: {w['capacity']:.0%} for rollout "
+                      f"capacity, {w['tail']:.0%} for a batch's tail, {w['window']:.0%} for the window's oldest groups",
+                      soft_wrap=True, highlight=False)
+        if row["borrowed_instances"]:
+            console.print(f"{mode}: {row['borrowed_instances']} borrowed instances on the trainer's accelerators; "
+                          f"the trainer waited {row['drain_wait_s']:.1f} s a step for their drain "
+                          f"({row['drain_migrations']:,} requests migrated, {row['drain_offloads']:,} offloaded); "
+                          f"{row['limit_share']:.0%} of the limit counting them ({row['limit_tokens_per_s']:,.0f})")
+
+
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from .sim.report import render_table, simulate_modes, suggest_split, write_outputs
 
@@ -81,16 +95,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     if "dora_over_sync" in summary:
         console.print(f"DORA / sync throughput: {summary['dora_over_sync']:.2f}x; zero-bubble limit "
                       f"{summary['limit_tokens_per_s']:,.0f} tokens/s")
-    for mode, row in summary["modes"].items():
-        w = row["trainer_wait_fraction"]
-        console.print(f"{mode}: the trainer waited {sum(w.values()):.0%} of the time: {w['capacity']:.0%} for rollout "
-                      f"capacity, {w['tail']:.0%} for a batch's tail, {w['window']:.0%} for the window's oldest groups",
-                      soft_wrap=True, highlight=False)
-        if row["borrowed_instances"]:
-            console.print(f"{mode}: {row['borrowed_instances']} borrowed instances on the trainer's accelerators; "
-                          f"the trainer waited {row['drain_wait_s']:.1f} s a step for their drain "
-                          f"({row['drain_migrations']:,} requests migrated, {row['drain_offloads']:,} offloaded); "
-                          f"{row['limit_share']:.0%} of the limit counting them ({row['limit_tokens_per_s']:,.0f})")
+    _print_waits(summary, console)
     paths = write_outputs(summary, sims, out, plots=not args.no_plots)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.run_dir:
@@ -289,10 +294,7 @@ def _add_join_parser(sub) -> None:
     j.set_defaults(func=cmd_join)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="run every policy through the cluster simulator")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output directory (summary.json, timelines)")
@@ -312,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="also write each mode's run as the runtime's HDF5 logs into RUN_DIR/<mode>/ "
                    "(docs/hdf5-schema.md), for dora-hpc analyze")
     p.set_defaults(func=cmd_simulate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dora-hpc", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dora-hpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate_parser(sub)
     r = sub.add_parser("run", help="a real training run: orchestrator + trainer + rollout ranks under mpiexec")
     r.add_argument("config", nargs="?", help="YAML config (see configs/); optional with --resume")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

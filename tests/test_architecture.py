@@ -119,6 +119,17 @@ def test_no_import_cycle_between_modules():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_the_measurement_layer_sits_below_the_drivers_and_reporting():
+    """measure/ imports nothing above it, and no module of sim/ or train/ imports analysis/ (reporting)."""
+    graph = import_graph()
+    above = ("dora_hpc.analysis", "dora_hpc.sim", "dora_hpc.runtime", "dora_hpc.train", "dora_hpc.bench")
+    up = [(m, d) for m, deps in graph.items() if m.startswith("dora_hpc.measure") for d in deps if d.startswith(above)]
+    assert up == [], up
+    into = [(m, d) for m, deps in graph.items() if m.startswith(("dora_hpc.sim", "dora_hpc.train"))
+            for d in deps if d.startswith("dora_hpc.analysis")]
+    assert into == [], into
+
+
 def test_no_function_over_60_lines():
     import ast
 

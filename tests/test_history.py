@@ -1,8 +1,8 @@
-"""analysis/history.py: which rows of a preempted-and-resumed run make up its history."""
+"""measure/history.py: which rows of a preempted-and-resumed run make up its history."""
 
 import numpy as np
 
-from dora_hpc.analysis.history import history
+from dora_hpc.measure.history import history
 
 
 def ops(*rows):

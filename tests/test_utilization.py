@@ -1,9 +1,9 @@
-"""analysis/utilization.py on hand-built logs with known answers."""
+"""measure/utilization.py on hand-built logs with known answers."""
 
 import numpy as np
 import pytest
 
-from dora_hpc.analysis.utilization import utilization
+from dora_hpc.measure.utilization import utilization
 from dora_hpc.store.shards import ShardWriter, read_table
 
 
@@ -70,7 +70,7 @@ def test_a_large_synthetic_log_analyses_with_its_invariants(tmp_path):
 
 
 def test_the_window_gate_is_the_requests_the_held_step_consumes_that_finish_inside_the_wait():
-    from dora_hpc.analysis.gate import gate_figures
+    from dora_hpc.measure.gate import gate_figures
 
     a = np.array
     # one window wait [10, 14] before step 3 (starts 14.1), one tail wait [20, 21] before step 4

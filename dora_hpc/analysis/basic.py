@@ -13,13 +13,13 @@ import h5py
 import numpy as np
 
 from ..core.policies import MODES, traits_of
+from ..measure.gate import gate_figures
+from ..measure.history import history
+from ..measure.utilization import utilization
 from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
-from .gate import gate_figures
-from .history import history
 from .invariants import check, fence_detail, joined, read_trajectories
 from .staleness import stratified
-from .utilization import utilization
 
 
 def _config(run_dir: Path) -> dict:
@@ -174,7 +174,7 @@ def _nothing(run_dir: Path, scans: dict, cfg: dict) -> str:
 
 
 def effective(hist, consumed: dict, tsteps: dict) -> tuple[dict, dict]:
-    """A preempted and resumed run: only the rows its final history is made of (analysis/history.py);
+    """A preempted and resumed run: only the rows its final history is made of (measure/history.py);
     train steps in step order."""
     keep = hist.step_mask(consumed["attempt"], consumed["consume_step"])
     consumed = {c: v[keep] for c, v in consumed.items()}

@@ -3,7 +3,7 @@ integers per row and a few seconds, never a Python object per row.
 
 Inputs are column dicts of numpy arrays: ``traj`` from ``read_trajectories`` (one row per trajectory
 per attempt that ran it), ``consumed`` and ``ops`` as read from the shards, already cut to the run's
-effective history (analysis/history.py). Invariant: a row joins its consumption by (traj_id, attempt);
+effective history (measure/history.py). Invariant: a row joins its consumption by (traj_id, attempt);
 when a trajectory has several rows of one attempt the last one read counts.
 """
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..analysis.utilization import op_seconds
 from ..config import RunConfig, validate, with_overrides
 from ..core.admission import ADMISSIONS
 from ..core.events import FOLDER
 from ..core.policies import traits_of
+from ..measure.utilization import op_seconds
 from ..store.shards import read_table
 from .cluster import Simulator
 from .costs import CostModel

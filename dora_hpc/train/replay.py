@@ -25,7 +25,7 @@ from pathlib import Path
 def load_batches(run_dir: Path, steps: int | None = None) -> tuple[dict, list[list[tuple]], dict]:
     """(launch metadata, per step the (group_id, response, logprobs, reward) of each consumed trajectory,
     the run's logged step metrics by step)."""
-    from ..analysis.history import history
+    from ..measure.history import history
     from ..store.shards import read_table
 
     meta = json.loads((run_dir / "launch.json").read_text())

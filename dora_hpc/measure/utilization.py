@@ -1,4 +1,4 @@
-"""Bubbles and utilization of a real run, from its engine-step and train-step logs.
+"""Bubbles and utilization of a run (real, or simulated: sim/logs.py), from its engine-step and train-step logs.
 
 The definitions are the simulator's (sim/metrics.py), applied to measured intervals:
 * window: from the first engine step to the end of the last train step (``warmup_steps`` > 0 starts
