@@ -242,6 +242,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from .analysis.report import summary_rows, write_html
     from .store.shards import ShardError
 
+    if args.trace and len(args.run_dirs) > 1:
+        raise ConfigError("--trace: one run at a time (a trace is one run's timeline)")
     results = []
     figures = Path(args.plots) if args.plots else None
     tmp = None
@@ -257,7 +259,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
         try:
             with warnings.catch_warnings(), Console(stderr=True).status(f"analyze {run_dir}"):
                 warnings.simplefilter("ignore")  # each skipped shard is named below, on one line
-                results.append(analyze(run_dir, plots))
+                results.append(analyze(run_dir, plots, args.trace))
         except ShardError as e:
             return fail("analyze", e)
     table = Table(title="runs side by side" if len(results) > 1 else "run")
@@ -278,6 +280,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     if args.html:
         write_html(Path(args.html), results)
         console.print(f"wrote {args.html} (one self-contained page: open it in any browser)")
+    if args.trace:
+        console.print(f"wrote {args.trace}: open it in https://ui.perfetto.dev (or chrome://tracing)")
     if tmp is not None:
         tmp.cleanup()
     return 0
@@ -349,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plots", help="write PNG figures here (timeline, allocation, staleness, stratified)")
     a.add_argument("--html", metavar="OUT.html", help="write one self-contained page: the table, every figure "
                    "inline, the invariants' offenders")
+    a.add_argument("--trace", metavar="TRACE.json", help="write the run's timeline as a Perfetto/Chrome trace: "
+                   "engine steps by version, ops, train steps, the trainer's waits and their gating requests")
     a.set_defaults(func=cmd_analyze)
     from .bench.cli import add_parser as add_bench
     from .evaluate import add_parser as add_eval

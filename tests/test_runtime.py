@@ -69,7 +69,11 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
     else:
         assert gap["tokens"] > 0 and gap["max"] < 1e-4, gap
     if mode == "dora":
-        figs = analyze(run_dir, plots=tmp_path / "plots")["plots"]
+        traced = analyze(run_dir, plots=tmp_path / "plots", trace=tmp_path / "trace.json")
+        figs = traced["plots"]
+        from test_trace import check_trace
+
+        assert check_trace(tmp_path / "trace.json", run_dir)["op"] > 0  # a real run's trace, like a simulated one's
         assert sorted(p.rsplit("/", 1)[1] for p in figs) == ["allocation.png", "staleness.png", "steps.png",
                                                               "stratified.png", "timeline.png"]
         rates = a["tokens_per_s_by_step"]

@@ -78,12 +78,13 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
 
 
 STEP_COLUMNS = ["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens", "prefix_hit_tokens",
-                "running", "kv_blocks_used"]  # what analyze reads of the engine steps
+                "running", "kv_blocks_used", "new_tokens"]  # what analyze reads of the engine steps
 
 
-def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
+def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | Path | None = None) -> dict:
     """Every figure of a run (see the module docstring). Partial logs are analysed and what they lack is
-    listed under ``missing``; a run dir without one readable train step raises NothingToAnalyse."""
+    listed under ``missing``; a run dir without one readable train step raises NothingToAnalyse. ``trace``:
+    also write the run's Perfetto trace there (analysis/trace.py)."""
     run_dir, cfg = Path(run_dir), _config(Path(run_dir))
     scans = {k: scan(run_dir, k) for k in ("traj", "events", "train")}
     mode, k, g_size = cfg.get("mode"), cfg.get("dora", {}).get("k"), cfg.get("batch", {}).get("group_size", 1)
@@ -91,7 +92,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
     if not len(all_tsteps["step"]):
         raise NothingToAnalyse(_nothing(run_dir, scans, cfg))
     traj = read_trajectories(scans["traj"])
-    ops = read_table(run_dir, "events", "ops", scan_result=scans["events"])
+    ops = read_table(run_dir, "events", "ops", scan_result=scans["events"], with_rank=True)
     esteps = read_table(run_dir, "events", "steps", scan_result=scans["events"], with_rank=True, columns=STEP_COLUMNS)
     hist = history(ops)
     consumed, tsteps = effective(hist, consumed, all_tsteps)
@@ -140,6 +141,12 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None) -> dict:
         from .plots import write_plots
 
         result["plots"] = [str(p) for p in write_plots(Path(plots), esteps, tsteps, result)]
+    if trace is not None:
+        from .trace import write_trace
+
+        first = 1 + cfg.get("cluster", {}).get("trainer_ranks", 1)
+        result["trace"] = {"path": str(trace), "events": write_trace(Path(trace), esteps, ops, tsteps, consumed, traj,
+                                                                     first)}
     return result
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def gate_figures(ops: dict, tsteps: dict, consumed: dict, finished: dict, esteps: dict) -> dict[str, dict | None]:
-    """``window_gate`` and ``tail_gate``. ``finished``: trajectories with ``traj_id``, ``t_finish`` and ``rank`` (the
-    rank that wrote the row, where the request finished; read_trajectories' columns); ``esteps``: engine steps with
-    ``rank``, ``t_start``, ``t_end`` and ``running``."""
+def gating(ops: dict, tsteps: dict, consumed: dict, finished: dict) -> dict[str, list[tuple]]:
+    """For each kind (``window``, ``tail``), each wait as ``(start, end, held)``: ``held`` is None when the run
+    ended while it waited, else its gating requests as ``(traj_id, t_finish, rank)``. Arguments as
+    ``gate_figures``'."""
     order = np.argsort(tsteps["t_start"])
     step_t, step_n = tsteps["t_start"][order].astype(float), tsteps["step"][order]
     fin_of = dict(zip(finished["traj_id"].tolist(), zip(finished["t_finish"].tolist(), finished["rank"].tolist(),
@@ -33,36 +33,48 @@ def gate_figures(ops: dict, tsteps: dict, consumed: dict, finished: dict, esteps
     by_step: dict[int, list[int]] = {}
     for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
         by_step.setdefault(int(s), []).append(int(t))
-    steps = _steps_by_rank(esteps)
     waits = (ops["kind"] == "trainer_wait") & (ops["t_end"] > ops["t_start"])
     detail = ops["detail"].astype(str)
-    return {f"{kind}_gate": _gate(ops["t_start"][waits & (detail == kind)].astype(float),
-                                  ops["t_end"][waits & (detail == kind)].astype(float), step_t, step_n, fin_of,
-                                  by_step, steps) for kind in ("window", "tail")}
+    out: dict[str, list[tuple]] = {}
+    for kind in ("window", "tail"):
+        m = waits & (detail == kind)
+        out[kind] = []
+        for a, b in zip(ops["t_start"][m].astype(float).tolist(), ops["t_end"][m].astype(float).tolist(), strict=True):
+            i = int(np.searchsorted(step_t, b - 1e-6))
+            held = None if i == len(step_t) else [
+                (t, *fin_of[t]) for t in by_step.get(int(step_n[i]), []) if t in fin_of and a < fin_of[t][0] <= b]
+            out[kind].append((a, b, held))
+    return out
 
 
-def _gate(starts: np.ndarray, ends: np.ndarray, step_t: np.ndarray, step_n: np.ndarray, fin_of: dict, by_step: dict,
-          steps: dict) -> dict | None:
-    """The figures of the waits [starts, ends) of one kind (module docstring); None when there is none."""
-    if not len(starts) or not len(step_t):
+def gate_figures(ops: dict, tsteps: dict, consumed: dict, finished: dict, esteps: dict) -> dict[str, dict | None]:
+    """``window_gate`` and ``tail_gate``. ``finished``: trajectories with ``traj_id``, ``t_finish`` and ``rank`` (the
+    rank that wrote the row, where the request finished; read_trajectories' columns); ``esteps``: engine steps with
+    ``rank``, ``t_start``, ``t_end`` and ``running``."""
+    steps = _steps_by_rank(esteps)
+    found = gating(ops, tsteps, consumed, finished)
+    return {f"{kind}_gate": _gate(waits, steps) if len(tsteps["t_start"]) else None for kind, waits in found.items()}
+
+
+def _gate(waits: list[tuple], steps: dict) -> dict | None:
+    """The figures of one kind's waits (``gating``; module docstring); None when there is none."""
+    if not waits:
         return None
     n_gating, covered, step_s, batch = [], 0.0, [], []
-    for a, b in zip(starts, ends, strict=True):
-        i = int(np.searchsorted(step_t, b - 1e-6))
-        if i == len(step_t):
+    for a, _b, held in waits:
+        if held is None:
             continue  # the run ended while it waited
-        gating = [fin_of[t] for t in by_step.get(int(step_n[i]), []) if t in fin_of and a < fin_of[t][0] <= b]
-        n_gating.append(len(gating))
-        if gating:
-            covered += max(f for f, _ in gating) - a
-        for f, r in gating:
+        n_gating.append(len(held))
+        if held:
+            covered += max(f for _t, f, _r in held) - a
+        for _t, f, r in held:
             t0, t1, run = steps.get(int(r), _EMPTY)
             lo, hi = np.searchsorted(t0, a), np.searchsorted(t0, f)
             step_s.append(t1[lo:hi] - t0[lo:hi])
             batch.append(run[lo:hi])
-    total = float(np.sum(ends - starts))
+    total = float(sum(b - a for a, b, _ in waits))
     s, n = (np.concatenate(step_s), np.concatenate(batch)) if step_s else (np.zeros(0), np.zeros(0))
-    return {"waits": len(starts), "wait_s": total,
+    return {"waits": len(waits), "wait_s": total,
             "gating_requests": float(np.mean(n_gating)) if n_gating else 0.0,
             "explained": covered / total if total else 0.0,
             "decode_step_s": float(s.mean()) if len(s) else None, "batch": float(n.mean()) if len(n) else None}
