@@ -89,6 +89,9 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
                       "window holds the pipeline's fill (at step K the trainer first waits for every group admitted "
                       f"at the start); its steady state: --set sim.warmup_steps={2 * cfg.dora.k} and more sim.steps",
                       soft_wrap=True, highlight=False)
+    if args.run_dir and any(any(Path(args.run_dir, m).glob("*.h5")) for m in modes):
+        raise ConfigError(f"--run-dir {args.run_dir}: a mode's directory already holds a run's logs; choose an "
+                          "empty one")
     summary, sims = simulate_modes(cfg, modes, timeline=not args.no_plots, console=console,
                                    run_dir=Path(args.run_dir) if args.run_dir else None)
     console.print(render_table(summary, f"{args.config}: {cfg.cluster.accelerators} accelerators"))
@@ -138,7 +141,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"run finished: {a['steps']} steps, {a['consumed']} trajectories trained on; mean reward "
                   f"{rewards[0]:.3f} (step 0) -> {rewards[-1]:.3f} (step {len(rewards) - 1}); staleness "
                   f"{a['staleness']['histogram']} (mean {a['staleness']['mean']:.2f}); {a['migrations']} migrations, "
-                  f"{a['reprefill_tokens']} re-prefilled tokens; max {a['max_live_versions']} versions live at once"
+                  f"{a['reprefill_tokens']} re-prefilled tokens; max {a['max_live_versions']} versions live at once; "
+                  f"{a['throughput_tokens_per_s']:,.0f} trained tokens/s after step 0"
                   + (f"; logprob gap rollout vs trainer <= {a['logprob_gap']['max']:.1e}"
                      if a["logprob_gap"]["max"] is not None else ""))
     if a["turns"]["max"] > 1:  # multi-turn episodes (env.name)

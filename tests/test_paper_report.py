@@ -98,7 +98,7 @@ def test_verdicts_follow_the_data(report):
 
 def test_the_c3_verdict_names_the_scale_that_falls_outside_the_range(report):
     c3 = "C.3: sync long-tail bubble"
-    assert "90% at 128 outside the range" in _row(report, c3)["verdict"]
+    assert "91% at 128 outside the range" in _row(report, c3)["verdict"]
 
     def shift(s):
         s["modes"]["sync"]["bubble_fraction"] = 0.5

@@ -13,10 +13,15 @@ from dora_hpc.sim.metrics import summarize
 SMALL = "configs/sim/small.yaml"
 
 
-@pytest.mark.parametrize("mode", ["dora", "partial", "oversample", "sync"])
+SHARED = ("throughput_tokens_per_s", "slot_utilization", "bubble_fraction", "rollout_only_fraction",
+          "inter_instance_bubble")  # the figures both report, each defined once (measure/utilization.py)
+
+
+@pytest.mark.parametrize("mode", ["dora", "partial", "oversample", "sync", "one_step", "dora-elastic"])
 def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, mode):
-    cfg = load_config(SMALL)
-    sim = Simulator(cfg, mode, timeline=False, log=True).run()
+    cfg = load_config(SMALL, ["cluster.elastic=true"] if mode == "dora-elastic" else [])
+    mode = mode.removesuffix("-elastic")
+    sim = Simulator(cfg, mode, timeline=False).run()
     sim.write_logs(tmp_path / mode)
     s, a = summarize(sim), analyze(tmp_path / mode)
     g, n = cfg.batch.group_size, cfg.sim.steps
@@ -27,11 +32,15 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
     assert a["trajectories"] == sum(r.finished for r in sim.trajs.values())
     want = Counter(x for st in sim.steps for x in st["staleness"] for _ in range(g))
     assert a["staleness"]["histogram"] == {str(k): v for k, v in sorted(want.items())}
-    assert a["staleness"]["max"] == s["max_staleness"]
+    assert a["staleness"]["max"] == s["max_staleness"] and a["staleness"]["mean"] == pytest.approx(s["mean_staleness"])
+    for key in SHARED:  # the same number for the same run
+        assert a[key] == pytest.approx(s[key], rel=1e-9, abs=1e-12), key
+    for kind, share in s["trainer_wait_fraction"].items():
+        assert a["trainer_wait_fraction"][kind] == pytest.approx(share, rel=1e-9, abs=1e-12), kind
     # the logs hold what completed: migrations that arrived, loads that finished, finished trajectories' re-prefill
     assert a["migrations"] == s["migrations"] - len(sim.log.moving)
     assert a["weights"]["mismatched_loads"] == 0
-    assert a["weights"]["loads"] == sim.counts["weight_syncs"] - len(sim.log.loading)
+    assert a["weights"]["loads"] == sim.counts["weight_syncs"] - len(sim.log.loading) - sim.log.cancelled
     assert a["reprefill_tokens"] == sum(r.reprefill for r in sim.trajs.values() if r.finished)
     assert a["dropped_groups"] == s["dropped_groups"]
     # every second the trainer waited, by kind, over the whole run (the simulator's own clock)
@@ -58,3 +67,12 @@ def test_simulate_run_dir_writes_each_modes_logs_for_analyze(tmp_path):
     for mode in ("sync", "dora"):
         assert main(["analyze", str(tmp_path / "runs" / mode), "--plots", str(tmp_path / f"plots-{mode}")]) == 0
         assert (tmp_path / f"plots-{mode}" / "timeline.png").is_file()
+
+
+def test_a_simulated_run_is_never_written_over_another_runs_logs(tmp_path):
+    from dora_hpc.cli import main
+
+    args = ["simulate", SMALL, "--modes", "sync", "--no-plots", "--out", str(tmp_path / "out"),
+            "--run-dir", str(tmp_path / "runs")]
+    assert main(args) == 0
+    assert main(args) == 2  # its shards would mix with the first run's

@@ -39,7 +39,7 @@ def check_trace(path, run_dir) -> Counter:
 
 def test_a_simulated_runs_trace_has_its_instances_steps_waits_and_gating_requests(tmp_path):
     cfg = load_config("configs/sim/small.yaml")
-    sim = Simulator(cfg, "dora", timeline=False, log=True).run()
+    sim = Simulator(cfg, "dora", timeline=False).run()
     sim.write_logs(tmp_path / "run")
     a = analyze(tmp_path / "run", trace=tmp_path / "trace.json")
     cats = check_trace(tmp_path / "trace.json", tmp_path / "run")

@@ -15,7 +15,7 @@ import numpy as np
 from ..core.policies import MODES, traits_of
 from ..measure.gate import gate_figures
 from ..measure.history import history
-from ..measure.utilization import utilization
+from ..measure.utilization import trained_tokens, utilization
 from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
 from .invariants import check, fence_detail, joined, read_trajectories
@@ -103,6 +103,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
     single_version = traits is None or traits.single_version
     mixed, stale = chk.mixed.tolist() if single_version else [], chk.stale
 
+    trained = with_trained_tokens(tsteps, consumed, traj, chk)
     mig = migration_figures(ops)
     result = {
         "run_dir": str(run_dir), "mode": mode, "k": k,
@@ -129,14 +130,22 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
         "admission_cap": admission_caps(ops, cfg), **gate_figures(ops, tsteps, consumed, traj, esteps),
-        **utilization(esteps, tsteps, ops, warmup_steps=1 if len(tsteps["step"]) > 1 else 0),
+        **utilization(esteps, trained, ops, warmup_steps=warmup_steps(run_dir, cfg, len(tsteps["step"])),
+                      colocated=traits is not None and placement(cfg, mode, traits) == "colocated"),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
         **loss_stats(tsteps),
-        "tokens_per_s_by_step": tokens_per_s_by_step(tsteps),
+        "tokens_per_s_by_step": tokens_per_s_by_step(trained),
         "shards": {k: {"files": len(s.files), "tmp_skipped": s.tmp_skipped, "bad": s.bad} for k, s in scans.items()},
         "missing": missing_logs(scans, cfg, run_dir),
     }
+    return views(result, plots, trace, esteps, tsteps, ops, trained, consumed, traj, cfg)
+
+
+def views(result: dict, plots: str | Path | None, trace: str | Path | None, esteps: dict, tsteps: dict, ops: dict,
+          trained: dict, consumed: dict, traj: dict, cfg: dict) -> dict:
+    """The run's figures as PNGs (``plots``) and its Perfetto trace (``trace``), where asked; ``result`` names
+    what was written."""
     if plots is not None:
         from .plots import write_plots
 
@@ -144,10 +153,16 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
     if trace is not None:
         from .trace import write_trace
 
-        first = 1 + cfg.get("cluster", {}).get("trainer_ranks", 1)
-        result["trace"] = {"path": str(trace), "events": write_trace(Path(trace), esteps, ops, tsteps, consumed, traj,
-                                                                     first)}
+        result["trace"] = {"path": str(trace), "events": write_trace(
+            Path(trace), esteps, ops, trained, consumed, traj, 1 + cfg.get("cluster", {}).get("trainer_ranks", 1))}
     return result
+
+
+def with_trained_tokens(tsteps: dict, consumed: dict, traj: dict, chk) -> dict:
+    """The train steps with ``tokens`` as trained tokens (measure/utilization.py ``trained_tokens``: prompt +
+    response of what each consumed); a consumed row whose trajectory row is not in the logs counts 0."""
+    per_row = joined(traj["prompt_len"] + traj["response_len"], chk.matched, 0)
+    return {**tsteps, "tokens": trained_tokens(tsteps["step"], consumed["consume_step"], per_row)}
 
 
 def kv_figures(esteps: dict, trajectories: int, group_size: int) -> dict:
@@ -189,6 +204,21 @@ def effective(hist, consumed: dict, tsteps: dict) -> tuple[dict, dict]:
     tsteps = {c: v[keep] for c, v in tsteps.items()}
     order = np.argsort(tsteps["step"], kind="stable")
     return consumed, {c: v[order] for c, v in tsteps.items()}
+
+
+def placement(cfg: dict, mode: str, traits) -> str:
+    """The run's placement: the config's ``cluster.placement`` for its mode, else the mode's own."""
+    return cfg.get("cluster", {}).get("placement", {}).get(mode, traits.placement)
+
+
+def warmup_steps(run_dir: Path, cfg: dict, steps: int) -> int:
+    """The train steps the measured window leaves out: a simulated run's ``sim.warmup_steps`` (its launch.json
+    says ``simulated``), as the simulator's own summary does; a real run's first step (its start-up: model loads,
+    version 0 everywhere); none when the run has one step."""
+    launch = run_dir / "launch.json"
+    simulated = launch.is_file() and json.loads(launch.read_text()).get("simulated", False)
+    w = int(cfg.get("sim", {}).get("warmup_steps", 1)) if simulated else 1
+    return min(w, steps - 1) if steps > 1 else 0
 
 
 def tokens_per_s_by_step(tsteps: dict) -> list[float]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..store.shards import ShardScan, rank_of
 
-TRAJ_COLUMNS = ["traj_id", "group_id", "version", "attempt", "response_len", "reprefill_tokens", "turns"]
+TRAJ_COLUMNS = ["traj_id", "group_id", "version", "attempt", "prompt_len", "response_len", "reprefill_tokens", "turns"]
 ENV_ERRORS = ("", "raised", "timed_out", "worker_died")  # env_error codes (episodes.py's error texts)
 
 

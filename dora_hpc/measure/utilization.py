@@ -3,12 +3,17 @@
 The definitions are the simulator's (sim/metrics.py), applied to measured intervals:
 * window: from the first engine step to the end of the last train step (``warmup_steps`` > 0 starts
   it at the end of train step ``warmup_steps - 1`` instead, to leave the ramp-up out);
-* slot_utilization: integral of filled batch slots / (instances x capacity x window);
-* bubble_fraction: 1 - slot_utilization (disaggregated placement: rollout may run the whole window);
+* slot_utilization: integral of filled batch slots (the sequences running; schema < 9: the batch) /
+  (instances x capacity x window);
+* bubble_fraction: the idle share of the decode slots while rollout may run: 1 - slot_utilization when it
+  may run the whole window (disaggregated), and over the window less its training time when training pauses
+  it (``colocated``);
 * rollout_only_fraction: share of the window in which some instance generates while no train step runs;
 * inter_instance_bubble: the C.3 formula (max_i L_i - L_i) / max_i L_i averaged over instances, with
-  L_i the busy time of instance i between consecutive train-step starts, averaged over those windows;
-* throughput_tokens_per_s: response tokens trained by the steps that end in the window / its length;
+  L_i the busy time of instance i between consecutive train-step starts within the window (its start and
+  end bound the first and last interval), averaged over those intervals;
+* throughput_tokens_per_s, **trained tokens/s**: the trained tokens (``trained_tokens``: prompt + response
+  tokens of the trajectories a step consumed) of the train steps that end in the window / its length;
 * instance_busy_s: seconds an instance spent in non-empty engine steps within the window, mean over
   instances (the rollout time of the KV-migration ablation);
 * engine_steps_per_trained_token: engine steps with a non-empty batch, summed over instances, that
@@ -28,6 +33,26 @@ from collections import defaultdict
 import numpy as np
 
 from ..core.policy_base import TRAIN_WAITS
+
+
+def trained_tokens(steps: np.ndarray, consume_step: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Each train step's trained tokens (in the order of ``steps``): the prompt + response tokens (``tokens``,
+    one per consumed trajectory) of the trajectories it consumed (``consume_step``). The one definition of a
+    trained token (docs/glossary.md); the simulator's steps count the same (sim/cluster.py)."""
+    by_step: dict[int, int] = defaultdict(int)
+    for s, n in zip(consume_step.tolist(), tokens.tolist(), strict=True):
+        by_step[int(s)] += int(n)
+    return np.array([by_step.get(int(s), 0) for s in steps], dtype=np.int64)
+
+
+def trained_tokens_per_s(t_end: list[float], tokens: list[int], warmup_steps: int = 1) -> float | None:
+    """Trained tokens/s (docs/glossary.md): the trained tokens of the steps that end after step
+    ``warmup_steps - 1`` over the time from its end to the last step's; ``t_end`` and ``tokens`` by step, in
+    order. None until a step ends after the window opens. ``utilization`` and the live status line use it."""
+    if len(t_end) <= warmup_steps or warmup_steps < 1:
+        return None
+    lo, hi = t_end[warmup_steps - 1], t_end[-1]
+    return sum(int(k) for k, e in zip(tokens, t_end, strict=True) if lo < e <= hi) / (hi - lo) if hi > lo else None
 
 
 class Cover:
@@ -71,8 +96,9 @@ def op_seconds(ops: dict[str, np.ndarray], lo: float, hi: float) -> tuple[dict[s
 
 
 def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], ops: dict[str, np.ndarray],
-                warmup_steps: int = 0) -> dict:
-    """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row)."""
+                warmup_steps: int = 0, colocated: bool = False) -> dict:
+    """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row); ``colocated``: training
+    pauses rollout (the placement)."""
     zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
             "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "engine_steps_per_trained_token": 0.0,
             "instance_busy_s": 0.0, "trainer_wait_fraction": dict.fromkeys(TRAIN_WAITS, 0.0),
@@ -91,8 +117,10 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     slot_s = capacity = 0.0
     busy_steps = 0
     cap_of: dict[int, int] = {}
-    for r, a, b, n, cap in zip(esteps["rank"], esteps["t_start"], esteps["t_end"], esteps["batch_size"],
-                               esteps["capacity"], strict=True):
+    filled = np.where(esteps["running"] >= 0, esteps["running"], esteps["batch_size"]) if "running" in esteps \
+        else esteps["batch_size"]
+    for r, a, b, n, cap in zip(esteps["rank"], esteps["t_start"], esteps["t_end"], filled, esteps["capacity"],
+                               strict=True):
         cap_of[int(r)] = int(cap)
         if n > 0:
             busy[int(r)].append((float(a), float(b)))
@@ -104,7 +132,7 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     rolling = Cover([(max(a, lo), min(b, hi)) for r in ranks for a, b in busy[r]])
     # rollout-only: covered by some generating instance and not by a train step
     rollout_only = (rolling.length(lo, hi) - float(np.sum(training.upto(rolling.b) - training.upto(rolling.a)))) / span
-    marks = np.array([lo] + [float(s) for s in t_start if lo < s <= hi])
+    marks = np.array([lo] + [float(s) for s in t_start if lo < s < hi] + [hi])  # window start, step starts, end
     bubbles = []
     if len(marks) > 1:
         per = np.array([np.diff(Cover(busy[r]).upto(marks)) if busy[r] else np.zeros(len(marks) - 1)
@@ -115,7 +143,9 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     trained = float(sum(int(k) for k, e in zip(tokens, t_end, strict=True) if lo < e <= hi))
     over, waits = op_seconds(ops, lo, hi)
     n_inst = max(len(ranks), 1)
-    return {"window_s": span, "slot_utilization": slot_util, "bubble_fraction": 1.0 - slot_util,
+    rollout_span = span - (training.length(lo, hi) if colocated else 0.0)
+    bubble = 1.0 - slot_util * span / rollout_span if rollout_span > 0 else 1.0
+    return {"window_s": span, "slot_utilization": slot_util, "bubble_fraction": bubble,
             "rollout_only_fraction": rollout_only,
             "inter_instance_bubble": float(np.mean(bubbles)) if bubbles else 0.0,
             "throughput_tokens_per_s": trained / span,

@@ -31,7 +31,7 @@ def status(orch) -> dict:
     bound = orch.policy.traits(orch.cfg.dora.k).staleness_bound  # None: unbounded (partial rollout)
     return {"mode": orch.cfg.mode, "k": bound,
             "step": orch.steps_done, "max_steps": orch.cfg.train.max_steps, "latest": orch.policy.latest,
-            "t": t, "tok_s": orch.finished_tokens / max(t, 1e-9),
+            "t": t, "tok_s": orch.figures.trained_tokens_per_s(),  # trained tokens/s, as analyze says (glossary)
             "reward": orch.rewards[-1] if orch.rewards else None,
             "instances": [[x.target, x.loading is not None, len(x.active)] for x in orch.policy.view.instances],
             "env_waiting": [orch.env_waiting.get(i, 0) for i in range(len(orch.policy.view.instances))]
@@ -50,6 +50,11 @@ def _env(s: dict, i: int) -> str:
     """An instance's episodes waiting on their environment (multi-turn runs)."""
     waiting = s.get("env_waiting")
     return f"({waiting[i]} env)" if waiting and waiting[i] else ""
+
+
+def tok_s(s: dict) -> str:
+    """Trained tokens/s so far ("-" until a second step has ended)."""
+    return "-" if s.get("tok_s") is None else f"{s['tok_s']:,.0f}"
 
 
 def mean_staleness(s: dict) -> str:
@@ -71,7 +76,7 @@ def line(s: dict) -> str:
     inst += f" | live {counts}" if counts else ""
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
-            f"queued {s['queued'] or '-'} | {s['tok_s']:.0f} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "
+            f"queued {s['queued'] or '-'} | {tok_s(s)} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "
             f"reward {reward}")
 
 
@@ -80,7 +85,7 @@ def panel(s: dict):
     head = Text()
     head.append(f"dora-hpc {s['mode']}" + (f" K={s['k']}" if s["k"] is not None else ""), style="bold")
     reward = "-" if s["reward"] is None else f"{s['reward']:.3f}"
-    head.append(f"  step {s['step']}/{s['max_steps']}  latest v{s['latest']}  {s['tok_s']:,.0f} tok/s  "
+    head.append(f"  step {s['step']}/{s['max_steps']}  latest v{s['latest']}  {tok_s(s)} tok/s  "
                 f"reward {reward}  {s['t']:,.0f} s")
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=max(s["max_steps"], 1), completed=s["step"], width=40),

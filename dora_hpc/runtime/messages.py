@@ -119,6 +119,7 @@ class Done:               # rollout -> orchestrator: a trajectory finished
     env_s: float = 0.0    # seconds its environment steps took
     episode_s: float = 0.0  # dispatch to finish on its rollout ranks (the share env_s is of it)
     env_error: bool = False
+    prompt_len: int = 0   # its prompt's tokens: with response_len, what a train step trains on it
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..core.policy_base import TRAIN_WAITS
+from ..measure.utilization import trained_tokens_per_s
 
 # the train-steps row's figures that are not scalars to plot
 NOT_SCALARS = ("step", "t_start", "t_end", "weights_checksum", "attempt")
@@ -51,8 +52,9 @@ class StepFigures:
         self.episodes = episodes  # a multi-turn run: the episodes/ figures
         self.ep = [0, 0, 0.0, 0.0, 0]  # episodes finished, their turns, env seconds, episode seconds, env errors
         self.staleness: dict[int, list[int]] = {}  # train step -> staleness of each group it consumes
-        self.stale_tokens: dict[int, list[int]] = {}  # ... and the response tokens each finished in this attempt
-        self.group_tokens: dict[int, int] = {}  # group -> response tokens of its trajectories finished so far
+        self.stale_tokens: dict[int, list[int]] = {}  # ... and the trained tokens each finished in this attempt
+        self.group_tokens: dict[int, int] = {}  # group -> trained tokens (prompt + response) of its trajectories
+        self.trained: list[tuple[float, int]] = []  # each published step of this attempt: (its end, trained tokens)
         self.fenced = self.joined = 0  # instances fenced / joined since the last step
         self.waits = dict.fromkeys(TRAIN_WAITS, 0.0)  # seconds the trainer waited, by Policy.train_wait's answer
         self.wait, self.t_wait = None, now       # what it waits for since t_wait (None: it trains)
@@ -73,7 +75,8 @@ class StepFigures:
     def on_done(self, response_len: int, kv_transfer_s: float, done=None, group: int | None = None) -> None:
         self.tokens += response_len
         if group is not None:
-            self.group_tokens[group] = self.group_tokens.get(group, 0) + response_len
+            prompt = done.prompt_len if done is not None else 0
+            self.group_tokens[group] = self.group_tokens.get(group, 0) + prompt + response_len
         self.kv_s += kv_transfer_s
         if done is not None:
             self.ep = [self.ep[0] + 1, self.ep[1] + done.turns, self.ep[2] + done.env_s, self.ep[3] + done.episode_s,
@@ -87,11 +90,16 @@ class StepFigures:
         """A group that is dropped or filtered never trains: its tokens leave the count."""
         self.group_tokens.pop(group, None)
 
+    def trained_tokens_per_s(self) -> float | None:
+        """Trained tokens/s over this attempt's published steps, after its first (measure/utilization.py)."""
+        return trained_tokens_per_s([t for t, _ in self.trained], [n for _, n in self.trained])
+
     def take(self, step: int, now: float, instances, env_waiting: int, queued: int, latest: int) -> dict[str, float]:
         """The figures of train step ``step`` (published at ``now``); the counters start again.
         ``env_waiting``: the episodes waiting on their environment now (a multi-turn run)."""
         interval = max(now - self.t_last, 1e-9)
         stale, tokens = self.staleness.pop(step, []), self.stale_tokens.pop(step, [])
+        self.trained.append((now, sum(tokens)))
         targets = [x.target for x in instances if x.target is not None]
         out = {"step_interval_s": interval, "tokens_per_s": self.tokens / interval, "migrations": self.migrations,
                "kv_transfer_s": self.kv_s, "weight_loads": len(self.loads),
@@ -107,7 +115,7 @@ class StepFigures:
         out |= {f"instances_behind_{d}": targets.count(v) for d, v in
                 ((latest - v, v) for v in sorted(set(targets), reverse=True))}
         out |= {f"staleness/groups_at_{s}": stale.count(s) for s in sorted(set(stale))}
-        if sum(tokens):  # weighted by the response tokens each group finished in this attempt
+        if sum(tokens):  # weighted by the trained tokens each group finished in this attempt
             out["staleness/token_mean"] = sum(s * n for s, n in zip(stale, tokens, strict=True)) / sum(tokens)
             out |= {f"staleness/tokens_at_{s}": sum(n for x, n in zip(stale, tokens, strict=True) if x == s)
                     for s in sorted(set(stale))}

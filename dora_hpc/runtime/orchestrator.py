@@ -102,7 +102,6 @@ class Orchestrator(OpLog):
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
-        self.finished_tokens = 0
         self.stale = Counter()
         self.env_waiting: dict[int, int] = {}  # instance -> its episodes waiting on their environment
         self.rewards: list[float] = []
@@ -229,7 +228,6 @@ class Orchestrator(OpLog):
         del self.epoch[msg.traj_id]
         self.moved_from.pop(msg.traj_id, None)
         self.checkpoints.done(src, msg.traj_id)
-        self.finished_tokens += msg.response_len
         self.figures.on_done(msg.response_len, msg.kv_transfer_s, msg, self.policy.ledger.group_of(msg.traj_id))
         self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward, msg.response_len))
         if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:

@@ -186,7 +186,7 @@ class RolloutRank(OpLog, Migrations):
         self.comm.send(t, self.comm.roles.trainer_of_group(t.group_id))
         self.comm.send(Done(t.traj_id, self.instance, len(t.response), reward, kv_frac, info["epoch"], info["kv_s"],
                             info.get("turns", 1), info.get("env_s", 0.0), self.now() - info["t_dispatch"],
-                            bool(info.get("env_error"))), 0)
+                            bool(info.get("env_error")), len(t.prompt)), 0)
 
     # -- control -----------------------------------------------------------------------------------
     def handle(self, msg, src: int) -> None:

@@ -39,6 +39,7 @@ class Borrowing:
             raise SimError(f"Sleep({i}) on an instance with live requests")
         inst.asleep, inst.loading, inst.version = True, False, None
         inst.load_epoch += 1
+        self.log.slept(i)
         self._start(inst)
         self._drain(i, self.cfg.sim.hardware.engine_sleep_s)
 

@@ -69,10 +69,9 @@ class TrajRecord:
 
 
 class Simulator(Borrowing, EpisodeSteps):
-    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None,
-                 log: bool = False) -> None:
-        """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``. ``log``: keep
-        the runtime's HDF5 tables as it runs (sim/logs.py), for ``write_logs``."""
+    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None) -> None:
+        """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``. It keeps the
+        runtime's tables as it runs (sim/logs.py): its summary is computed from them, ``write_logs`` writes them."""
         self.cfg, self.mode = cfg, mode
         placement = cfg.cluster.placement_of(mode)
         self.colocated = placement == "colocated"
@@ -108,14 +107,11 @@ class Simulator(Borrowing, EpisodeSteps):
         self.counts: Counter[str] = Counter()     # migrations, reprefill tokens, ... (likewise)
         self.trainer_busy = False
         self.running = 0
-        self._last_mark, self.rollout_only_s = 0.0, 0.0
+        self._last_mark = 0.0
         self.wait_s: Counter[str] = Counter()     # trainer idle seconds by what it waits for (Policy.train_wait)
         self.kv_peak = 0.0
         self._kv_hot: set[int] = set()
-        self.busy_marks: list[list[float]] = []   # per StartTrain: each instance's busy seconds so far
-        self.slot_seconds_at_t0 = self.rollout_only_at_t0 = 0.0  # snapshots at the measured window start
-        self.wait_at_t0: Counter[str] = Counter()
-        self.log = SimLog(cfg.batch.group_size, cfg.engine.block_size) if log else None
+        self.log = SimLog(cfg.batch.group_size, cfg.engine.block_size)
 
     # -- event loop --------------------------------------------------------------------------------
     def _at(self, t: float, *ev) -> None:
@@ -139,7 +135,7 @@ class Simulator(Borrowing, EpisodeSteps):
 
     def _feed(self, event) -> None:
         self._mark()  # the policy's state (what an idle trainer waits for) changes only here
-        if self.log is not None and isinstance(event, RequestFinished):
+        if isinstance(event, RequestFinished):
             t = event.traj_id
             self.log.finished(self.now, t, event.instance, self.trajs[t], self.work.prompt_len(self.trajs[t].group),
                               sum(x.tokens + x.env_tokens for x in self.episodes[t]))
@@ -163,8 +159,7 @@ class Simulator(Borrowing, EpisodeSteps):
         if load_epoch != inst.load_epoch:
             return  # a Sleep cancelled this load
         inst.loading, inst.version = False, v
-        if self.log is not None:
-            self.log.ready(self.now, i)
+        self.log.ready(self.now, i)
         self._start(inst)
         self._feed(InstanceReady(i, v))
 
@@ -197,8 +192,7 @@ class Simulator(Borrowing, EpisodeSteps):
         inst = self.inst[dst]
         if inst.version != self.trajs[t].segments[-1] or inst.loading:
             raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
-        if self.log is not None:
-            self.log.arrived(self.now, t, dst, (req.prompt + req.gen_at_join) * self.cost.kv_bytes_per_token)
+        self.log.arrived(self.now, t, dst, (req.prompt + req.gen_at_join) * self.cost.kv_bytes_per_token)
         self._stop(inst)
         if req.waiting_env:  # its environment step is still under way: held here
             inst.hold(req)
@@ -212,12 +206,7 @@ class Simulator(Borrowing, EpisodeSteps):
         self._mark()
         self.trainer_busy = False
         self.steps[step]["t_end"] = self.now
-        if self.log is not None:
-            self.log.trained(self.now, step)
-        if step == self.cfg.sim.warmup_steps - 1:
-            self.slot_seconds_at_t0 = sum(self.slot_seconds_now(i) for i in self.inst)
-            self.rollout_only_at_t0 = self.rollout_only_s
-            self.wait_at_t0 = Counter(self.wait_s)
+        self.log.trained(self.now, step)
         if self.colocated:
             for inst in self.inst:
                 inst.paused = False
@@ -233,7 +222,7 @@ class Simulator(Borrowing, EpisodeSteps):
         t0, steps0, running, waiting = inst.t_run, inst.steps, len(inst.reqs), len(inst.waiting)
         inst.advance(self.now)
         self.running -= 1
-        if self.log is not None and self.now > t0:
+        if self.now > t0:
             self.log.advanced(t0, self.now, inst, inst.steps - steps0, running, waiting, self.policy.cfg.slots)
 
     def _start(self, inst: Instance) -> None:
@@ -268,11 +257,8 @@ class Simulator(Borrowing, EpisodeSteps):
     def _mark(self) -> None:
         dt = self.now - self._last_mark
         if not self.trainer_busy and dt > 0:
-            if self.running > 0:
-                self.rollout_only_s += dt
             self.wait_s[kind := self.policy.train_wait() or "start"] += dt
-            if self.log is not None:
-                self.log.waiting_for(self._last_mark, self.now, kind)
+            self.log.waiting_for(self._last_mark, self.now, kind)
         self._last_mark = self.now
 
     def _check_kv(self, inst: Instance) -> None:
@@ -308,8 +294,7 @@ class Simulator(Borrowing, EpisodeSteps):
                     self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
                 share = self._load_share(inst, src)
                 load_s = share * self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0)
-                if self.log is not None:
-                    self.log.assigned(self.now, i, v, src)
+                self.log.assigned(self.now, i, v, src)
                 inst.loading, inst.version, inst.asleep = True, None, False
                 self.ops["weight_sync"] += load_s
                 self.counts["weight_syncs"] += 1
@@ -326,8 +311,7 @@ class Simulator(Borrowing, EpisodeSteps):
                 if t in self.trajs:
                     raise SimError(f"trajectory {t} dispatched twice")
                 self.trajs[t] = TrajRecord(g, [v])
-                if self.log is not None:
-                    self.log.dispatched_to(self.now, t, i)
+                self.log.dispatched_to(self.now, t, i)
                 prompt = self.work.prompt_len(g)
                 self.episodes[t] = self.work.episode(t, prompt)
                 self._stopped(i).admit(Req(t, prompt, self.episodes[t][0].tokens, group=g))
@@ -343,8 +327,7 @@ class Simulator(Borrowing, EpisodeSteps):
                 self._start(self.inst[i])
             case Drop(g, reason):
                 self.dropped.add(g)
-                if self.log is not None:
-                    self.log.dropped(self.now, g, reason)
+                self.log.dropped(self.now, g, reason)
             case StartTrain(step, groups):
                 self._train(step, groups)
             case Offload(t, i) | Restore(t, i):
@@ -366,8 +349,7 @@ class Simulator(Borrowing, EpisodeSteps):
         self._start(self.inst[src])
         tokens = req.prompt + req.gen_at_join
         rec = self.trajs[t]
-        if self.log is not None:
-            self.log.migrating(self.now, t, src, dst, carry_kv)
+        self.log.migrating(self.now, t, src, dst, carry_kv)
         rec.migrations += 1
         self.counts["migrations"] += 1
         if req.waiting_env:
@@ -413,7 +395,6 @@ class Simulator(Borrowing, EpisodeSteps):
             stale.append(step - min(versions))
         self._mark()
         self.trainer_busy = True
-        self.busy_marks.append([self._busy_now(i) for i in self.inst])
         dur = self.cost.train_time(tokens, self.train_accels)
         if self.colocated:
             dur += self.cost.colocated_switch_s
@@ -426,21 +407,12 @@ class Simulator(Borrowing, EpisodeSteps):
         self.steps.append({"step": step, "t_start": self.now, "t_end": None, "tokens": tokens,
                            "train_s": dur, "drain_s": drained - self.now, "staleness": stale,
                            "admission_cap": self.policy.admission_cap()})
-        if self.log is not None:
-            trained = sum(x.tokens for g in groups for t in range(g * g_size, (g + 1) * g_size)
-                          for x in self.episodes[t])
-            self.log.train(self.now, begin, step, groups, self.trajs, trained, self.policy.admission_cap())
+        trained = sum(x.tokens for g in groups for t in range(g * g_size, (g + 1) * g_size) for x in self.episodes[t])
+        self.log.train(self.now, begin, step, groups, self.trajs, trained, self.policy.admission_cap())
         self._at(begin + dur, "trained", step)
 
     def write_logs(self, run_dir) -> None:
-        """The run's HDF5 logs (sim/logs.py) into ``run_dir``; the simulator must have been built with
-        ``log=True`` and run."""
+        """The run's HDF5 logs (sim/logs.py) into ``run_dir``, once it has run."""
         cfg = self.cfg.model_copy(update={"mode": self.mode})
         self.log.write(run_dir, cfg.model_dump_json(), f"sim-{self.mode}-seed{self.cfg.seed}", len(self.inst),
                        len(self.steps), self.policy.ledger.next_group, self.dropped)
-
-    def _busy_now(self, inst: Instance) -> float:
-        return inst.busy + (self.now - inst.t_run if inst.t_run is not None else 0.0)
-
-    def slot_seconds_now(self, inst: Instance) -> float:
-        return inst.slot_seconds + (len(inst.reqs) * (self.now - inst.t_run) if inst.t_run is not None else 0.0)

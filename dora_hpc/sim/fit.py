@@ -27,7 +27,7 @@ from ..config import RunConfig, validate, with_overrides
 from ..core.admission import ADMISSIONS
 from ..core.events import FOLDER
 from ..core.policies import traits_of
-from ..measure.utilization import op_seconds
+from ..measure.utilization import op_seconds, trained_tokens_per_s
 from ..store.shards import read_table
 from .cluster import Simulator
 from .costs import CostModel
@@ -110,14 +110,14 @@ def fit_run(run_dir: Path) -> Fit:
         "sim.hardware.engine_wake_s": 0.0, "sim.hardware.trainer_start_s": trainer_start,
         **_model_spec(run_dir, run)})
     span = float(t1[-1] - t1[0]) or 1.0  # the simulator's measured window: from the end of the first step
-    trained = sum(tokens_by_step.get(k, 0) for k in step_ids.tolist()[1:])
+    rate = trained_tokens_per_s(t1.tolist(), [tokens_by_step.get(k, 0) for k in step_ids.tolist()]) or 0.0
     fitted = {"prompt_len": prompt, "response_len": response, "engine_step_s": a, "engine_step_s_per_kv_token": b,
               "train_s_per_token": s_per_token, "weight_load_s": cost.weight_load_s, "kv_link_bytes_per_s": kv_link,
               "response_len_trend_per_step": _trend(trajs, consumed), "trainer_start_s": trainer_start} | episodes
     waits = None
     if (ops["kind"] == "trainer_wait").any():  # logged by rank 0 (runs from before it: not)
         waits = {k: v / span for k, v in op_seconds(ops, float(t1[0]), float(t1[-1]))[1].items()}
-    return Fit(sim_cfg, cost, span / (n - 1), trained / span, fitted, waits)
+    return Fit(sim_cfg, cost, span / (n - 1), rate, fitted, waits)
 
 
 def _trainer_start(ops: dict, first_step: float, origin: float, tick_s: float) -> float:
@@ -217,7 +217,7 @@ def _engine_step(steps: dict, block_size: int) -> tuple[float, float]:
 
 
 def _trained_tokens(trajs: dict, consumed: dict) -> dict[int, int]:
-    """Prompt + response tokens of the trajectories each train step consumed."""
+    """Each train step's trained tokens: prompt + response of the trajectories it consumed (the glossary's)."""
     lengths = dict(zip(trajs["traj_id"].tolist(), (trajs["prompt_len"] + trajs["response_len"]).tolist(), strict=True))
     out: dict[int, int] = {}
     for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):

@@ -76,8 +76,6 @@ class Instance:
     offset: float = 0.0             # >0: time already spent into the next step; <0: prefill owed
     t_run: float | None = None
     epoch: int = 0
-    busy: float = 0.0               # seconds with a running batch (including prefill)
-    slot_seconds: float = 0.0       # integral of running batch size over time
     counts: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)  # seconds by kind
     refs: Counter = field(default_factory=Counter)  # share: a prompt part -> the resident requests holding it
@@ -150,8 +148,6 @@ class Instance:
             self.steps += k
         else:
             self.offset = avail
-        self.busy += dt
-        self.slot_seconds += n * dt
         self.t_run = None
         self.epoch += 1
 

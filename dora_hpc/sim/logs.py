@@ -13,7 +13,8 @@ Invariants:
   trajectory's tokens, logprobs, reward and finish reason; the train steps' loss figures; environment
   errors. Weight checksums are ``sim-v{version}``, the same for a publish and each load of it;
 * tables are kept as lists in memory and written as whole columns (store/shards.py ``write_shard``);
-* recording costs nothing when off: the simulator calls these hooks only when built with ``log=True``.
+  ``tables`` gives them to the measurement layer (measure/), which computes the simulator's summary from
+  them as ``analyze`` does from the files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from ..core.events import FOLDER, TRAINER
 from ..core.policy_base import TRAIN_WAITS
@@ -46,6 +49,7 @@ class SimLog:
         self.dispatched: dict[int, tuple[float, list[int]]] = {}  # traj -> (t_dispatch, instance path)
         self.moving: dict[int, tuple[float, int, bool]] = {}      # traj -> (sent at, from instance, with KV)
         self.loading: dict[int, tuple[float, int, int]] = {}      # instance -> (ordered at, version, from rank)
+        self.cancelled = 0                                        # loads a sleep cancelled
         self.wait: tuple[str, float, float] | None = None         # the trainer wait under way: kind, from, to
         self.op(ORCH, 0.0, 0.0, "start", version=0, detail="fresh")
 
@@ -67,6 +71,11 @@ class SimLog:
             t0, v, peer = self.loading.pop(instance)
             self.op(rank_of(instance), t0, now, "weight_load", peer=peer, version=v,
                     detail=f"sim-v{v}" + (" from the model folder" if peer == -2 else ""))
+
+    def slept(self, instance: int) -> None:
+        """A borrowed instance went to sleep: a weight load under way is cancelled, never logged."""
+        if self.loading.pop(instance, None) is not None:
+            self.cancelled += 1
 
     def migrating(self, now: float, traj: int, src: int, dst: int, kv: bool) -> None:
         self.op(ORCH, now, now, "migrate", traj=traj, detail=f"{src}->{dst} kv={kv}")
@@ -125,6 +134,27 @@ class SimLog:
         self.tsteps[step][1] = now
         self.op(ORCH, now, now, "publish", version=step + 1, detail=f"sim-v{step + 1}")
 
+    # -- the tables ------------------------------------------------------------------------------------
+    def tables(self, steps: list[dict]) -> tuple[dict, dict, dict]:
+        """Engine steps (with ``rank``), train steps and ops (with ``rank``) as numpy columns, for measure/.
+        ``steps``: the simulator's measured steps; each one's trained tokens are its ``tokens`` (prompt +
+        response of what it consumed: measure/utilization.py ``trained_tokens``)."""
+        e = [(r, *row) for r, rows in self.esteps.items() for row in rows]
+        esteps = {c: np.array([x[i] for x in e], dtype=float if c in ("t_start", "t_end") else np.int64)
+                  for i, c in enumerate(("rank", "t_start", "t_end", "batch_size", "capacity", "new_tokens",
+                                         "kv_blocks_used", "version", "running"))}
+        tsteps = {"step": np.array([s["step"] for s in steps], np.int64),
+                  "t_start": np.array([self.tsteps[s["step"]][0] for s in steps], float),
+                  "t_end": np.array([s["t_end"] for s in steps], float),
+                  "tokens": np.array([s["tokens"] for s in steps], np.int64)}
+        o = [(r, *row) for r, rows in self.ops.items() for row in rows]
+        if self.wait:
+            o.append((ORCH, self.wait[1], self.wait[2], "trainer_wait", -1, -1, -1, -1, self.wait[0]))
+        ops = {"rank": np.array([x[0] for x in o], np.int64), "t_start": np.array([x[1] for x in o], float),
+               "t_end": np.array([x[2] for x in o], float), "kind": np.array([x[3] for x in o], dtype=object),
+               "detail": np.array([x[8] for x in o], dtype=object)}
+        return esteps, tsteps, ops
+
     # -- the files -------------------------------------------------------------------------------------
     def write(self, run_dir: Path, config_json: str, run_id: str, instances: int, steps: int, next_group: int,
               dropped: set[int]) -> Path:
@@ -133,6 +163,9 @@ class SimLog:
         ``next_group``: groups admitted; those neither consumed by then nor ``dropped`` end it open, as a
         runtime's ``pending_at_end``."""
         run_dir = Path(run_dir)
+        if run_dir.is_dir() and any(run_dir.glob("*.h5")):
+            raise FileExistsError(f"{run_dir} already holds a run's logs: write a simulated run into an empty "
+                                  "directory (its shards would mix with them)")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.end_wait()
         end = self.tsteps[steps - 1][1]

@@ -1,24 +1,13 @@
 """Figures of a finished simulation, computed from the simulator's own record.
 
-Definitions (also in results/sim/README.md):
-* measured window: from the end of train step ``warmup_steps - 1`` to the end of the last step;
-* throughput_tokens_per_s: prompt + response tokens of the steps started in the window / its length;
-* rollout_only_fraction: share of the window in which some instance generates while the trainer
-  is idle (the paper's "rollout-only phase");
-* trainer_wait_fraction: share of the window in which the trainer is idle, by what it waits for
-  (core: Policy.train_wait): "capacity" (requests queued for a rollout slot), "tail" (nothing queued:
-  the batch's last requests are decoding), "window" (TBS groups complete, but the staleness window
-  needs older ones still decoding);
+The figures a real run has too -- throughput_tokens_per_s (trained tokens/s), slot_utilization,
+bubble_fraction, rollout_only_fraction, inter_instance_bubble, trainer_wait_fraction -- are
+measure/utilization.py's, on the tables the simulator recorded (sim/logs.py), over the measured window (from
+the end of train step ``sim.warmup_steps - 1`` to the end of the last step): ``dora-hpc analyze`` gives the
+same numbers on the run's written logs. Defined here, for the simulator alone:
 * admission_cap: lean admission's cap on the pipeline's depth at each step's start (core/admission.py);
 * mean_staleness: over every step, the fill included; mean_staleness_steady: over the steps started in the
   measured window (what the frontier and plan report);
-* slot_utilization: integral of live sequences / (instances x max_num_seqs x window), borrowed
-  instances included (asleep while the trainer trains);
-* bubble_fraction: the C.3 bubble, (max_i L_i - L_i) / max_i L_i averaged over decode slots, in
-  time form: the idle share of all decode slots while the rollout side may run (colocated: outside
-  training). Under one-wave static batching it is exactly C.3 with L_i the sequence lengths;
-* inter_instance_bubble: the same formula over instances, L_i = busy time of instance i between
-  consecutive train-step starts (an instance with one straggler counts as busy), averaged over steps;
 * limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
   full batch, and (disaggregated) bounded by the trainer's speed, (colocated) sharing the devices. With
   multi-turn episodes a slot is also held while its episode's environment step runs: an instance then
@@ -33,22 +22,10 @@ from collections import Counter, defaultdict
 
 from ..config import RunConfig
 from ..core.policies import traits_of
-from ..core.policy_base import TRAIN_WAITS
+from ..measure.utilization import utilization
 from .cluster import Simulator
 from .costs import CostModel
 from .workload import Workload
-
-
-def inter_instance_bubbles(sim: Simulator, warmup: int) -> list[float]:
-    """Per train-step interval after warm-up: the mean idle share of the instances against the busiest."""
-    out = []
-    marks = sim.busy_marks[warmup - 1:] + [[sim._busy_now(i) for i in sim.inst]]
-    for a, b in zip(marks, marks[1:], strict=False):
-        busy = [y - x for x, y in zip(a, b, strict=True)]
-        top = max(busy)
-        if top > 0:
-            out.append(sum((top - x) / top for x in busy) / len(busy))
-    return out
 
 
 def total(sim: Simulator, what: str) -> Counter:
@@ -116,26 +93,16 @@ def summarize(sim: Simulator) -> dict:
     w = cfg.sim.warmup_steps
     t0, t1 = sim.steps[w - 1]["t_end"], sim.steps[-1]["t_end"]
     span = t1 - t0
-    tokens = sum(s["tokens"] for s in sim.steps[w:])
-    # slot utilization and rollout-only come from running totals; subtract what happened before t0
-    slots = len(sim.inst) * cfg.cluster.max_num_seqs
-    slot_util = (sum(sim.slot_seconds_now(i) for i in sim.inst) - sim.slot_seconds_at_t0) / (slots * span)
-    rollout_span = span - (sum(s["train_s"] for s in sim.steps[w:]) if sim.colocated else 0.0)
-    slot_bubble = 1.0 - slot_util * span / rollout_span
-    bubbles = inter_instance_bubbles(sim, w)
+    u = utilization(*sim.log.tables(sim.steps), warmup_steps=w, colocated=sim.colocated)
     mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
     split = split_groups(sim)
     lost = lost_groups(sim)
     wall = t1
     counts, ops = total(sim, "counts"), total(sim, "ops")
     return episode_figures(sim, counts) | {
-        "throughput_tokens_per_s": tokens / span,
+        **{k: u[k] for k in ("throughput_tokens_per_s", "rollout_only_fraction", "trainer_wait_fraction",
+                             "slot_utilization", "bubble_fraction", "inter_instance_bubble")},
         "mean_step_time_s": span / (len(sim.steps) - w),
-        "rollout_only_fraction": (sim.rollout_only_s - sim.rollout_only_at_t0) / span,
-        "trainer_wait_fraction": {k: (sim.wait_s[k] - sim.wait_at_t0[k]) / span for k in TRAIN_WAITS},
-        "slot_utilization": slot_util,
-        "bubble_fraction": slot_bubble,
-        "inter_instance_bubble": sum(bubbles) / len(bubbles) if bubbles else 0.0,
         "max_staleness": max((x for s in sim.steps for x in s["staleness"]), default=0),
         "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
         "mean_staleness_steady": sum(sum(s["staleness"]) for s in sim.steps[w:]) / ((len(sim.steps) - w)

@@ -50,11 +50,10 @@ def simulate_modes(cfg: RunConfig, modes: tuple[str, ...] = MODES, timeline: boo
         task = progress.add_task("simulating", total=len(modes))
         for mode in modes:
             progress.update(task, description=f"simulating {mode}")
-            sim = Simulator(cfg, mode, timeline=timeline, log=run_dir is not None).run()
+            sim = Simulator(cfg, mode, timeline=timeline).run()
+            row = summarize(sim)
             if run_dir is not None:
                 sim.write_logs(run_dir / mode)
-                sim.log = None  # its tables are on disk
-            row = summarize(sim)
             limit = (zero_bubble_limit(cfg, row["placement"], moments, row["borrowed_instances"])
                      if row["borrowed_instances"] else limits[row["placement"]])
             row["limit_tokens_per_s"] = limit
