@@ -1,18 +1,77 @@
-"""Sensitivity of DORA's gain: one knob at a time around a base config, plus a few joint changes.
+"""Sweeps over simulated runs: the named scenarios the results compare on, and DORA's sensitivity.
 
-Each variant runs sync, partial and dora on the same seed and workload (the modes compared in the
-paper's Fig. 10); the table reports DORA / sync, DORA / partial and DORA's share of the zero-bubble
-limit for its placement.
+* **Scenarios** (``SCENARIOS``): the workloads results/sim/ measures on -- paper-64, paper-128, the heavy tail,
+  long reasoning and agentic-64 -- each at its base seed and K, in steady state (``steady``: 40 steps, the
+  first 2K left out). ``run`` simulates one labelled variant (``LABELS``: sync, partial, DORA, and DORA with a
+  planner or borrowed instances) of one at one seed and keeps ``KEEP`` of its summary; ``grouped`` puts runs
+  side by side, each over its own seed's sync run. The result scripts under results/sim/ call these.
+* **Sensitivity** (``sensitivity``): one knob at a time around a base config, plus a few joint changes. Each
+  variant runs sync, partial and dora on the same seed and workload (the modes compared in the paper's Fig.
+  10); the table reports DORA / sync, DORA / partial and DORA's share of the zero-bubble limit.
+
+The scenarios read configs/ from the source checkout this package sits in (the repository's root).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.progress import Progress
 
-from ..config import RunConfig, with_overrides
+from ..config import RunConfig, load_config, with_overrides
 from .cluster import Simulator
 from .metrics import summarize, zero_bubble_limit
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY_TAIL = ["workload.response_len.sigma=1.6", "workload.response_len.max=65536", "dora.k=6"]
+SCENARIOS = {  # name: (config, overrides, base seed, K)
+    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3),
+    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3),
+    "heavy tail": ("configs/sim/paper-64.yaml", HEAVY_TAIL, 7, 6),
+    "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
+                                                     "workload.response_len.sigma=1.2",
+                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4),
+    "agentic-64": ("configs/sim/agentic-64.yaml", [], 0, 3),
+}
+SEEDS = 3  # the base seed and the next two
+LABELS = {"sync": ("sync", []), "partial": ("partial", []), "dora": ("dora", []),
+          "dora straggler": ("dora", ["dora.planner=straggler"]), "dora elastic": ("dora", ["cluster.elastic=true"])}
+KEEP = ("throughput_tokens_per_s", "mean_step_time_s", "trainer_wait_fraction", "slot_utilization", "max_staleness",
+        "lost_groups", "duplicate_groups", "split_groups", "mixed_version_trajectories", "reprefill_tokens",
+        "migrations", "kv_peak_fraction", "placement", "borrowed_instances")
+
+
+def steady(name: str, extra: list[str], seed: int) -> RunConfig:
+    """Scenario ``name`` with ``extra`` overrides at ``seed``, in steady state (40 steps, the first 2K left out)."""
+    path, sets, _, k = SCENARIOS[name]
+    return load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}"])
+
+
+def run(job: tuple[str, str, int]) -> tuple[str, str, dict]:
+    """``(scenario, label, seed)``: the run's ``KEEP`` figures, its zero-bubble limit and its share of it."""
+    name, label, seed = job
+    mode, extra = LABELS[label]
+    cfg = steady(name, extra, seed)
+    s = summarize(Simulator(cfg, mode, timeline=False).run())
+    limit = zero_bubble_limit(cfg, s["placement"], borrowed=s["borrowed_instances"])
+    row = {**{key: s.get(key) for key in KEEP}, "limit_tokens_per_s": limit,
+           "limit_share": s["throughput_tokens_per_s"] / limit, "seed": seed, "episodes": s.get("episodes", {})}
+    print(name, label, seed, round(s["throughput_tokens_per_s"]), flush=True)
+    return name, label, row
+
+
+def grouped(results: list[tuple[str, str, dict]]) -> dict:
+    """Runs by scenario and label, each with ``over_sync``: its throughput over its seed's sync run."""
+    out: dict = {}
+    for name, label, row in results:
+        out.setdefault(name, {}).setdefault(label, []).append(row)
+    for rows in out.values():
+        sync = {r["seed"]: r["throughput_tokens_per_s"] for r in rows["sync"]}
+        for runs in rows.values():
+            for r in runs:
+                r["over_sync"] = r["throughput_tokens_per_s"] / sync[r["seed"]]
+    return out
 
 KNOBS: dict[str, list] = {
     "workload.response_len.sigma": [0.6, 0.8, 1.0, 1.2, 1.5],

@@ -5,17 +5,16 @@
 """
 
 import json
-import sys
 from multiprocessing import Pool
 from pathlib import Path
 
+from dora_hpc.sim.sweeps import run
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "planner"))
-import planner  # noqa: E402
 
 
 def job(label: str):
-    return planner.simulate(("agentic-64", label, 0))
+    return run(("agentic-64", label, 0))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ start's byte counters changed, not a time).
 
 import json
 import statistics
-import sys
 from multiprocessing import Pool
 from pathlib import Path
 
+from dora_hpc.sim.sweeps import run
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "planner"))
-import planner  # noqa: E402
 
 LABELS = ("sync", "partial", "dora", "dora elastic")
 SEEDS = (0, 1, 2)
@@ -22,7 +21,7 @@ SEEDS = (0, 1, 2)
 
 def job(j: tuple[str, int]):
     label, seed = j
-    return label, seed, planner.simulate(("agentic-64", label, seed))[2]
+    return label, seed, run(("agentic-64", label, seed))[2]
 
 
 if __name__ == "__main__":

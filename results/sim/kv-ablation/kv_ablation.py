@@ -14,16 +14,13 @@ import sys
 from multiprocessing import Pool
 from pathlib import Path
 
-from dora_hpc.config import load_config
 from dora_hpc.sim.cluster import Simulator
 from dora_hpc.sim.metrics import summarize
+from dora_hpc.sim.sweeps import SCENARIOS as ALL
+from dora_hpc.sim.sweeps import SEEDS, steady
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE.parent / "planner"))
-import planner  # noqa: E402  (results/sim/planner/planner.py: its scenarios)
-
-SCENARIOS = {name: planner.SCENARIOS[name] for name in ("paper-64", "paper-128", "long reasoning")}
+SCENARIOS = {name: ALL[name] for name in ("paper-64", "paper-128", "long reasoning")}
 VARIANTS = {"kv": "dora.kv_migration=true", "reprefill": "dora.kv_migration=false"}
 KEYS = ("mean_step_time_s", "throughput_tokens_per_s", "migrations", "reprefill_tokens", "rollout_only_fraction",
         "trainer_wait_fraction", "overheads", "max_staleness", "lost_groups", "duplicate_groups",
@@ -32,16 +29,14 @@ KEYS = ("mean_step_time_s", "throughput_tokens_per_s", "migrations", "reprefill_
 
 def simulate(job: tuple[str, str, int]) -> tuple[str, str, int, dict]:
     name, variant, seed = job
-    path, sets, _, k = SCENARIOS[name]
-    cfg = load_config(ROOT / path, [*sets, VARIANTS[variant], f"seed={seed}", "sim.steps=40",
-                                    f"sim.warmup_steps={2 * k}"])
+    cfg = steady(name, [VARIANTS[variant]], seed)
     s = summarize(Simulator(cfg, "dora", timeline=False).run())
     print(name, variant, seed, round(s["mean_step_time_s"], 1), s["migrations"], s["reprefill_tokens"], flush=True)
     return name, variant, seed, {key: s[key] for key in KEYS}
 
 
 def main() -> None:
-    jobs = [(name, v, base + i) for name, (_, _, base, _) in SCENARIOS.items() for i in range(planner.SEEDS)
+    jobs = [(name, v, base + i) for name, (_, _, base, _) in SCENARIOS.items() for i in range(SEEDS)
             for v in VARIANTS]
     with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2) as pool:
         done = pool.map(simulate, jobs)

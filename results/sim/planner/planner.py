@@ -15,43 +15,12 @@ import sys
 from multiprocessing import Pool
 from pathlib import Path
 
-from dora_hpc.config import load_config
-from dora_hpc.sim.cluster import Simulator
-from dora_hpc.sim.metrics import summarize, zero_bubble_limit
+from dora_hpc.sim.sweeps import LABELS, SCENARIOS, SEEDS, grouped, run
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-SCENARIOS = {  # name: (config, overrides, base seed, K)
-    "paper-64": ("configs/sim/paper-64.yaml", [], 0, 3),
-    "paper-128": ("configs/sim/paper-128.yaml", [], 0, 3),
-    "heavy tail": ("configs/sim/paper-64.yaml", ["workload.response_len.sigma=1.6", "workload.response_len.max=65536",
-                                                 "dora.k=6"], 7, 6),
-    "long reasoning": ("configs/sim/paper-64.yaml", ["workload.response_len.median=2000",
-                                                     "workload.response_len.sigma=1.2",
-                                                     "workload.response_len.max=32768", "dora.k=4"], 0, 4),
-    "agentic-64": ("configs/sim/agentic-64.yaml", [], 0, 3),
-}
-RUNS = {"sync": ("sync", []), "partial": ("partial", []), "dora": ("dora", []),
-        "dora straggler": ("dora", ["dora.planner=straggler"]), "dora elastic": ("dora", ["cluster.elastic=true"])}
 PLAIN = ("sync", "dora", "dora straggler")            # every scenario, SEEDS seeds
 AGENTIC_ONLY = ("partial", "dora elastic")            # agentic-64 only
-SEEDS, AGENTIC_SEEDS = 3, 1
-KEEP = ("throughput_tokens_per_s", "mean_step_time_s", "trainer_wait_fraction", "slot_utilization", "max_staleness",
-        "lost_groups", "duplicate_groups", "split_groups", "mixed_version_trajectories", "reprefill_tokens",
-        "migrations", "kv_peak_fraction", "placement", "borrowed_instances")
-
-
-def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
-    name, label, seed = job
-    path, sets, _, k = SCENARIOS[name]
-    mode, extra = RUNS[label]
-    cfg = load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}"])
-    s = summarize(Simulator(cfg, mode, timeline=False).run())
-    limit = zero_bubble_limit(cfg, s["placement"], borrowed=s["borrowed_instances"])
-    row = {**{key: s.get(key) for key in KEEP}, "limit_tokens_per_s": limit,
-           "limit_share": s["throughput_tokens_per_s"] / limit, "seed": seed, "episodes": s.get("episodes", {})}
-    print(name, label, seed, round(s["throughput_tokens_per_s"]), flush=True)
-    return name, label, row
+AGENTIC_SEEDS = 1
 
 
 def jobs() -> list[tuple[str, str, int]]:
@@ -63,22 +32,9 @@ def jobs() -> list[tuple[str, str, int]]:
     return sorted(out, key=lambda j: j[0] != "agentic-64")  # the longest first
 
 
-def grouped(results: list[tuple[str, str, dict]]) -> dict:
-    """Runs by scenario and label, each with ``over_sync``: its throughput over its seed's sync run."""
-    out: dict = {}
-    for name, label, row in results:
-        out.setdefault(name, {}).setdefault(label, []).append(row)
-    for rows in out.values():
-        sync = {r["seed"]: r["throughput_tokens_per_s"] for r in rows["sync"]}
-        for runs in rows.values():
-            for r in runs:
-                r["over_sync"] = r["throughput_tokens_per_s"] / sync[r["seed"]]
-    return out
-
-
 def main() -> None:
     with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2) as pool:
-        results = pool.map(simulate, jobs(), chunksize=1)
+        results = pool.map(run, jobs(), chunksize=1)
     out = grouped(results)
     for rows in out.values():
         for label, runs in rows.items():
@@ -96,7 +52,7 @@ def plot(out: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [lb for lb in RUNS if any(lb in rows for rows in out.values())]
+    labels = [lb for lb in LABELS if any(lb in rows for rows in out.values())]
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):

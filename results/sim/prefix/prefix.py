@@ -1,6 +1,6 @@
 """Issue 45 in the simulator: a prompt shared by a group's samples, and a system prompt shared by every
 request, prefilled and held once per instance (``engine.prefix_caching``) against once per sequence. Seed 0,
-steady state (40 steps, the first 2K left out), the planner A/B's scenarios (results/sim/planner/planner.py):
+steady state (40 steps, the first 2K left out), the scenarios of dora_hpc/sim/sweeps.py:
 
 * agentic-64 with a 2,000-token system prompt (``workload.shared_prefix_tokens=2000``), DORA elastic;
 * paper-64 and long reasoning (no system prompt: only a group's prompt is shared), DORA.
@@ -15,13 +15,11 @@ import sys
 from multiprocessing import Pool
 from pathlib import Path
 
-from dora_hpc.config import load_config
 from dora_hpc.sim.cluster import Simulator
 from dora_hpc.sim.metrics import summarize, zero_bubble_limit
+from dora_hpc.sim.sweeps import KEEP, SCENARIOS, steady
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "planner"))
-from planner import KEEP, ROOT, SCENARIOS  # noqa: E402
 
 RUNS = {  # name: (scenario, mode, extra overrides)
     "agentic-64 + 2,000-token system prompt, DORA elastic": (
@@ -34,9 +32,8 @@ RUNS = {  # name: (scenario, mode, extra overrides)
 def simulate(job: tuple[str, bool]) -> tuple[str, bool, dict]:
     name, shared = job
     scenario, mode, extra = RUNS[name]
-    path, sets, seed, k = SCENARIOS[scenario]
-    cfg = load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}",
-                                    f"engine.prefix_caching={str(shared).lower()}"])
+    seed = SCENARIOS[scenario][2]
+    cfg = steady(scenario, [*extra, f"engine.prefix_caching={str(shared).lower()}"], seed)
     s = summarize(Simulator(cfg, mode, timeline=False).run())
     limit = zero_bubble_limit(cfg, s["placement"], borrowed=s["borrowed_instances"])
     row = {**{key: s.get(key) for key in (*KEEP, "prefix_hit_tokens", "preemptions")}, "limit_tokens_per_s": limit,

@@ -18,18 +18,14 @@ from multiprocessing import Pool
 from pathlib import Path
 
 import dora_hpc.core.dora as dora_policy
-from dora_hpc.config import load_config
 from dora_hpc.core.events import VersionPublished
+from dora_hpc.sim import sweeps
 from dora_hpc.sim.cluster import Simulator
 from dora_hpc.sim.metrics import summarize
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE.parent / "planner"))
-import planner  # noqa: E402  (results/sim/planner/planner.py: its scenarios and grouping of runs)
-
-SCENARIOS = {name: s for name, s in planner.SCENARIOS.items() if name != "agentic-64"}  # single-turn
-SEEDS = planner.SEEDS
+SCENARIOS = {name: s for name, s in sweeps.SCENARIOS.items() if name != "agentic-64"}  # single-turn
+SEEDS = sweeps.SEEDS
 RUNS = {"sync": ("sync", []), "after_migration": ("dora", ["dora.supplement=after_migration"]),
         "before_rebalance": ("dora", ["dora.supplement=before_rebalance"])}
 TOPUPS: collections.Counter = collections.Counter()  # legacy groups admitted, by the event being handled
@@ -52,10 +48,9 @@ def _count_topups() -> None:
 
 def simulate(job: tuple[str, str, int]) -> tuple[str, str, dict]:
     name, label, seed = job
-    path, sets, _, k = SCENARIOS[name]
     mode, extra = RUNS[label]
     TOPUPS.clear()
-    cfg = load_config(ROOT / path, [*sets, *extra, f"seed={seed}", "sim.steps=40", f"sim.warmup_steps={2 * k}"])
+    cfg = sweeps.steady(name, extra, seed)
     s = summarize(Simulator(cfg, mode, timeline=False).run())
     row = {key: s[key] for key in ("throughput_tokens_per_s", "trainer_wait_fraction", "max_staleness", "migrations",
                                    "lost_groups", "duplicate_groups", "mixed_version_trajectories")}
@@ -72,7 +67,7 @@ def jobs() -> list[tuple[str, str, int]]:
 def main() -> None:
     with Pool(int(sys.argv[1]) if len(sys.argv) > 1 else 2, initializer=_count_topups) as pool:
         results = pool.map(simulate, jobs(), chunksize=1)
-    out = planner.grouped(results)
+    out = sweeps.grouped(results)
     for rows in out.values():
         for label, runs in rows.items():
             rows[label] = {"median_over_sync": statistics.median(r["over_sync"] for r in runs), "seeds": runs}
