@@ -645,8 +645,10 @@ How a verdict is reached (every number and verdict is computed from the committe
 - A diagnostic the paper never ran, and a ratio whose denominator is under 1% of a step, are *shown, not
   judged*.
 
-Every DORA figure below was measured under `dora.admission: eager` (the window fills: staleness at K), the
-default, except the rows that name lean admission (results/sim/staleness/, results/bench/staleness/).
+Admission: the simulator's paper-64, paper-128 and production rows were re-run on 2026-12-05 at the defaults,
+so DORA there runs `dora.admission: lean`. Every other DORA figure (the sensitivity sweep, the KV ablation, the
+runtime benches, learning) was measured under `dora.admission: eager` (the window fills: staleness at K), the
+default when it ran, except the rows that name lean admission (results/sim/staleness/, results/bench/staleness/).
 
 This file is written by `tools/paper_report.py` (the measurements themselves take hours; each row's command
 re-runs one):
