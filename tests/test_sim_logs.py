@@ -33,6 +33,7 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
     want = Counter(x for st in sim.steps for x in st["staleness"] for _ in range(g))
     assert a["staleness"]["histogram"] == {str(k): v for k, v in sorted(want.items())}
     assert a["staleness"]["max"] == s["max_staleness"] and a["staleness"]["mean"] == pytest.approx(s["mean_staleness"])
+    assert a["admission_cap"] == s["admission_cap"]  # lean's cap, one definition (measure/admission.py)
     for key in SHARED:  # the same number for the same run
         assert a[key] == pytest.approx(s[key], rel=1e-9, abs=1e-12), key
     for kind, share in s["trainer_wait_fraction"].items():

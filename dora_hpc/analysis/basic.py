@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 
 from ..core.policies import MODES, traits_of
+from ..measure.admission import admission_caps
 from ..measure.gate import gate_figures
 from ..measure.history import history
 from ..measure.utilization import trained_tokens, utilization
@@ -103,7 +104,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
     single_version = traits is None or traits.single_version
     mixed, stale = chk.mixed.tolist() if single_version else [], chk.stale
 
-    trained = with_trained_tokens(tsteps, consumed, traj, chk)
+    trained, warm = with_trained_tokens(tsteps, consumed, traj, chk), warmup_steps(run_dir, cfg, len(tsteps["step"]))
     mig = migration_figures(ops)
     result = {
         "run_dir": str(run_dir), "mode": mode, "k": k,
@@ -129,8 +130,9 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
-        "admission_cap": admission_caps(ops, cfg), **gate_figures(ops, tsteps, consumed, traj, esteps),
-        **utilization(esteps, trained, ops, warmup_steps=warmup_steps(run_dir, cfg, len(tsteps["step"])),
+        "admission_cap": admission_caps(logged_caps(ops), cfg.get("batch", {}).get("tbs", 1), warm),
+        **gate_figures(ops, tsteps, consumed, traj, esteps),
+        **utilization(esteps, trained, ops, warmup_steps=warm,
                       colocated=traits is not None and placement(cfg, mode, traits) == "colocated"),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -261,17 +263,11 @@ def invariant_figures(chk, mixed: list) -> dict:
     return {**{k: len(v) for k, v in broken.items()}, "offenders": {k: v[:20] for k, v in broken.items()}}
 
 
-def admission_caps(ops: dict, cfg: dict) -> dict | None:
-    """Lean admission's cap on the pipeline's depth (``admission_cap`` ops, one per train step; a later attempt's
-    row for a step replaces an earlier one's): by step in groups, the last, and the mean in units of TBS. None
-    when the run's admission has no cap (eager, or another mode)."""
-    caps = {int(v): int(str(d).removeprefix("groups=")) for kind, v, d in
+def logged_caps(ops: dict) -> dict[int, int]:
+    """The ``admission_cap`` ops by train step, in groups (a later attempt's row for a step replaces an earlier
+    one's)."""
+    return {int(v): int(str(d).removeprefix("groups=")) for kind, v, d in
             zip(ops["kind"], ops["version"], ops["detail"], strict=True) if kind == "admission_cap"}
-    if not caps:
-        return None
-    by_step, tbs = [caps[s] for s in sorted(caps)], cfg.get("batch", {}).get("tbs", 1)
-    return {"by_step": {str(s): caps[s] for s in sorted(caps)}, "last": by_step[-1],
-            "mean_tbs": sum(by_step) / len(by_step) / tbs}
 
 
 def migration_figures(ops: dict[str, np.ndarray]) -> dict:

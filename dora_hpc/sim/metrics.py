@@ -5,7 +5,7 @@ bubble_fraction, rollout_only_fraction, inter_instance_bubble, trainer_wait_frac
 measure/utilization.py's, on the tables the simulator recorded (sim/logs.py), over the measured window (from
 the end of train step ``sim.warmup_steps - 1`` to the end of the last step): ``dora-hpc analyze`` gives the
 same numbers on the run's written logs. Defined here, for the simulator alone:
-* admission_cap: lean admission's cap on the pipeline's depth at each step's start (core/admission.py);
+* admission_cap: lean admission's cap at each step's start (measure/admission.py, as analyze's);
 * mean_staleness: over every step, the fill included; mean_staleness_steady: over the steps started in the
   measured window (what the frontier and plan report);
 * limit_tokens_per_s: the zero-bubble limit for a placement -- every instance always decoding a
@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 
 from ..config import RunConfig
 from ..core.policies import traits_of
+from ..measure.admission import admission_caps
 from ..measure.utilization import utilization
 from .cluster import Simulator
 from .costs import CostModel
@@ -107,7 +108,8 @@ def summarize(sim: Simulator) -> dict:
         "mean_staleness": sum(sum(s["staleness"]) for s in sim.steps) / (len(sim.steps) * cfg.batch.tbs),
         "mean_staleness_steady": sum(sum(s["staleness"]) for s in sim.steps[w:]) / ((len(sim.steps) - w)
                                                                                   * cfg.batch.tbs),
-        "admission_cap": admission_cap([s["admission_cap"] for s in sim.steps], cfg.batch.tbs, w),
+        "admission_cap": admission_caps({s["step"]: s["admission_cap"] for s in sim.steps
+                                         if s["admission_cap"] is not None}, cfg.batch.tbs, w),
         "lost_groups": lost,
         "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
         "mixed_version_trajectories": mixed,
@@ -133,15 +135,6 @@ def summarize(sim: Simulator) -> dict:
         "steps": len(sim.steps),
         "sim_time_s": t1,
     }
-
-
-def admission_cap(by_step: list[int | None], tbs: int, warmup: int = 0) -> dict | None:
-    """Lean admission's cap on the pipeline's depth at each train step's start, in groups, and its mean over the
-    steps from ``warmup`` on in units of TBS (None: the run's admission has no cap)."""
-    if not by_step or by_step[0] is None:
-        return None
-    steady = by_step[warmup:] or by_step
-    return {"by_step": list(by_step), "last": by_step[-1], "mean_steady_tbs": sum(steady) / len(steady) / tbs}
 
 
 def zero_bubble_limit(cfg: RunConfig, placement: str, moments: dict | None = None, borrowed: int = 0) -> float:

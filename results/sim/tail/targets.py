@@ -44,7 +44,7 @@ def job(key: tuple[str, str, int]) -> dict:
             "mean_staleness": s["mean_staleness_steady"], "max_staleness": s["max_staleness"],
             "trainer_wait_fraction": waits, "window_and_tail": waits["window"] + waits["tail"],
             "rollout_only_s_per_step": s["rollout_only_fraction"] * s["mean_step_time_s"],
-            "admission_cap_tbs": (s["admission_cap"] or {}).get("mean_steady_tbs"),
+            "admission_cap_tbs": (s["admission_cap"] or {}).get("mean_tbs"),
             "invariants": {k: s[k] for k in ("lost_groups", "duplicate_groups", "mixed_version_trajectories")}}
 
 
