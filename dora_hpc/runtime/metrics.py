@@ -190,7 +190,7 @@ class PrometheusSink:
         self.queued = g("dora_queued_groups", "groups queued for a slot, by version", ["version"])
         self.live_instances = g("dora_instances_live", "rollout instances live (not fenced)")
         self.groups = c("dora_staleness_groups", "groups trained, by staleness", ["staleness"])
-        self.tokens = c("dora_staleness_tokens", "response tokens trained, by their group's staleness",
+        self.tokens = c("dora_staleness_tokens", "trained tokens (prompt + response), by their group's staleness",
                         ["staleness"])
         self.waits = c("dora_trainer_wait_seconds", "seconds the trainer waited, by what for", ["kind"])
         self.fenced = c("dora_instances_fenced", "rollout instances fenced")
