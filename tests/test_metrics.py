@@ -131,7 +131,7 @@ def test_the_prometheus_sink_serves_step_records_and_the_live_state(tmp_path):
             sink.log(step, {"train/loss": 0.5 + step, "rollout/tokens_per_s": 100.0, "staleness/mean": 0.5,
                             "staleness/groups_at_0": 2, "staleness/groups_at_1": 2, "staleness/tokens_at_0": 30,
                             "staleness/tokens_at_1": 50, "trainer_wait/window_s": 1.5, "trainer_wait/tail_s": 0.0,
-                            "instances/fenced": step, "instances/joined": 0, "instances_behind_1": 1})
+                            "instances/fenced": step, "instances/joined": 0, "rollout/instances_behind_1": 1})
         sink.live({"step": 2, "latest": 2, "instances": [[2, False, 3], [1, True, 0], [None, False, 0]],
                    "fenced": [2], "queued": {"2": 4}})
         got = scrape(port)
@@ -144,6 +144,7 @@ def test_the_prometheus_sink_serves_step_records_and_the_live_state(tmp_path):
     assert got["dora_trainer_wait_seconds_total{kind=window}"] == 3.0
     assert got["dora_instances_fenced_total{}"] == 1 and got["dora_instances_live{}"] == 2
     assert got["dora_queued_groups{version=2}"] == 4
+    assert not any("instances_behind" in k for k in got)  # per-step labels that would go stale: not served
 
 
 @pytest.mark.slow

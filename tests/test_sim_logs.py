@@ -39,7 +39,7 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
     for kind, share in s["trainer_wait_fraction"].items():
         assert a["trainer_wait_fraction"][kind] == pytest.approx(share, rel=1e-9, abs=1e-12), kind
     # the logs hold what completed: migrations that arrived, loads that finished, finished trajectories' re-prefill
-    assert a["migrations"] == s["migrations"] - len(sim.log.moving)
+    assert a["migrations"] == s["migrations"] + sim.counts["restores"] - len(sim.log.moving)  # restores: as the runtime
     assert a["weights"]["mismatched_loads"] == 0
     assert a["weights"]["loads"] == sim.counts["weight_syncs"] - len(sim.log.loading) - sim.log.cancelled
     assert a["reprefill_tokens"] == sum(r.reprefill for r in sim.trajs.values() if r.finished)

@@ -64,10 +64,12 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
     out += [f"{s.tmp_skipped} unfinished {kind}-*.h5.tmp skipped" for kind, s in scans.items() if s.tmp_skipped]
     cluster = cfg.get("cluster", {})
     first = 1 + cluster.get("trainer_ranks", 0)
+    n = cluster.get("rollout_ranks", cluster.get("rollout_instances", 0))  # an older release's name first
+    expected = [r for r in instance_ranks(run_dir, cfg) if r >= rank_layout(run_dir, cfg)[0]] \
+        if run_dir is not None else list(range(first, first + n))
     for kind in ("traj", "events"):
         have = {rank_of(p) for p in scans[kind].files}
-        n = cluster.get("rollout_ranks", cluster.get("rollout_instances", 0))  # an older release's name first
-        absent = [r for r in range(first, first + n) if r not in have]
+        absent = [r for r in expected if r not in have]
         if absent:
             out.append(f"no {kind} shard from rollout rank{'s' if len(absent) > 1 else ''} "
                        + ", ".join(map(str, absent)))
@@ -132,7 +134,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
         "admission_cap": admission_caps(logged_caps(ops), cfg.get("batch", {}).get("tbs", 1), warm),
         **gate_figures(ops, tsteps, consumed, traj, esteps),
-        **utilization(esteps, trained, ops, warmup_steps=warm,
+        **utilization(esteps, trained, ops, warmup_steps=warm, ranks=instance_ranks(run_dir, cfg),
                       colocated=traits is not None and placement(cfg, mode, traits) == "colocated"),
         "reward_by_step": [float(x) for x in tsteps["reward_mean"]],
         "logprob_gap": logprob_gap(tsteps),
@@ -155,8 +157,9 @@ def views(result: dict, plots: str | Path | None, trace: str | Path | None, este
     if trace is not None:
         from .trace import write_trace
 
+        first = rank_layout(Path(result["run_dir"]), cfg)[0]
         result["trace"] = {"path": str(trace), "events": write_trace(
-            Path(trace), esteps, ops, trained, consumed, traj, 1 + cfg.get("cluster", {}).get("trainer_ranks", 1))}
+            Path(trace), esteps, ops, trained, consumed, traj, first)}
     return result
 
 
@@ -206,6 +209,25 @@ def effective(hist, consumed: dict, tsteps: dict) -> tuple[dict, dict]:
     tsteps = {c: v[keep] for c, v in tsteps.items()}
     order = np.argsort(tsteps["step"], kind="stable")
     return consumed, {c: v[order] for c, v in tsteps.items()}
+
+
+def rank_layout(run_dir: Path, cfg: dict) -> tuple[int, list[int]]:
+    """The rank of instance 0, and every rollout instance's rank: a simulated run's from its launch.json
+    (instance i is rank ``first_instance_rank`` + i); a real run's dedicated ranks after the trainer ranks, and
+    the trainer ranks when they host borrowed instances (``cluster.elastic``)."""
+    launch = run_dir / "launch.json"
+    meta = json.loads(launch.read_text()) if launch.is_file() else {}
+    if meta.get("simulated"):
+        first = meta["first_instance_rank"]
+        return first, list(range(first, first + meta["instances"]))
+    c = cfg.get("cluster", {})
+    first = 1 + c.get("trainer_ranks", 1)
+    dedicated = list(range(first, first + c.get("rollout_ranks", c.get("rollout_instances", 0))))
+    return first, (list(range(1, first)) if c.get("elastic") else []) + dedicated
+
+
+def instance_ranks(run_dir: Path, cfg: dict) -> list[int]:
+    return rank_layout(run_dir, cfg)[1]
 
 
 def placement(cfg: dict, mode: str, traits) -> str:

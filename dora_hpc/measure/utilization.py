@@ -72,6 +72,8 @@ class Cover:
     def upto(self, x: np.ndarray) -> np.ndarray:
         """Covered length in (-inf, x] for each x."""
         x = np.asarray(x, dtype=float)
+        if not len(self.a):
+            return np.zeros_like(x)
         i = np.searchsorted(self.a, x, side="right") - 1
         inside = np.where(i >= 0, np.clip(np.minimum(x, self.b[np.maximum(i, 0)]) - self.a[np.maximum(i, 0)],
                                           0, None), 0.0)
@@ -96,9 +98,10 @@ def op_seconds(ops: dict[str, np.ndarray], lo: float, hi: float) -> tuple[dict[s
 
 
 def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], ops: dict[str, np.ndarray],
-                warmup_steps: int = 0, colocated: bool = False) -> dict:
+                warmup_steps: int = 0, colocated: bool = False, ranks: list[int] | None = None) -> dict:
     """``esteps`` must carry a ``rank`` column (which rollout instance wrote the row); ``colocated``: training
-    pauses rollout (the placement)."""
+    pauses rollout (the placement); ``ranks``: every rollout instance's rank, so an instance that never took a
+    step counts its idle slots (its capacity: the others')."""
     zero = {"window_s": 0.0, "slot_utilization": 0.0, "bubble_fraction": 0.0, "rollout_only_fraction": 0.0,
             "inter_instance_bubble": 0.0, "throughput_tokens_per_s": 0.0, "engine_steps_per_trained_token": 0.0,
             "instance_busy_s": 0.0, "trainer_wait_fraction": dict.fromkeys(TRAIN_WAITS, 0.0),
@@ -112,7 +115,7 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
     span = hi - lo
     if span <= 0:
         return zero
-    ranks = sorted({int(r) for r in esteps["rank"]})
+    ranks = sorted({int(r) for r in esteps["rank"]} | set(ranks or ()))
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     slot_s = capacity = 0.0
     busy_steps = 0
@@ -126,7 +129,8 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             busy[int(r)].append((float(a), float(b)))
             busy_steps += lo <= a < hi
             slot_s += int(n) * max(0.0, min(b, hi) - max(a, lo))
-    capacity = sum(cap_of.values())
+    typical = max(cap_of.values(), default=0)
+    capacity = sum(cap_of.get(r, typical) for r in ranks)
     slot_util = slot_s / (capacity * span) if capacity else 0.0
     training = Cover(list(zip(t_start.tolist(), t_end.tolist(), strict=True)))
     rolling = Cover([(max(a, lo), min(b, hi)) for r in ranks for a, b in busy[r]])

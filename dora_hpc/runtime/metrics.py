@@ -207,7 +207,7 @@ class PrometheusSink:
                 self.waits.labels(key.removeprefix("trainer_wait/").removesuffix("_s")).inc(value)
             elif key in ("instances/fenced", "instances/joined"):
                 (self.fenced if key.endswith("fenced") else self.joined).inc(value)
-            elif not key.startswith("instances_behind_"):
+            elif not key.startswith(("rollout/instances_behind_", "instances_behind_")):
                 name = "dora_" + "".join(ch if ch.isalnum() else "_" for ch in key)
                 if name not in self.gauges:
                     self.gauges[name] = self.pc.Gauge(name, f"the last train step's {key}", registry=self.registry)

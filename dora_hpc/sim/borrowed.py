@@ -14,6 +14,7 @@ class Borrowing:
         else:
             req = self._stopped(i).remove(t)
             self._start(self.inst[i])
+        self.log.offloaded(t)
         dt = self.inst[i].cost.host_copy_time(req.prompt + req.gen_at_join)
         self.ops["offload"] += dt
         self.counts["drain_offloads"] += 1
@@ -31,6 +32,7 @@ class Borrowing:
         dt = 0.0 if src == i else inst.cost.kv_transfer_time(req.prompt + req.gen_at_join)
         self.ops["migration"] += dt
         self.counts["restores"] += 1
+        self.log.restoring(self.now, t, src, i)
         self._send(t, i, req, dt)
 
     def _sleep(self, i: int) -> None:

@@ -81,9 +81,20 @@ class SimLog:
         self.op(ORCH, now, now, "migrate", traj=traj, detail=f"{src}->{dst} kv={kv}")
         self.moving[traj] = (now, src, kv)
 
+    def offloaded(self, traj: int) -> None:
+        """A request parked in host memory (a borrowed instance's drain), on its way or not: a move under way ends
+        there; its ``Restore`` is a move of its own (``restoring``)."""
+        self.moving.pop(traj, None)
+
+    def restoring(self, now: float, traj: int, src: int, dst: int) -> None:
+        """A parked request sent from where it was parked to ``dst``: logged as the runtime logs it, a ``migrate``
+        decision (``restore``) and a ``migration_in`` when it arrives."""
+        self.op(ORCH, now, now, "migrate", traj=traj, detail=f"{src}->{dst} kv=True restore")
+        self.moving[traj] = (now, src, True)
+
     def arrived(self, now: float, traj: int, dst: int, kv_bytes: float) -> None:
         if traj not in self.moving:
-            return  # a restore from host memory (cluster.elastic), not a migration
+            return
         t0, src, kv = self.moving.pop(traj)
         self.dispatched[traj][1].append(dst)
         self.op(rank_of(dst), t0, now, "migration_in", traj=traj, peer=rank_of(src),
@@ -174,7 +185,9 @@ class SimLog:
         self.op(ORCH, end, end, "pending_at_end", detail=",".join(map(str, pending)))
         self.op(ORCH, end, end, "done", version=steps, detail=f"next_group={next_group}")
         (run_dir / "launch.json").write_text(json.dumps({"config": json.loads(config_json), "run_id": run_id,
-                                                         "simulated": True}, indent=1) + "\n")
+                                                         "simulated": True, "instances": instances,
+                                                         "first_instance_rank": FIRST_INSTANCE_RANK},
+                                                        indent=1) + "\n")
 
         def attrs(rank: int, role: str) -> dict:
             return {"schema_version": SCHEMA_VERSION, "run_id": run_id, "rank": rank, "role": role,

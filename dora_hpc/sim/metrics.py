@@ -26,6 +26,7 @@ from ..measure.admission import admission_caps
 from ..measure.utilization import utilization
 from .cluster import Simulator
 from .costs import CostModel
+from .logs import rank_of
 from .workload import Workload
 
 
@@ -94,7 +95,8 @@ def summarize(sim: Simulator) -> dict:
     w = cfg.sim.warmup_steps
     t0, t1 = sim.steps[w - 1]["t_end"], sim.steps[-1]["t_end"]
     span = t1 - t0
-    u = utilization(*sim.log.tables(sim.steps), warmup_steps=w, colocated=sim.colocated)
+    u = utilization(*sim.log.tables(sim.steps), warmup_steps=w, colocated=sim.colocated,
+                    ranks=[rank_of(i) for i in range(len(sim.inst))])
     mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
     split = split_groups(sim)
     lost = lost_groups(sim)
