@@ -56,7 +56,11 @@ def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):
     assert inv["mixed_version_trajectories"] == 0
     assert a["weights"]["mismatched_loads"] == 0 and a["weights"]["v0_checksums"] == 1
     assert a["weights"]["loads"] >= 3
-    assert 0 < a["slot_utilization"] <= 1 and a["bubble_fraction"] == pytest.approx(1 - a["slot_utilization"])
+    assert 0 < a["slot_utilization"] <= 1
+    if mode in ("sync", "partial", "oversample"):  # colocated: the bubble is over the time training leaves rollout
+        assert 0 <= a["bubble_fraction"] <= 1 - a["slot_utilization"] + 1e-9
+    else:
+        assert a["bubble_fraction"] == pytest.approx(1 - a["slot_utilization"])
     assert 0 <= a["inter_instance_bubble"] < 1 and 0 < a["rollout_only_fraction"] <= 1
     assert a["throughput_tokens_per_s"] > 0 and a["overheads"]["weight_load"] > 0
     waits = a["trainer_wait_fraction"]  # rank 0's policy said what the trainer waited for (trainer_wait ops)
