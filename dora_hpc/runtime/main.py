@@ -277,6 +277,20 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
     return "done"
 
 
+def replacements_left(run: Path, ranks: list[int], timeout_s: float) -> None:
+    """Before rank 0 ends the job with MPI_Abort: wait (at most ``timeout_s``) until each live replacement
+    (``dora-hpc join``, linked to rank 0 only by its own intercommunicator, not in the barriers) has read its
+    Shutdown, finished its sends and left (its ``pids/rank-N.done``, newer than its ``rank-N``): an abort that
+    reaches a replacement still polling its link makes MPICH's OFI netmod kill it with an error."""
+    end = time.monotonic() + timeout_s
+    for r in ranks:
+        started, done = run / "pids" / f"rank-{r}", run / "pids" / f"rank-{r}.done"
+        while time.monotonic() < end and not (done.exists() and started.exists()
+                                               and done.stat().st_mtime >= started.stat().st_mtime):
+            time.sleep(0.05)
+    time.sleep(0.2)  # its process exits right after writing it
+
+
 def finish(world, comm, run: Path, outcome: str) -> None:
     # MPICH's process manager signals SIGUSR1 to ranks still finishing when one exits; Python's
     # finalization resets handlers it installed to the default (die), so ignore it from here on
@@ -288,6 +302,8 @@ def finish(world, comm, run: Path, outcome: str) -> None:
     if comm.left_out:  # a fenced rank never reaches MPI_Finalize: once every other rank is done, end the job
         comm.group.Barrier()
         if world.Get_rank() == 0:
+            replacements_left(run, [r for r in comm.links if r not in comm.broken and r not in comm.fenced],
+                              timeout_s=comm.heartbeat_s * 10)
             if os.environ.get("SLURM_JOB_ID"):  # srun fails a step ended by MPI_Abort: the job script's tail
                 # reads this start's marker as a complete run (launch/slurm.py: requeue_on_failure)
                 (run / "pids" / "complete").write_text(
