@@ -89,26 +89,24 @@ def plot(path: Path, chunked: Path | None = None) -> Path:
     return out
 
 
+def rerun(base: dict, mode: str, changes: dict) -> dict:
+    """``mode`` again under ``changes``, beside the other modes' runs of the sweep ``base`` (same seeds)."""
+    seeds = tuple(base["seeds"])
+    runs = {(s, m, seed): r for s in SIGMAS for m in MODES if m != mode
+            for seed, r in zip(seeds, base["by_sigma"][str(s)]["runs"][m], strict=True)}
+    runs |= run_all(seeds, 2, (mode,), changes)
+    return summarize(runs, seeds)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:
         print(plot(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None))
         return
-    if sys.argv[1:2] == ["--reprefill"]:
-        base = json.loads(Path(sys.argv[2]).read_text())
-        seeds = tuple(base["seeds"])
-        runs = {(s, m, seed): r for s in SIGMAS for m in ("sync", "dora")
-                for seed, r in zip(seeds, base["by_sigma"][str(s)]["runs"][m], strict=True)}
-        runs |= run_all(seeds, 2, ("partial",), {"sim.hardware.reprefill": "chunked"})
-        json.dump(summarize(runs, seeds) | {"partial": "sim.hardware.reprefill=chunked"}, sys.stdout, indent=2)
-        print()
-        return
-    if sys.argv[1:2] == ["--elastic"]:
-        base = json.loads(Path(sys.argv[2]).read_text())
-        seeds = tuple(base["seeds"])
-        runs = {(s, m, seed): r for s in SIGMAS for m in ("sync", "partial")
-                for seed, r in zip(seeds, base["by_sigma"][str(s)]["runs"][m], strict=True)}
-        runs |= run_all(seeds, 2, ("dora",), {"cluster.elastic": True})
-        json.dump(summarize(runs, seeds) | {"dora": "cluster.elastic=true"}, sys.stdout, indent=2)
+    again = {"--reprefill": ("partial", {"sim.hardware.reprefill": "chunked"}, "sim.hardware.reprefill=chunked"),
+             "--elastic": ("dora", {"cluster.elastic": True}, "cluster.elastic=true")}
+    if sys.argv[1:2] and sys.argv[1] in again:
+        mode, changes, label = again[sys.argv[1]]
+        json.dump(rerun(json.loads(Path(sys.argv[2]).read_text()), mode, changes) | {mode: label}, sys.stdout, indent=2)
         print()
         return
     seeds = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (0, 1, 2)
