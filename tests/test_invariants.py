@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dora_hpc.analysis.basic import analyze
-from dora_hpc.analysis.invariants import groups_with_many, last_per_key
+from dora_hpc.measure.invariants import groups_with_many, last_per_key
 from dora_hpc.store.shards import ShardWriter
 
 CONFIG = json.dumps({"mode": "dora", "dora": {"k": 1}, "batch": {"group_size": 2, "tbs": 2},

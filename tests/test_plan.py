@@ -122,3 +122,16 @@ def test_the_trainer_start_is_fitted_only_where_the_trainer_kept_the_first_step_
     assert _trainer_start(single_turn, first_step=4.51, origin=2.53, tick_s=0.5) == pytest.approx(1.98)
     assert _trainer_start(ops([2.55, 5.59, 7.35]), first_step=7.35, origin=2.59, tick_s=0.5) == 0.0  # multi-turn
     assert _trainer_start(ops([]), first_step=4.51, origin=2.53, tick_s=0.5) == 0.0
+
+
+def test_the_fit_counts_trained_tokens_by_trajectory_and_attempt_as_analyze_does():
+    """A step after a resume may consume a row of the launch before: its tokens are that attempt's row's."""
+    import numpy as np
+
+    from dora_hpc.sim.fit import _trained_tokens
+
+    a = np.array
+    trajs = {"traj_id": a([7, 7, 8]), "attempt": a([0, 1, 1]), "prompt_len": a([10, 10, 10]),
+             "response_len": a([5, 50, 20])}  # traj 7 ran twice: attempt 0 finished it (15), attempt 1 again (60)
+    consumed = {"traj_id": a([7, 8, 9]), "traj_attempt": a([0, 1, 1]), "consume_step": a([3, 3, 4])}
+    assert _trained_tokens(trajs, consumed) == {3: 15 + 30, 4: 0}  # traj 9's row was never logged: 0

@@ -26,8 +26,8 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
     s, a = summarize(sim), analyze(tmp_path / mode)
     g, n = cfg.batch.group_size, cfg.sim.steps
     assert a["mode"] == mode and a["steps"] == n and a["missing"] == []
-    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
-                                                 "staleness_over_k", "mixed_version_trajectories"))
+    for k in ("lost_groups", "duplicate_groups", "split_groups", "staleness_over_k", "mixed_version_trajectories"):
+        assert s[k] == a["invariants"][k] == 0, k  # measure/invariants.py's check, on both
     assert a["consumed"] == n * cfg.batch.tbs * g
     assert a["trajectories"] == sum(r.finished for r in sim.trajs.values())
     want = Counter(x for st in sim.steps for x in st["staleness"] for _ in range(g))
@@ -38,8 +38,11 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
         assert a[key] == pytest.approx(s[key], rel=1e-9, abs=1e-12), key
     for kind, share in s["trainer_wait_fraction"].items():
         assert a["trainer_wait_fraction"][kind] == pytest.approx(share, rel=1e-9, abs=1e-12), kind
-    # the logs hold what completed: migrations that arrived, loads that finished, finished trajectories' re-prefill
-    assert a["migrations"] == s["migrations"] + sim.counts["restores"] - len(sim.log.moving)  # restores: as the runtime
+    # the logs hold what completed: migrations that arrived (measure/migration.py: the orders, restores included as
+    # the runtime counts them, less those still moving), loads that finished, finished trajectories' re-prefill
+    assert a["migrations"] == s["migrations"]
+    ordered = sum(r.migrations for r in sim.trajs.values()) + sim.counts["restores"]
+    assert s["migrations"] == ordered - len(sim.log.moving)
     assert a["weights"]["mismatched_loads"] == 0
     assert a["weights"]["loads"] == sim.counts["weight_syncs"] - len(sim.log.loading) - sim.log.cancelled
     assert a["reprefill_tokens"] == sum(r.reprefill for r in sim.trajs.values() if r.finished)
@@ -51,6 +54,23 @@ def test_analyze_reads_a_simulated_run_and_agrees_with_the_simulator(tmp_path, m
             waits[d] += t1 - t0
     for kind in ("capacity", "tail", "window"):
         assert waits[kind] == pytest.approx(sim.wait_s[kind], rel=1e-9, abs=1e-6), kind
+
+
+def test_the_simulators_invariant_check_sees_a_group_consumed_twice_and_a_group_lost():
+    sim = Simulator(load_config(SMALL), "dora", timeline=False).run()
+    assert summarize(sim)["duplicate_groups"] == summarize(sim)["lost_groups"] == 0
+    sim.log.consumed += [c for c in sim.log.consumed if c[1] == sim.log.consumed[0][1]]  # its first group again
+    assert summarize(sim)["duplicate_groups"] == 1
+    rank, rows = next((r, rows) for r, rows in sim.log.traj.items() if rows)
+    sim.log.traj[rank] = rows[1:]  # a consumed trajectory's row gone from the logs: its group is lost
+    assert summarize(sim)["lost_groups"] == 1
+    g = min(sim.policy.ledger.open_groups())
+    for t in range(g * sim.cfg.batch.group_size, (g + 1) * sim.cfg.batch.group_size):
+        sim.trajs.pop(t, None)  # an open group's trajectories gone from the simulator: stranded, lost too
+        sim.policy.view.trajs.pop(t, None)
+        sim.in_transit.pop(t, None)
+        sim.parked.pop(t, None)
+    assert summarize(sim)["lost_groups"] == 2
 
 
 def analyze_ops(run_dir):

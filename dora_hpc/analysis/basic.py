@@ -16,10 +16,12 @@ from ..core.policies import MODES, traits_of
 from ..measure.admission import admission_caps
 from ..measure.gate import gate_figures
 from ..measure.history import history
+from ..measure.invariants import check, fence_detail, joined
+from ..measure.migration import migration_figures
 from ..measure.utilization import trained_tokens, utilization
 from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
-from .invariants import check, fence_detail, joined, read_trajectories
+from .invariants import read_trajectories
 from .staleness import stratified
 
 
@@ -290,14 +292,6 @@ def logged_caps(ops: dict) -> dict[int, int]:
     one's)."""
     return {int(v): int(str(d).removeprefix("groups=")) for kind, v, d in
             zip(ops["kind"], ops["version"], ops["detail"], strict=True) if kind == "admission_cap"}
-
-
-def migration_figures(ops: dict[str, np.ndarray]) -> dict:
-    is_mig = ops["kind"] == "migration_in"
-    return {"count": int(is_mig.sum()), "kv_bytes": int(ops["bytes"][is_mig].sum()),
-            "seconds": float((ops["t_end"] - ops["t_start"])[is_mig].sum()),
-            "by_reprefill": int(sum(1 for d in ops["detail"][is_mig] if "reprefill=True" in str(d))),
-            "weight_syncs": int((ops["kind"] == "weight_load").sum())}
 
 
 def same_layout(a: str, b: str) -> bool:

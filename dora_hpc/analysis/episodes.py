@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .invariants import ENV_ERRORS, joined
+from ..measure.invariants import joined
+from .invariants import ENV_ERRORS
 
 
 def episode_figures(traj: dict[str, np.ndarray], matched: np.ndarray, stale: np.ndarray) -> dict:

@@ -116,6 +116,10 @@ class Ledger:
     def count(self, state: GroupState) -> int:
         return sum(1 for r in self.groups.values() if r.state is state)
 
+    def open_groups(self) -> set[int]:
+        """Groups admitted and not yet ended: pending or complete, neither consumed, dropped nor filtered."""
+        return {g for g, r in self.groups.items() if r.state in (GroupState.PENDING, GroupState.COMPLETE)}
+
     def totals(self) -> dict[str, int]:
         return {"dispatched": len(self.groups), **{s.name.lower(): self.count(s) for s in GroupState}}
 

@@ -49,7 +49,7 @@ from ..core.events import (
     Tick,
     VersionPublished,
 )
-from ..core.ledger import GroupState, Ledger
+from ..core.ledger import Ledger
 from ..core.policies import make_policy
 from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
@@ -254,9 +254,7 @@ class Orchestrator(OpLog):
 
     def end(self) -> str:
         outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
-        open_groups = [g for g, rec in self.policy.ledger.groups.items()
-                       if rec.state in (GroupState.PENDING, GroupState.COMPLETE)]
-        self.op("pending_at_end", detail=",".join(map(str, open_groups)))
+        self.op("pending_at_end", detail=",".join(map(str, sorted(self.policy.ledger.open_groups()))))
         self.op(outcome, version=self.checkpoints.last, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
         self.sinks.close()

@@ -124,6 +124,7 @@ class Simulator(Borrowing, EpisodeSteps):
             n = self.cfg.sim.steps
             if len(self.steps) >= n and self.steps[n - 1]["t_end"] is not None:
                 del self.steps[n:]  # a step started after the last measured one is not counted
+                self.log.end(n, self.policy.ledger.next_group, self.policy.ledger.open_groups())
                 self._close_timeline()
                 return self
             if not self._q:
@@ -351,7 +352,6 @@ class Simulator(Borrowing, EpisodeSteps):
         rec = self.trajs[t]
         self.log.migrating(self.now, t, src, dst, carry_kv)
         rec.migrations += 1
-        self.counts["migrations"] += 1
         if req.waiting_env:
             self.counts["waiting_migrations"] += 1
         dt = 0.0
@@ -359,7 +359,6 @@ class Simulator(Borrowing, EpisodeSteps):
             if carry_kv:
                 dt = self.cost.kv_transfer_time(tokens)
                 self.ops["migration"] += dt
-                self.counts["kv_bytes"] += tokens * self.cost.kv_bytes_per_token
                 req.owes = OWES_NOTHING
             else:
                 rec.reprefill += tokens
@@ -414,5 +413,4 @@ class Simulator(Borrowing, EpisodeSteps):
     def write_logs(self, run_dir) -> None:
         """The run's HDF5 logs (sim/logs.py) into ``run_dir``, once it has run."""
         cfg = self.cfg.model_copy(update={"mode": self.mode})
-        self.log.write(run_dir, cfg.model_dump_json(), f"sim-{self.mode}-seed{self.cfg.seed}", len(self.inst),
-                       len(self.steps), self.policy.ledger.next_group, self.dropped)
+        self.log.write(run_dir, cfg.model_dump_json(), f"sim-{self.mode}-seed{self.cfg.seed}", len(self.inst))

@@ -27,7 +27,7 @@ from ..config import RunConfig, validate, with_overrides
 from ..core.admission import ADMISSIONS
 from ..core.events import FOLDER
 from ..core.policies import traits_of
-from ..measure.utilization import op_seconds, trained_tokens_per_s
+from ..measure.utilization import op_seconds, trained_tokens, trained_tokens_per_s
 from ..store.shards import read_table
 from .cluster import Simulator
 from .costs import CostModel
@@ -69,7 +69,7 @@ def fit_run(run_dir: Path) -> Fit:
               "steps": ("events", "steps", ["t_start", "t_end", "batch_size", "kv_blocks_used"]),
               "ops": ("events", "ops", ["t_start", "t_end", "kind", "bytes", "detail", "peer"]),
               "train": ("train", "steps", ["step", "t_start", "t_end"]),
-              "consumed": ("train", "consumed", ["traj_id", "consume_step"])}
+              "consumed": ("train", "consumed", ["traj_id", "traj_attempt", "consume_step"])}
     got = {name: read_table(run_dir, kind, table, [*cols, "attempt"]) for name, (kind, table, cols) in tables.items()}
     newest = int(got["train"]["attempt"].max()) if len(got["train"]["attempt"]) else 0  # one launch's own timing
     trajs, steps, ops, train, consumed = ({c: v[t["attempt"] == newest] for c, v in t.items()} for t in got.values())
@@ -81,7 +81,7 @@ def fit_run(run_dir: Path) -> Fit:
     response = episodes.pop("response_len", response)
 
     a, b = _engine_step(steps, run.engine.block_size)
-    tokens_by_step = _trained_tokens(trajs, consumed)
+    tokens_by_step = _trained_tokens(got["trajs"], consumed)  # a step may consume an earlier launch's rows
     order = np.argsort(train["step"])
     t0, t1, step_ids = train["t_start"][order], train["t_end"][order], train["step"][order]
     s_per_token = _train_s_per_token(step_ids, t0, t1, tokens_by_step)
@@ -217,12 +217,14 @@ def _engine_step(steps: dict, block_size: int) -> tuple[float, float]:
 
 
 def _trained_tokens(trajs: dict, consumed: dict) -> dict[int, int]:
-    """Each train step's trained tokens: prompt + response of the trajectories it consumed (the glossary's)."""
-    lengths = dict(zip(trajs["traj_id"].tolist(), (trajs["prompt_len"] + trajs["response_len"]).tolist(), strict=True))
-    out: dict[int, int] = {}
-    for t, s in zip(consumed["traj_id"].tolist(), consumed["consume_step"].tolist(), strict=True):
-        out[s] = out.get(s, 0) + lengths.get(t, 0)
-    return out
+    """Each train step's trained tokens (measure/utilization.py ``trained_tokens``): a consumed row joins the
+    trajectory row of its (traj_id, attempt), the last one read, as analyze joins them; 0 where none was logged."""
+    total = (trajs["prompt_len"] + trajs["response_len"]).tolist()
+    length = dict(zip(zip(trajs["traj_id"].tolist(), trajs["attempt"].tolist(), strict=True), total, strict=True))
+    per_row = np.array([length.get(k, 0) for k in zip(consumed["traj_id"].tolist(), consumed["traj_attempt"].tolist(),
+                                                       strict=True)], np.int64)
+    steps = np.unique(consumed["consume_step"])
+    return dict(zip(steps.tolist(), trained_tokens(steps, consumed["consume_step"], per_row).tolist(), strict=True))
 
 
 def _trend(trajs: dict, consumed: dict) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,15 @@ from ..core.policy_base import TRAIN_WAITS
 from ..store.shards import SCHEMA_VERSION, write_shard
 
 ORCH, TRAINER_RANK, FIRST_INSTANCE_RANK = 0, 1, 2
+
+
+class Tables(NamedTuple):
+    """A run's tables as measure/ takes them: dicts of numpy columns."""
+    esteps: dict   # engine steps, with ``rank``
+    tsteps: dict   # the measured train steps, ``tokens`` their trained tokens
+    ops: dict      # ops, with ``rank``
+    traj: dict     # trajectory rows in the invariant check's columns (measure/invariants.py)
+    consumed: dict
 
 
 def rank_of(instance: int) -> int:
@@ -50,6 +60,7 @@ class SimLog:
         self.moving: dict[int, tuple[float, int, bool]] = {}      # traj -> (sent at, from instance, with KV)
         self.loading: dict[int, tuple[float, int, int]] = {}      # instance -> (ordered at, version, from rank)
         self.cancelled = 0                                        # loads a sleep cancelled
+        self.kept = 0                                             # train steps the run kept (``end``)
         self.wait: tuple[str, float, float] | None = None         # the trainer wait under way: kind, from, to
         self.op(ORCH, 0.0, 0.0, "start", version=0, detail="fresh")
 
@@ -145,11 +156,23 @@ class SimLog:
         self.tsteps[step][1] = now
         self.op(ORCH, now, now, "publish", version=step + 1, detail=f"sim-v{step + 1}")
 
-    # -- the tables ------------------------------------------------------------------------------------
-    def tables(self, steps: list[dict]) -> tuple[dict, dict, dict]:
-        """Engine steps (with ``rank``), train steps and ops (with ``rank``) as numpy columns, for measure/.
-        ``steps``: the simulator's measured steps; each one's trained tokens are its ``tokens`` (prompt +
-        response of what it consumed: measure/utilization.py ``trained_tokens``)."""
+    # -- the end and the tables ----------------------------------------------------------------------------
+    def end(self, steps: int, next_group: int, open_groups: set[int]) -> None:
+        """The run ends with train step ``steps - 1`` (a step started after it is left out, with what it
+        consumed): ``pending_at_end`` names the groups open then -- the ledger's open ones (``open_groups``) and
+        those only a left-out step consumed -- and ``done`` the groups admitted (``next_group``), as a runtime's
+        end does."""
+        self.end_wait()
+        self.kept = steps
+        end = self.tsteps[steps - 1][1]
+        later = {c[1] for c in self.consumed if c[2] >= steps}
+        self.op(ORCH, end, end, "pending_at_end", detail=",".join(map(str, sorted(open_groups | later))))
+        self.op(ORCH, end, end, "done", version=steps, detail=f"next_group={next_group}")
+
+    def tables(self, steps: list[dict]) -> Tables:
+        """Every table as numpy columns, for measure/, once the run has ended (``end``). ``steps``: the
+        simulator's measured steps; each one's trained tokens are its ``tokens`` (prompt + response of what it
+        consumed: measure/utilization.py ``trained_tokens``)."""
         e = [(r, *row) for r, rows in self.esteps.items() for row in rows]
         esteps = {c: np.array([x[i] for x in e], dtype=float if c in ("t_start", "t_end") else np.int64)
                   for i, c in enumerate(("rank", "t_start", "t_end", "batch_size", "capacity", "new_tokens",
@@ -159,31 +182,33 @@ class SimLog:
                   "t_end": np.array([s["t_end"] for s in steps], float),
                   "tokens": np.array([s["tokens"] for s in steps], np.int64)}
         o = [(r, *row) for r, rows in self.ops.items() for row in rows]
-        if self.wait:
-            o.append((ORCH, self.wait[1], self.wait[2], "trainer_wait", -1, -1, -1, -1, self.wait[0]))
         ops = {"rank": np.array([x[0] for x in o], np.int64), "t_start": np.array([x[1] for x in o], float),
                "t_end": np.array([x[2] for x in o], float), "kind": np.array([x[3] for x in o], dtype=object),
-               "detail": np.array([x[8] for x in o], dtype=object)}
-        return esteps, tsteps, ops
+               "bytes": np.array([x[6] for x in o], np.int64), "detail": np.array([x[8] for x in o], dtype=object),
+               "attempt": np.zeros(len(o), np.int64)}
+        rows = [row for rs in self.traj.values() for row in rs]
+        segs = [row[12] for row in rows]
+        traj = {c: np.array([r[i] for r in rows], np.int64)
+                for c, i in (("traj_id", 0), ("group_id", 1), ("version", 3), ("prompt_len", 5), ("response_len", 6))}
+        traj |= {"attempt": np.zeros(len(rows), np.int64),
+                "first_version": np.array([s[0] for s in segs], np.int64),
+                "min_version": np.array([min(s) for s in segs], np.int64),
+                "switched": np.array([min(s) != max(s) for s in segs], bool)}
+        kept = [c for c in self.consumed if c[2] < self.kept]
+        consumed = {c: np.array([x[i] for x in kept], np.int64)
+                    for i, c in enumerate(("traj_id", "group_id", "consume_step", "version"))}
+        return Tables(esteps, tsteps, ops, traj, consumed | {"traj_attempt": np.zeros(len(kept), np.int64)})
 
     # -- the files -------------------------------------------------------------------------------------
-    def write(self, run_dir: Path, config_json: str, run_id: str, instances: int, steps: int, next_group: int,
-              dropped: set[int]) -> Path:
-        """Every shard of the run into ``run_dir`` (created), its train steps cut at ``steps`` (the measured
-        run's length: a step that started after the last one counted is left out, with what it consumed).
-        ``next_group``: groups admitted; those neither consumed by then nor ``dropped`` end it open, as a
-        runtime's ``pending_at_end``."""
+    def write(self, run_dir: Path, config_json: str, run_id: str, instances: int) -> Path:
+        """Every shard of the run into ``run_dir`` (created), once it has ended (``end``): its train steps up to
+        the last one kept, with what they consumed."""
         run_dir = Path(run_dir)
         if run_dir.is_dir() and any(run_dir.glob("*.h5")):
             raise FileExistsError(f"{run_dir} already holds a run's logs: write a simulated run into an empty "
                                   "directory (its shards would mix with them)")
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.end_wait()
-        end = self.tsteps[steps - 1][1]
-        used = {c[1] for c in self.consumed if c[2] < steps}
-        pending = sorted(set(range(next_group)) - used - dropped)
-        self.op(ORCH, end, end, "pending_at_end", detail=",".join(map(str, pending)))
-        self.op(ORCH, end, end, "done", version=steps, detail=f"next_group={next_group}")
+        steps = self.kept
         (run_dir / "launch.json").write_text(json.dumps({"config": json.loads(config_json), "run_id": run_id,
                                                          "simulated": True, "instances": instances,
                                                          "first_instance_rank": FIRST_INSTANCE_RANK},

@@ -1,8 +1,8 @@
 """Figures of a finished simulation, computed from the simulator's own record.
 
 The figures a real run has too -- throughput_tokens_per_s (trained tokens/s), slot_utilization,
-bubble_fraction, rollout_only_fraction, inter_instance_bubble, trainer_wait_fraction -- are
-measure/utilization.py's, on the tables the simulator recorded (sim/logs.py), over the measured window (from
+bubble_fraction, rollout_only_fraction, inter_instance_bubble, trainer_wait_fraction, the run invariants and
+migrations -- are measure/'s, on the tables the simulator recorded (sim/logs.py), over the measured window (from
 the end of train step ``sim.warmup_steps - 1`` to the end of the last step): ``dora-hpc analyze`` gives the
 same numbers on the run's written logs. Defined here, for the simulator alone:
 * admission_cap: lean admission's cap at each step's start (measure/admission.py, as analyze's);
@@ -18,11 +18,13 @@ same numbers on the run's written logs. Defined here, for the simulator alone:
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 
 from ..config import RunConfig
 from ..core.policies import traits_of
 from ..measure.admission import admission_caps
+from ..measure.invariants import check
+from ..measure.migration import migration_figures
 from ..measure.utilization import utilization
 from .cluster import Simulator
 from .costs import CostModel
@@ -38,27 +40,18 @@ def total(sim: Simulator, what: str) -> Counter:
     return out
 
 
-def split_groups(sim: Simulator) -> int:
-    """Groups whose samples were tagged with more than one version (never, by invariant 4)."""
-    tags: dict[int, set[int]] = defaultdict(set)
-    for rec in sim.trajs.values():
-        tags[rec.group].add(rec.segments[0])
-    return sum(1 for vs in tags.values() if len(vs) > 1)
-
-
-def lost_groups(sim: Simulator) -> int:
-    """Groups neither consumed nor dropped with a trajectory that is neither alive nor finished."""
-    g_size, lost = sim.cfg.batch.group_size, 0
-    for g in {r.group for r in sim.trajs.values()}:
-        if sim.consumed[g] or g in sim.dropped:
-            continue
+def stranded_groups(sim: Simulator) -> set[int]:
+    """Open groups with a trajectory the simulator no longer holds anywhere: neither running, moving, parked
+    nor finished (a check of the simulator's own bookkeeping, which no log can show)."""
+    g_size, out = sim.cfg.batch.group_size, set()
+    for g in sim.policy.ledger.open_groups():
         for t in range(g * g_size, (g + 1) * g_size):
             rec = sim.trajs.get(t)
             alive = t in sim.policy.view.trajs or t in sim.in_transit or t in sim.parked
             if not (alive or (rec is not None and rec.finished)):
-                lost += 1
+                out.add(g)
                 break
-    return lost
+    return out
 
 
 def episode_figures(sim: Simulator, counts) -> dict:
@@ -95,11 +88,12 @@ def summarize(sim: Simulator) -> dict:
     w = cfg.sim.warmup_steps
     t0, t1 = sim.steps[w - 1]["t_end"], sim.steps[-1]["t_end"]
     span = t1 - t0
-    u = utilization(*sim.log.tables(sim.steps), warmup_steps=w, colocated=sim.colocated,
+    tables = sim.log.tables(sim.steps)
+    u = utilization(tables.esteps, tables.tsteps, tables.ops, warmup_steps=w, colocated=sim.colocated,
                     ranks=[rank_of(i) for i in range(len(sim.inst))])
-    mixed = sum(1 for r in sim.trajs.values() if len(set(r.segments)) > 1)
-    split = split_groups(sim)
-    lost = lost_groups(sim)
+    traits = traits_of(sim.mode, cfg.dora.k)
+    chk = check(tables.traj, tables.consumed, tables.ops, {0}, 0, traits.staleness_bound, cfg.batch.group_size)
+    mig = migration_figures(tables.ops)
     wall = t1
     counts, ops = total(sim, "counts"), total(sim, "ops")
     return episode_figures(sim, counts) | {
@@ -112,17 +106,19 @@ def summarize(sim: Simulator) -> dict:
                                                                                   * cfg.batch.tbs),
         "admission_cap": admission_caps({s["step"]: s["admission_cap"] for s in sim.steps
                                          if s["admission_cap"] is not None}, cfg.batch.tbs, w),
-        "lost_groups": lost,
-        "duplicate_groups": sum(1 for c in sim.consumed.values() if c > 1),
-        "mixed_version_trajectories": mixed,
-        "split_groups": split,
+        "lost_groups": len(set(chk.lost.tolist()) | stranded_groups(sim)),
+        "duplicate_groups": len(chk.duplicate),
+        "mixed_version_trajectories": len(chk.mixed) if traits.single_version else 0,  # as analyze's
+        "partial_segments": {} if traits.single_version else {"trajectories_with_switches": len(chk.mixed)},
+        "split_groups": len(chk.split),
+        "staleness_over_k": len(chk.over_k),
         "reprefill_tokens": int(counts["reprefill_tokens"]),
         "prefix_hit_tokens": int(counts["prefix_hit_tokens"]),
         "preemptions": int(counts["preemptions"]),
         "preempt_recompute_tokens": int(counts["preempt_recompute_tokens"]),
         "dropped_groups": len(sim.dropped),
-        "migrations": int(counts["migrations"]),
-        "migrated_kv_bytes": float(counts["kv_bytes"]),
+        "migrations": mig["count"],
+        "migrated_kv_bytes": float(mig["kv_bytes"]),
         "weight_syncs": int(counts["weight_syncs"]),
         "weights": weight_figures(sim, counts),
         "overheads": {k: v / wall / max(len(sim.inst), 1) for k, v in sorted(ops.items())},
