@@ -44,6 +44,7 @@ class Target:
     weights: dict | None   # a checkpoint's weights over the model folder's (None: the folder's own)
     step: int | None       # the run's version these weights are (None: a model folder)
     label: str
+    adapter: dict | None = None  # under train.lora: the checkpoint's adapter (``weights`` is it merged)
 
 
 def resolve(target: str, step: int | None, config: str | None, overrides: list[str]) -> Target:
@@ -75,13 +76,30 @@ def resolve(target: str, step: int | None, config: str | None, overrides: list[s
             raise EvalError(str(e)) from None
         if ckpt is None:
             raise EvalError(f"{target}: no checkpoint yet (give --step 0 for the initial model)")
-        return Target(cfg, model_dir, ckpt.weights(), ckpt.step, f"{target} step {ckpt.step}")
+        label = f"{target} step {ckpt.step}"
+        return policy_target(cfg, model_dir, ckpt.weights(), ckpt.step, label)
     if step is not None:
         raise EvalError(f"--step {step}: {target} is a model folder, not a run directory (no launch.json)")
     cfg = load_config(config, [*overrides, f"model.path={target}"])
     if target not in ("tiny", "smollm2") and not (path / "config.json").is_file():
         raise EvalError(f"{target}: neither a run directory (launch.json) nor a model folder (config.json)")
     return Target(cfg, resolve_model(cfg), None, None, target)
+
+
+def policy_target(cfg: RunConfig, model_dir: Path, weights: dict, step: int, label: str) -> Target:
+    """A checkpoint's policy: its weights, or under ``train.lora`` its adapter merged into the model folder's."""
+    from .train.lora import LoraError, LoraSpec, is_adapter_state, merged_model
+
+    spec = LoraSpec.of(cfg)
+    if spec is None and not is_adapter_state(weights):
+        return Target(cfg, model_dir, weights, step, label)
+    if spec is None:
+        raise EvalError(f"{label}: the checkpoint is a LoRA adapter but the run's config has no train.lora")
+    try:
+        merged = merged_model(model_dir, spec, weights).state_dict()
+    except LoraError as e:
+        raise EvalError(f"{label}: {e}") from None
+    return Target(cfg, model_dir, merged, step, label, adapter=weights)
 
 
 def heldout(cfg: RunConfig, model_dir: Path, vocab: int, n: int, train_prompts: int):

@@ -1,4 +1,5 @@
-"""``dora-hpc export RUN_DIR [--step N] --out DIR``: a run's checkpoint as a Hugging Face model folder.
+"""``dora-hpc export RUN_DIR [--step N] --out DIR [--merged]``: a run's checkpoint as a Hugging Face model folder;
+a ``train.lora`` run's as a peft adapter folder over its model folder, or with ``--merged`` as a whole model.
 
 The folder holds config.json, generation_config.json, the tokenizer files and safetensors weights
 (sharded past ``--max-shard-size``), in float32 or bfloat16: ``AutoModelForCausalLM.from_pretrained``
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .errors import fail
 from .evaluate import EvalError, resolve
+from .train.lora import LoraSpec, attach, load_adapter_state
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -28,7 +30,7 @@ class ExportError(EvalError):
 
 
 def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", max_shard_size: str = "5GB",
-           console=None) -> dict:
+           console=None, merged: bool = False) -> dict:
     from rich.progress import Progress
 
     if dtype not in DTYPES:
@@ -40,12 +42,20 @@ def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", ma
     with Progress(console=console, transient=True) as bar:
         job = bar.add_task(f"export {run_dir}", total=4)
         target = resolve(run_dir, step, None, [])
+        lora = LoraSpec.of(target.cfg)
+        if merged and lora is None:
+            raise ExportError(f"--merged: {run_dir} trained the whole model (no train.lora); its export is whole")
         bar.advance(job)
         import torch  # after every check: a bad argument fails in a fraction of a second
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(target.model_dir, dtype=torch.float32)
-        if target.weights is not None:
+        kind, save = ("merged" if lora is not None else "model"), {"max_shard_size": max_shard_size}
+        if lora is not None and not merged:  # a peft adapter folder over the run's model folder
+            kind, save, model = "adapter", {}, attach(model, lora)
+            if target.adapter is not None:  # (step 0: the fresh adapter)
+                load_adapter_state(model, target.adapter)
+        elif target.weights is not None:
             missing, unexpected = model.load_state_dict(target.weights, strict=False)
             tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
@@ -54,12 +64,11 @@ def export(run_dir: str, step: int | None, out: Path, dtype: str = "float32", ma
         bar.advance(job)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.to(getattr(torch, DTYPES[dtype])).save_pretrained(tmp, max_shard_size=max_shard_size,
-                                                                safe_serialization=True)
+        model.to(getattr(torch, DTYPES[dtype])).save_pretrained(tmp, safe_serialization=True, **save)
         bar.advance(job)
         AutoTokenizer.from_pretrained(target.model_dir).save_pretrained(tmp)
         info = {"run_dir": str(Path(run_dir).resolve()), "step": target.step, "dtype": DTYPES[dtype],
-                "source_model": str(target.model_dir), "from": target.label}
+                "source_model": str(target.model_dir), "from": target.label, "kind": kind}
         (tmp / "dora_hpc_export.json").write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -74,10 +83,12 @@ def cmd_export(args, console) -> int:
 
     quiet_hf()
     try:
-        info = export(args.run_dir, args.step, Path(args.out), args.dtype, args.max_shard_size, console=console)
+        info = export(args.run_dir, args.step, Path(args.out), args.dtype, args.max_shard_size, console=console,
+                      merged=args.merged)
     except EvalError as e:
         return fail("export", e)
-    console.print(f"exported {info['from']} ({info['dtype']}) to {info['out']}: {', '.join(info['files'])}",
+    console.print(f"exported {info['from']} ({info['kind']}, {info['dtype']}) to {info['out']}: "
+                  f"{', '.join(info['files'])}",
                   soft_wrap=True, highlight=False, markup=False)
     return 0
 
@@ -90,4 +101,6 @@ def add_parser(sub) -> None:
     ex.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     ex.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the weights' dtype")
     ex.add_argument("--max-shard-size", default="5GB", help="safetensors files are split past this size")
+    ex.add_argument("--merged", action="store_true", help="a train.lora run: its adapter merged into the model "
+                    "folder's weights, a whole model (default: the peft adapter folder)")
     ex.set_defaults(func=cmd_export)

@@ -10,7 +10,8 @@ largest difference of its logits from the Hugging Face model's on a right-padded
 turns on activation checkpointing in the distributed trainer (the one-rank reference keeps it off);
 ``DORA_MP=bf16`` its bf16 mixed precision; ``DORA_MINI=N`` gives both N mini-batches (optimizer steps)
 per train step, the replicas cutting the batch where the one rank does; ``DORA_LOSS=policy_loss,is_correction``
-(e.g. ``decoupled,truncate``) their objective.
+(e.g. ``decoupled,truncate``) their objective; ``DORA_LORA=R`` trains a rank-R LoRA adapter on both (checkpoints
+are then the adapter's), and reports how far the lead's published rows (the merged policy) are from the one rank's.
 """
 
 import json
@@ -24,8 +25,9 @@ from mpi4py import MPI
 from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.train.dp import DataParallel
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
+from dora_hpc.train.lora import LoraSpec
 from dora_hpc.train.losses import LossConfig
-from dora_hpc.train.publish import checksum_of
+from dora_hpc.train.publish import checksum_of, piece
 
 
 def batch(step: int, n_groups: int = 5, g: int = 4) -> list[Trajectory]:
@@ -53,9 +55,11 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
     ac = os.environ.get("DORA_AC") == "1"  # activation checkpointing on the distributed trainer only
     mp = os.environ.get("DORA_MP", "no")  # mixed precision likewise
     shared = os.environ.get("DORA_SHARED") == "1"  # train.shared_prompt on the distributed trainer only
+    rank = int(os.environ.get("DORA_LORA", "0"))
+    lora = LoraSpec(rank, 16.0, "all-linear") if rank else None
     replica = GRPOTrainer(model_dir, replace(cfg, shared_prompt=shared), seed=0, dp=dp, backend=backend,
-                          tensor_parallel=tensor_parallel, activation_checkpointing=ac, mixed_precision=mp)
-    single = GRPOTrainer(model_dir, cfg, seed=0) if dp.lead else None
+                          tensor_parallel=tensor_parallel, activation_checkpointing=ac, mixed_precision=mp, lora=lora)
+    single = GRPOTrainer(model_dir, cfg, seed=0, lora=lora) if dp.lead else None
     gen = torch.Generator().manual_seed(7)  # the same right-padded batch on every rank
     ids, attn = torch.randint(3, 200, (3, 12), generator=gen), torch.ones(3, 12, dtype=torch.long)
     attn[1, 9:] = attn[2, 5:] = 0
@@ -73,13 +77,16 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         if single is not None:
             metrics.append((m, single.train_step(samples)))
     weights, rest = replica.checkpoint_state()  # a collective for fsdp
+    mine = replica.backend.shard_state_dict(dp.rank, dp.size, torch.float32)  # this rank's published rows
     samples = batch(3)
     m = replica.train_step([s for s in samples if s.group_id % dp.size == dp.rank],
                            list(dict.fromkeys(s.group_id for s in samples)))
     a = replica.state_dict()  # a collective for fsdp
     if single is not None:
         diff = max(float((weights[k] - v).abs().max()) for k, v in single.state_dict().items())
-        resumed = GRPOTrainer(model_dir, cfg, seed=1)
+        published = max(float((mine[k] - piece(v, dp.rank, dp.size)).abs().max())
+                        for k, v in single.backend.shard_state_dict(0, 1, torch.float32).items())
+        resumed = GRPOTrainer(model_dir, cfg, seed=1, lora=lora)
         resumed.load_checkpoint(weights, rest)
         metrics.append((m, resumed.train_step(samples)))
         c = resumed.state_dict()
@@ -87,7 +94,8 @@ def main(model_dir: str, loss_agg: str, backend: str, tensor_parallel: int | Non
         print(json.dumps({"backend": backend, "activation_checkpointing": ac, "mixed_precision": mp,
                           "shared_prompt": shared, "mini_batches": cfg.mini_batches, "loss": [policy, correction],
                           "master_dtypes": sorted({str(p.dtype) for p in replica.backend.parameters()}),
-                          "max_abs_weight_diff": diff,
+                          "max_abs_weight_diff": diff, "lora": rank, "adapter": sorted(a) == sorted(weights)
+                          and all(".lora_" in k for k in a), "published_max_abs_diff": published,
                           "max_abs_logits_diff": logits_diff,
                           "resumed_max_abs_weight_diff": max(float((a[k] - c[k]).abs().max()) for k in a),
                           "replicas": dp.size,

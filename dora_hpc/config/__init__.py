@@ -116,6 +116,23 @@ class ClusterConfig(Section):
         return self.rollout_instances, self.accelerators - self.rollout_instances * self.accelerators_per_instance
 
 
+class LoraConfig(Section):
+    """train.lora: train low-rank adapters (peft) and keep the model folder's weights frozen."""
+    rank: int = Field(8, ge=1, description="the adapters' rank r")
+    alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / r (LoRA Without Regret keeps "
+                         "alpha = 32 whatever r)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="the linear modules to adapt, by name (q_proj, v_proj, ...), or all-linear: "
+        "every linear layer but the output head")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in training")
+
+    @model_validator(mode="after")
+    def _some_modules(self) -> LoraConfig:
+        if not self.target_modules:
+            raise ValueError("target_modules is empty: name the modules to adapt, or all-linear")
+        return self
+
+
 class TrainConfig(Section):
     backend: Literal["torch", "fsdp", "megatron"] = Field(
         "torch", description="torch (every trainer rank holds the whole model, gradients all-reduced), fsdp "
@@ -168,6 +185,8 @@ class TrainConfig(Section):
     micro_batch: int = Field(8, ge=1)
     mini_batches: int = Field(1, ge=1, description="optimizer steps per train batch (PPO mini-batches, whole "
                               "groups each); the proximal policy stays the weights at the step's start")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of every weight (null: full "
+                                    "fine-tuning); torch and fsdp backends; LoRA wants a larger lr (about 10x)")
 
     @model_validator(mode="after")
     def _band_around_one(self) -> TrainConfig:
@@ -181,6 +200,9 @@ class TrainConfig(Section):
         if self.backend == "megatron" and self.mixed_precision != "no":
             raise ValueError("train.mixed_precision=bf16 is for the torch and fsdp backends (megatron's needs "
                              "its distributed optimizer, not wired here)")
+        if self.backend == "megatron" and self.lora is not None:
+            raise ValueError("train.lora is for the torch and fsdp backends (megatron-core's GPTModel has no peft "
+                             "adapters here): set train.backend=torch or fsdp")
         if self.backend == "megatron" and self.shared_prompt:
             raise ValueError("train.shared_prompt is for the torch and fsdp backends (Hugging Face models)")
         if self.shared_prompt and self.activation_checkpointing:

@@ -88,6 +88,8 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
     """Write (or, on resume, update) ``launch.json``; returns it. ``resume``: no | required | if_any."""
     from ..engine.spec import read_spec
+    from ..train.lora import LoraError, LoraSpec
+    from ..train.lora import check as check_lora
 
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "launch.json"
@@ -97,6 +99,11 @@ def prepare(cfg: RunConfig, run_dir: Path, resume: str = "no") -> dict:
             raise LaunchError(f"{run_dir} already holds a run; continue it with --resume or pick a new --run-dir")
         model_dir = resolve_model(cfg)
         spec = read_spec(model_dir)
+        if (lora := LoraSpec.of(cfg)) is not None:
+            try:
+                check_lora(model_dir, lora)
+            except LoraError as e:
+                raise LaunchError(str(e)) from None
         meta = {"model_dir": str(model_dir), "vocab_size": spec.vocab_size,
                 "run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", "t0": time.time()}
     else:

@@ -50,6 +50,7 @@ from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
 from ..train.grpo import GRPOTrainer, grpo_config
+from ..train.lora import LoraSpec
 from ..train.publish import delta, publish_dtype, shard_digest, shard_of, version_checksum
 from .clock import RankClock
 from .comm import Comm
@@ -92,7 +93,7 @@ class TrainerRank(RankClock):
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,
                                    activation_checkpointing=t.activation_checkpointing,
-                                   mixed_precision=t.mixed_precision)
+                                   mixed_precision=t.mixed_precision, lora=LoraSpec.of(cfg))
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

@@ -22,7 +22,10 @@ Invariants every backend keeps:
 * after the last backward every rank holds, for the parameters it owns, the gradient of the *global* loss
   (the objective normalises by global counts; backends sum, they never average);
 * ``optimizer_state`` is the whole optimizer state keyed by parameter name (on every rank), so a
-  checkpoint does not depend on how many ranks wrote it.
+  checkpoint does not depend on how many ranks wrote it;
+* under LoRA (``BackendOptions.lora``) ``full_state_dict`` and ``load_full_state_dict`` are the adapter's weights
+  (lora.py ``adapter_state``: a checkpoint), and ``shard_state_dict`` the merged policy's, under Hugging Face
+  names as always: an engine that holds whole weights serves the adapted policy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Literal
 import torch
 
 from .dp import DataParallel
+from .lora import LoraSpec
 
 BackendName = Literal["torch", "fsdp", "megatron"]
 # name -> "module:class"; imported when chosen (megatron-core is an optional extra)
@@ -49,11 +53,13 @@ class BackendOptions:
     the rest (memory grows with layers x tokens instead of everything; the gradient is the same).
     ``mixed_precision="bf16"``: float32 master weights, gradients and optimizer state, bfloat16 compute.
     ``tensor_parallel``: megatron's TP size (default: every trainer rank). ``reference``: also hold the
-    frozen initial weights, for a KL penalty."""
+    frozen initial weights, for a KL penalty. ``lora``: train a LoRA adapter on the policy (lora.py); the
+    reference stays the base model (an adapter starts at zero)."""
     reference: bool = False
     activation_checkpointing: bool = False
     mixed_precision: Literal["no", "bf16"] = "no"
     tensor_parallel: int | None = None
+    lora: LoraSpec | None = None
 
 
 class TrainBackend:
@@ -69,7 +75,7 @@ class TrainBackend:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.setup(model_dir)
-        self.model = self.load(model_dir)
+        self.model = self.load(model_dir, opts.lora)
         self.model.train()
         self.ref = None
         if opts.reference:
@@ -81,14 +87,16 @@ class TrainBackend:
     def setup(self, model_dir: str | Path) -> None:
         """Before any model is built."""
 
-    def load(self, model_dir: str | Path) -> torch.nn.Module:
+    def load(self, model_dir: str | Path, lora: LoraSpec | None = None) -> torch.nn.Module:
+        """The model in train mode's dtype on this rank, with a fresh ``lora`` adapter attached where given."""
         raise NotImplementedError
 
     def loaded(self) -> None:
         """After the policy (and reference) are built."""
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.model.parameters())
+        """The trained parameters (under LoRA, the adapter's alone)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     @property
     def counts_metrics(self) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .backend import check_fit, detached_copy
+from .lora import ADAPTER, LoraSpec, adapted_layers, attach, check_adapter, hf_name, refuse_adapter, saved_name
 from .publish import piece, rows
 from .replicated import ReplicatedBackend
 
@@ -33,7 +34,8 @@ def _shard(model: torch.nn.Module, mesh, bf16: bool = False) -> torch.nn.Module:
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, peft's wrapper's
+    for layer in base.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
@@ -56,17 +58,19 @@ class FSDPBackend(ReplicatedBackend):
         self.mesh = init_device_mesh(self.dp.device.type, (self.dp.size,), mesh_dim_names=("dp_shard",))
         self.autocast = False
 
-    def load(self, model_dir: str | Path) -> torch.nn.Module:
+    def load(self, model_dir: str | Path, lora: LoraSpec | None = None) -> torch.nn.Module:
         """The sharded model: built on the meta device, sharded, its shards allocated on this rank's device
-        and filled from rank 0's copy of the checkpoint."""
+        and filled from rank 0's copy of the checkpoint (under LoRA, with rank 0's fresh adapter)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from transformers import AutoConfig, AutoModelForCausalLM
 
         full = {}
         if self.dp.rank == 0:
-            full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            full = (attach(model, lora) if lora else model).state_dict()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+            model = attach(model, lora) if lora else model
         _shard(model, self.mesh, self.mixed_precision == "bf16")
         model.to_empty(device=self.device)
         for m in model.modules():  # non-persistent buffers are in no state dict: compute them again
@@ -90,14 +94,29 @@ class FSDPBackend(ReplicatedBackend):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for k, v in self.model.state_dict().items():
+            if self.opts.lora and ".lora_" not in k:
+                continue  # under LoRA: the adapter
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = v.detach().cpu().clone()
+            out[saved_name(k) if self.opts.lora else k] = v.detach().cpu().clone()
         return out
 
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """This rank's rows of every weight; under LoRA each adapted weight's rows W_r + (alpha / r) B_r A, its
+        adapter's A gathered whole (r x in: small)."""
         out = {}
-        for k, v in self.model.state_dict().items():
+        state = self.model.state_dict()
+        adapted = adapted_layers(self.model) if self.opts.lora else {}
+        for k, v in state.items():
+            if ".lora_" in k:
+                continue
+            k = hf_name(k) if self.opts.lora else k
             local = v.to_local() if hasattr(v, "to_local") else piece(v, rank, shards)  # a DTensor, or not sharded
+            if k in adapted:
+                m = adapted[k]
+                a, b = m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight
+                a = a.full_tensor() if hasattr(a, "full_tensor") else a
+                b = b.to_local() if hasattr(b, "to_local") else piece(b, rank, shards)  # W's rows
+                local = local + (b @ a) * m.scaling[ADAPTER]
             lo, hi = rows(tuple(v.shape), rank, shards)
             if len(local) != hi - lo:
                 raise RuntimeError(f"fsdp: the local shard of {k} has {len(local)} rows, the publish layout "
@@ -109,9 +128,22 @@ class FSDPBackend(ReplicatedBackend):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        if self.opts.lora:
+            return self.load_adapter(state)
+        refuse_adapter(state)
         names = set(self.model.state_dict())
         check_fit(sorted(names - set(state)), sorted(set(state) - names))
         set_model_state_dict(self.model, {k: v for k, v in state.items() if k in names},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        """An adapter (``full_state_dict``'s names) into the sharded adapter."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        mine = {saved_name(k): k for k, v in self.model.state_dict().items() if ".lora_" in k}
+        check_adapter({saved_name(k): tuple(v.shape) for k, v in self.model.state_dict().items() if ".lora_" in k},
+                      state)
+        set_model_state_dict(self.model, {mine[k]: v for k, v in state.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
 
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:

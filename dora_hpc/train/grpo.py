@@ -36,6 +36,7 @@ import torch
 from ..core.trajectory import Trajectory
 from .backend import BackendName, BackendOptions, build_backend
 from .dp import DataParallel
+from .lora import LoraSpec
 from .losses import LossConfig, aggregate, k3, policy_loss
 
 # what a train step sums over its tokens (every replica's), in this order
@@ -133,13 +134,13 @@ class GRPOTrainer:
     def __init__(self, model_dir: str | Path, cfg: GRPOConfig = GRPOConfig(), seed: int = 0,
                  dp: DataParallel | None = None, backend: BackendName = "torch",
                  tensor_parallel: int | None = None, activation_checkpointing: bool = False,
-                 mixed_precision: str = "no") -> None:
+                 mixed_precision: str = "no", lora: LoraSpec | None = None) -> None:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.dp = dp or DataParallel()
         self.backend = build_backend(backend, model_dir, self.dp, BackendOptions(
             reference=cfg.kl_coef > 0, activation_checkpointing=activation_checkpointing,
-            mixed_precision=mixed_precision, tensor_parallel=tensor_parallel))
+            mixed_precision=mixed_precision, tensor_parallel=tensor_parallel, lora=lora))
         self.opt = torch.optim.AdamW(self.backend.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
@@ -273,7 +274,8 @@ class GRPOTrainer:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank)."""
+        """The current weights, whole, with Hugging Face names (detached CPU copies; every trainer rank); under
+        LoRA the adapter's (train/lora.py)."""
         return self.backend.full_state_dict()
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit
+from .lora import LoraError, LoraSpec
 from .publish import shard_of
 
 
@@ -122,7 +123,9 @@ class MegatronBackend(TrainBackend):
         # each parameter's Hugging Face tensors (fused QKV and gate/up are several)
         self.hf_names = {n: self.bridge._weight_name_mapping_mcore_to_hf(self.global_names[n]) for n in self.params}
 
-    def load(self, model_dir: str | Path) -> torch.nn.Module:
+    def load(self, model_dir: str | Path, lora: LoraSpec | None = None) -> torch.nn.Module:
+        if lora is not None:  # config.py refuses it first
+            raise LoraError("train.lora is for the torch and fsdp backends")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 

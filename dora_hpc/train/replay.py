@@ -62,6 +62,7 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
     from ..data.tasks import make_task
     from .dp import DataParallel
     from .grpo import GRPOTrainer, grpo_config
+    from .lora import LoraSpec
 
     meta, batches, logged = load_batches(run_dir, steps)
     cfg = validate(meta["config"], saved=True)
@@ -70,7 +71,8 @@ def replay(run_dir: Path, backend: str, steps: int | None = None, tensor_paralle
     dp = DataParallel(mpi_comm)
     trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=dp, backend=backend,
                           tensor_parallel=tensor_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
-                          mixed_precision=cfg.train.mixed_precision if backend != "megatron" else "no")
+                          mixed_precision=cfg.train.mixed_precision if backend != "megatron" else "no",
+                          lora=LoraSpec.of(cfg))
     out = []
     for step, rows in enumerate(batches):
         mine = [Trajectory(-1, g, -1, task.prompt(g), resp, lps, r)  # version unknown: no logprob gap

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit, detached_copy
+from .lora import LoraSpec, adapter_state, attach, load_adapter_state, merged_state, refuse_adapter
 from .publish import shard_of
 
 
@@ -20,11 +21,12 @@ class ReplicatedBackend(TrainBackend):
         # bf16: float32 weights, gradients and Adam state; the forward and backward compute in bfloat16
         self.autocast = self.mixed_precision == "bf16"
 
-    def load(self, model_dir: str | Path) -> torch.nn.Module:
+    def load(self, model_dir: str | Path, lora: LoraSpec | None = None) -> torch.nn.Module:
         """The whole float32 model on this rank's device."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return (attach(model, lora) if lora else model).to(self.device)
 
     def loaded(self) -> None:
         if self.opts.activation_checkpointing:  # keep each layer's input only; recompute the rest in backward
@@ -70,12 +72,18 @@ class ReplicatedBackend(TrainBackend):
         return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.opts.lora:
+            return adapter_state(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return shard_of(self.model.state_dict(), rank, shards, dtype)  # copies this rank's pieces only
+        whole = merged_state(self.model) if self.opts.lora else self.model.state_dict()
+        return shard_of(whole, rank, shards, dtype)  # copies this rank's pieces only
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.opts.lora:
+            return load_adapter_state(self.model, state)
+        refuse_adapter(state)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         check_fit(missing, unexpected)
 

@@ -1,0 +1,146 @@
+"""LoRA (train.lora, train/lora.py): the trainer trains a peft adapter on the tiny model with real rollouts; the
+adapted policy an engine loads gives the trainer's logprobs; a checkpoint is the adapter and resumes exactly; bad
+input is refused with one line naming the key."""
+
+import pytest
+import torch
+from test_grpo import rollout
+
+from dora_hpc.engine.engine import Engine
+from dora_hpc.engine.local_models import build_tiny_model
+from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
+from dora_hpc.train.lora import LoraError, LoraSpec, is_adapter_state
+
+SPEC = LoraSpec(rank=4, alpha=32.0, target_modules="all-linear")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def published(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return trainer.backend.shard_state_dict(0, 1, torch.float32)
+
+
+def test_only_the_adapter_trains_and_the_engine_serves_the_adapted_policy(tiny):
+    trainer = GRPOTrainer(tiny, GRPOConfig(lr=1e-2), lora=SPEC)
+    model = trainer.backend.model
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert {id(p) for g in trainer.opt.param_groups for p in g["params"]} == \
+        {id(p) for n, p in model.named_parameters() if p.requires_grad}
+    base = {k: v.clone() for k, v in published(trainer).items()}
+    engine = Engine(tiny, kv_blocks=128, seed=1)
+    assert all(torch.equal(base[k], v) for k, v in engine.weights().items())  # B = 0: the policy is the base
+
+    for step in range(3):
+        samples = rollout(engine, step, n_groups=2, g=4, step=step)
+        gap = max(abs(a - b) for s, lp in zip(samples, trainer._logprobs_no_grad(samples), strict=True)
+                  for a, b in zip(s.logprobs, lp, strict=True))
+        assert gap < 1e-5, step  # the engine sampled the trainer's policy (float noise)
+        assert trainer.train_step(samples)["ratio_mean"] == pytest.approx(1.0, abs=1e-4), step
+        engine.load_weights(published(trainer), version=step + 1)
+    now = published(trainer)
+    assert set(now) == set(base)  # whole weights under Hugging Face names
+    frozen = [k for k in now if "norm" in k or "embed" in k]
+    assert frozen and all(torch.equal(now[k], base[k]) for k in frozen)  # not adapted: untouched
+    assert any(not torch.equal(now[k], base[k]) for k in now if k.endswith("q_proj.weight"))
+
+
+def test_a_lora_checkpoint_is_the_adapter_and_resumes_exactly(tiny):
+    engine = Engine(tiny, kv_blocks=128, seed=3)
+    batches = [rollout(engine, 0, n_groups=2, g=4, step=s) for s in range(3)]
+    a = GRPOTrainer(tiny, GRPOConfig(lr=1e-2), seed=5, lora=SPEC)
+    a.train_step(batches[0])
+    weights, rest = a.checkpoint_state()
+    layers = a.backend.model.config.num_hidden_layers
+    assert is_adapter_state(weights) and len(weights) == 2 * 7 * layers  # A and B of 7 linears in each layer
+    assert sum(v.numel() for v in weights.values()) < 0.05 * sum(v.numel() for v in a.backend.model.parameters())
+    b = GRPOTrainer(tiny, GRPOConfig(lr=1e-2), seed=9, lora=SPEC)
+    b.load_checkpoint(weights, rest)
+    for batch in batches[1:]:
+        ma, mb = a.train_step(batch), b.train_step(batch)
+        assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"]
+    wa, wb = published(a), published(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_weights_of_the_other_kind_are_refused(tiny):
+    lora = GRPOTrainer(tiny, GRPOConfig(), lora=SPEC)
+    full = GRPOTrainer(tiny, GRPOConfig())
+    with pytest.raises(LoraError, match="not a LoRA adapter"):
+        lora.load_checkpoint(*full.checkpoint_state())
+    with pytest.raises(LoraError, match="without train.lora"):
+        full.load_checkpoint(*lora.checkpoint_state())
+    other = GRPOTrainer(tiny, GRPOConfig(), lora=LoraSpec(rank=2, alpha=32.0, target_modules=("q_proj", "v_proj")))
+    with pytest.raises(LoraError, match="does not fit"):
+        other.load_checkpoint(*lora.checkpoint_state())
+
+
+def test_target_modules_that_match_nothing_are_named(tiny):
+    with pytest.raises(LoraError, match=r"train.lora.target_modules \('qkv',\)"):
+        GRPOTrainer(tiny, GRPOConfig(), lora=LoraSpec(rank=4, alpha=8.0, target_modules=("qkv",)))
+
+
+# -- a real run under train.lora ------------------------------------------------------------------------------------
+def cli(*args, timeout=300):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "dora_hpc.cli", *args], cwd=repo, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+LORA_RUN = ["--set", "train.lora={rank: 4, alpha: 16}", "--set", "train.lr=0.05", "--set", "batch.tbs=4",
+            "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2"]
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_from_its_adapter_and_exports_an_adapter_and_a_merged_model(tmp_path):
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dora_hpc.analysis.basic import analyze
+
+    run = tmp_path / "run"
+    p = cli("run", "configs/tiny-cpu.yaml", *LORA_RUN, "--set", "train.max_steps=2", "--run-dir", str(run))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = cli("run", "configs/tiny-cpu.yaml", *LORA_RUN, "--set", "train.max_steps=4", "--run-dir", str(run), "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run)
+    assert a["steps"] == 4 and not any(v for k, v in a["invariants"].items() if k != "offenders")
+    assert a["logprob_gap"]["max"] < 1e-5  # the engines serve the trainer's adapted policy
+    with __import__("safetensors").safe_open(run / "checkpoints" / "step-4" / "weights.safetensors", "pt") as f:
+        assert all(".lora_" in k for k in f.keys())  # a checkpoint is the adapter
+
+    assert cli("export", str(run), "--out", str(tmp_path / "adapter")).returncode == 0
+    assert cli("export", str(run), "--out", str(tmp_path / "merged"), "--merged").returncode == 0
+    info = json.loads((tmp_path / "adapter" / "dora_hpc_export.json").read_text())
+    assert info["kind"] == "adapter" and info["step"] == 4
+    ids = torch.tensor([list(range(5, 21))])
+    base = AutoModelForCausalLM.from_pretrained(info["source_model"], dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+    assert (adapted - merged).abs().max().item() < 1e-4
+    assert (adapted - plain).abs().max().item() > 1e-3  # trained, not the base
+
+    full = cli("export", str(run), "--out", str(tmp_path / "x"), "--merged", "--step", "0")
+    assert full.returncode == 0  # step 0: the fresh adapter, merged: the base model
+
+
+def test_lora_bad_input_is_one_line_naming_the_key(tmp_path):
+    for sets, key in ((["train.lora={target_modules: [qkv]}"], "train.lora.target_modules"),
+                      (["train.lora={rank: 4096}"], "train.lora.rank"),
+                      (["train.lora={rank: 4}", "train.backend=megatron"], "train.lora is for the torch and fsdp"),
+                      (["train.lora={rank: 0}"], "train.lora.rank")):
+        p = cli("run", "configs/tiny-cpu.yaml", *[x for s in sets for x in ("--set", s)], "--run-dir",
+                str(tmp_path / "r"), timeout=120)
+        assert p.returncode == 2 and key in p.stderr and "Traceback" not in p.stderr, (sets, p.stderr[-2000:])
+        assert not list((tmp_path / "r").glob("*.h5"))
