@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_grpo import rollout
 
+from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.engine.engine import Engine
 from dora_hpc.engine.local_models import build_tiny_model
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
@@ -144,3 +145,53 @@ def test_lora_bad_input_is_one_line_naming_the_key(tmp_path):
                 str(tmp_path / "r"), timeout=120)
         assert p.returncode == 2 and key in p.stderr and "Traceback" not in p.stderr, (sets, p.stderr[-2000:])
         assert not list((tmp_path / "r").glob("*.h5"))
+
+
+# -- versions as adapters on the built-in engine ----------------------------------------------------------------------
+def test_one_engine_batches_two_versions_adapters_with_each_versions_logprobs(tiny):
+    """The trainer publishes its adapter (train/lora.py published_adapter); an engine holding the base once and
+    the adapters of v1 and v2 runs requests of v0, v1 and v2 in the same forwards, and each request's logprobs are
+    the trainer's forward under its own version's adapter."""
+    from dora_hpc.engine.lora import AdapterError
+    from dora_hpc.engine.sampling import SamplingParams
+
+    spec = LoraSpec(4, 16.0, "all-linear", adapter_versions=True)
+    trainer = GRPOTrainer(tiny, GRPOConfig(lr=5e-2), lora=spec)
+    engine = Engine(tiny, kv_blocks=128, seed=4, lora_scale=spec.scale)
+    adapters, copies = {}, {}
+    for v in (1, 2):
+        trainer.train_step(rollout(Engine(tiny, kv_blocks=128, seed=v), 0, n_groups=2, g=4, step=v))
+        adapters[v] = published(trainer)
+        assert all(".lora_" in k for k in adapters[v])
+        engine.load_weights(adapters[v], version=v)
+        copies[v] = {k: t.clone() for k, t in trainer.backend.model.state_dict().items() if ".lora_" in k}
+    assert engine.versions == {0, 1, 2} and engine.version == 2
+    steps = []
+    prompt = [3, 5, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67]  # a block and more: cached
+    for i in range(9):
+        engine.add(i, prompt, SamplingParams(max_tokens=10, ignore_eos=True), version=i % 3)
+    done = []
+    while engine.has_work():
+        done += engine.step()
+        steps.append(len({s.version for s in engine.seqs.values()}))
+    assert max(steps) == 3  # one forward held all three versions' requests
+    assert {f.version for f in done} == {0, 1, 2}
+    model = trainer.backend.model
+    for v in (0, 1, 2):
+        state = {k: (torch.zeros_like(t) if ".lora_B." in k else t) for k, t in copies[1].items()} if v == 0 \
+            else copies[v]
+        model.load_state_dict(state, strict=False)
+        mine = [f for f in done if f.version == v]
+        samples = [Trajectory(f.req_id, 0, v, f.prompt, f.response, f.logprobs, 0.0) for f in mine]
+        got = trainer._logprobs_no_grad(samples)
+        gap = max(abs(a - b) for s, lp in zip(samples, got, strict=True) for a, b in zip(s.logprobs, lp, strict=True))
+        assert gap < 1e-5, v
+    a, b = ([f.response for f in done if f.version == v] for v in (1, 2))
+    assert a != b  # the versions really differ
+    with pytest.raises(Exception, match="hosts"):
+        engine.add(99, prompt, SamplingParams(max_tokens=2), version=3)
+    with pytest.raises(AdapterError, match="adapts no linear"):
+        engine.load_weights({"model.layers.0.nope.lora_A.weight": torch.zeros(4, 8),
+                             "model.layers.0.nope.lora_B.weight": torch.zeros(8, 4)}, version=3)
+    engine.retire(1)
+    assert engine.versions == {0, 2} and 1 not in engine.adapters.by_version

@@ -1,11 +1,14 @@
-"""The built-in rollout engine: one instance (DP group) hosting exactly one policy version.
+"""The built-in rollout engine: one instance (DP group) hosting one policy version, or under LoRA several.
 
 Continuous batching with chunked prefill over a paged KV pool; per-token logprobs; KV export/import
 for zero-re-prefill migration; host offload/restore; versioned weights.
 
 Invariants:
 * the engine hosts one version; ``add``/``import_`` refuse a request tagged with any other, so
-  every token of a trajectory is sampled under its tag;
+  every token of a trajectory is sampled under its tag. With ``lora_scale`` (train.lora) a version is an adapter
+  (lora.py): the engine keeps the base weights once and each loaded version's adapter, hosts every one of them
+  at once (``versions``), and batches their requests in one forward, each row under its request's adapter;
+  ``retire`` drops a version no request holds;
 * a step schedules each running sequence at most once: a decode (1 token) or a prefill chunk;
   ``max_num_seqs`` sequences run at most, ``max_batched_tokens`` tokens per step at most;
 * when KV blocks run out the newest running sequence is preempted: with ``on_kv_full="offload"``
@@ -23,7 +26,8 @@ Invariants:
   whose KV the pool holds under this version (kv.py), all but its last token, and prefills the rest
   (``prefix_hit_tokens`` counts what it did not); every block a sequence fills, and its prompt's last
   partial block, become matchable. An imported sequence shares the cached prefix whose values equal its
-  own bit for bit (``dedup_tokens``). Loading weights forgets the cache.
+  own bit for bit (``dedup_tokens``). Loading weights forgets the cache; under LoRA the cache is keyed by version
+  (KV computed under one adapter is not another's) and loading an adapter forgets nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .kv import KVFull, KVPool, common_prefix, digest
+from .lora import Adapters, is_adapter
 from .model import Batch, DecoderLM, check_state, load_model
 from .sampling import SamplingParams, sample_batch, uniform
 
@@ -48,10 +53,12 @@ COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "rep
             "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens", "prefix_hit_tokens", "dedup_tokens")
 
 
-def check_new(hosted: int, live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
-    """The admission rule every backend applies before touching its state."""
-    if version != hosted:
-        raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts v{hosted}")
+def check_new(hosted: int | set[int], live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
+    """The admission rule every backend applies before touching its state (``hosted``: the version, or under LoRA
+    the versions, it serves)."""
+    if version not in (hosted if isinstance(hosted, set) else {hosted}):
+        raise RequestError(f"request {req_id} is tagged v{version}; this engine hosts "
+                           f"{'v' + str(hosted) if isinstance(hosted, int) else sorted(hosted)}")
     if req_id in live:
         raise RequestError(f"request {req_id} is already on this engine")
     if max_len > capacity_tokens:
@@ -113,7 +120,7 @@ class Engine:
     def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
                  min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0,
-                 on_kv_full: str = "offload", prefix_caching: bool = True) -> None:
+                 on_kv_full: str = "offload", prefix_caching: bool = True, lora_scale: float | None = None) -> None:
         if on_kv_full not in ("offload", "recompute"):
             raise ValueError(f"on_kv_full must be 'offload' or 'recompute', not {on_kv_full!r}")
         self.model = load_model(model) if isinstance(model, str | Path) else model
@@ -122,18 +129,37 @@ class Engine:
         self.kv = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, kv_blocks, block_size, dtype=weight.dtype,
                          device=weight.device)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
-        self.seed, self.version = seed, version
+        self.seed = seed
         self.min_step_time_s, self.prefill_s_per_token = min_step_time_s, prefill_s_per_token
         self.on_kv_full, self.prefix_caching = on_kv_full, prefix_caching
         self.seqs: dict[int, Sequence] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.adapters = Adapters(self.model, lora_scale) if lora_scale is not None else None
+        self.base_version = self.version = version
+
+    @property
+    def version(self) -> int:
+        """The newest version hosted (-1 before the first load)."""
+        return self._version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self._version = v
+        if self.adapters is None or not self.adapters.by_version:
+            self.base_version = v  # the base weights are this version (the folder's v0, or a whole load)
+
+    @property
+    def versions(self) -> set[int]:
+        """Every version a request may be tagged with here: the one hosted, or under LoRA the base weights' and
+        each resident adapter's."""
+        return {self.version} if self.adapters is None else {self.base_version, *self.adapters.by_version}
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
         self._check_new(req_id, version, len(prompt) + params.max_tokens)
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
-        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold, head=self._head(prompt))
+        self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold, head=self._head(prompt, version))
 
     def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
         """The next turn of a held episode: ``tokens`` (the environment's) join its context, then up to
@@ -160,7 +186,10 @@ class Engine:
         return len(seq.prompt), len(seq.response)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The hosted version's weights (Hugging Face names)."""
+        """The hosted version's weights (Hugging Face names); under LoRA the newest version's adapter (lora.py's
+        names; none for the base's version: a fresh adapter is the identity)."""
+        if self.adapters is not None:
+            return self.adapters.state(self.version)
         return self.model.state_dict()
 
     def abort(self, req_id: int) -> None:
@@ -169,7 +198,8 @@ class Engine:
         del self.seqs[req_id]
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
-        check_new(self.version, self.seqs, req_id, version, max_len, self.kv.num_blocks * self.kv.block_size)
+        hosted = self.versions if self.adapters is not None else self.version
+        check_new(hosted, self.seqs, req_id, version, max_len, self.kv.num_blocks * self.kv.block_size)
 
     def _get(self, req_id: int) -> Sequence:
         try:
@@ -207,7 +237,7 @@ class Engine:
                        list(meta["logprobs"]), status=Status.OFFLOADED if carried else Status.WAITING,
                        host_kv=kv if carried else None, n_cached=meta["n_cached"], auto_restore=not held and carried,
                        hold=meta.get("hold", False), held=held, turn_start=meta.get("turn_start", 0),
-                       head=self._head(meta["prompt"]))
+                       head=self._head(meta["prompt"], meta["version"]))
         self.seqs[seq.req_id] = seq
         if carried:
             self._try_restore(seq)
@@ -245,19 +275,33 @@ class Engine:
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
         """Swap in the weights of ``version``. Live requests must be gone unless ``keep_requests``
-        (partial rollout), in which case their KV is dropped and re-prefilled under the new weights."""
-        if self.seqs and not keep_requests:
+        (partial rollout), in which case their KV is dropped and re-prefilled under the new weights. Under LoRA an
+        adapter (lora.py's names) joins the versions hosted, the other versions' requests and cache untouched."""
+        adapter = self.adapters is not None and is_adapter(state)
+        if self.seqs and not (keep_requests or adapter):
             raise RequestError(f"cannot load v{version}: {len(self.seqs)} live requests of v{self.version}")
-        state = check_state(self.model, state, f"weights of v{version}")
-        self.model.load_state_dict(state, strict=False)
+        if adapter:
+            self.adapters.load(version, state)
+        else:
+            self.model.load_state_dict(check_state(self.model, state, f"weights of v{version}"), strict=False)
+            self.kv.clear_cache()  # KV of the old weights is matched no more
+            if self.adapters is not None:
+                self.adapters.by_version.clear()
         self.kv.allocate_memory()  # a slept engine wakes with its new weights
-        for seq in self.seqs.values():
+        for seq in self.seqs.values() if keep_requests else ():
             self.counts["reprefill_tokens"] += seq.n_cached
             self.kv.release(seq.table)
             seq.table, seq.n_cached, seq.host_kv = [], 0, None
             seq.status, seq.version = Status.WAITING, version
-        self.kv.clear_cache()  # KV of the old weights is matched no more
+            seq.head = self._head(seq.prompt, version)
         self.version = version
+
+    def retire(self, version: int) -> None:
+        """Under LoRA: stop hosting ``version`` (its adapter leaves); no request of it may be live."""
+        if any(s.version == version for s in self.seqs.values()):
+            raise RequestError(f"cannot retire v{version}: requests of it are live")
+        if self.adapters is not None and version != self.version:
+            self.adapters.drop(version)
 
     def sleep(self) -> int:
         """Free the KV pool for the trainer that hosts this engine (cluster.elastic) until the next
@@ -377,6 +421,8 @@ class Engine:
             ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
         batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], [s.table for s, _ in plan],
                             self.kv.block_size, self.kv.k.device)
+        if self.adapters is not None:
+            self.adapters.set_batch([s.version for s, n in plan for _ in range(n)])
         logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv)
         done = []
         for i, (seq, n) in enumerate(plan):
@@ -410,13 +456,17 @@ class Engine:
 
     def _match(self, seq: Sequence) -> bool:
         """Take the longest cached prefix of a sequence that holds no KV (all but its last token)."""
-        seq.table, seq.n_cached, seq.digests = self.kv.match(seq.tokens, len(seq) - 1)
+        seq.table, seq.n_cached, seq.digests = self.kv.match(seq.tokens, len(seq) - 1, self._root(seq.version))
         return seq.n_cached > 0
 
-    def _head(self, prompt: list[int]) -> bytes | None:
+    def _root(self, version: int) -> bytes:
+        """The prefix cache's root for a request of ``version``: one root, but one per version under LoRA."""
+        return b"" if self.adapters is None else f"v{version}".encode()
+
+    def _head(self, prompt: list[int], version: int) -> bytes | None:
         """With prefix caching, the digest of a prompt's first block (None for a prompt of a block or less)."""
         bs = self.kv.block_size
-        return digest(b"", prompt[:bs]) if self.prefix_caching and len(prompt) > bs else None
+        return digest(self._root(version), prompt[:bs]) if self.prefix_caching and len(prompt) > bs else None
 
     def _prefills_a_block(self, seq: Sequence) -> bool:
         return seq.head is not None and len(seq.prompt) - seq.n_cached >= self.kv.block_size
@@ -433,9 +483,9 @@ class Engine:
     def _register(self, seq: Sequence, old: int) -> None:
         """Make the blocks ``seq`` filled since it held ``old`` tokens of KV matchable, and its prompt's last
         partial block once the prompt is in."""
-        bs, tokens = self.kv.block_size, seq.tokens
+        bs, tokens, root = self.kv.block_size, seq.tokens, self._root(seq.version)
         for i in range(min(old // bs, len(seq.digests)), seq.n_cached // bs):
-            parent = seq.digests[i - 1] if i else b""
+            parent = seq.digests[i - 1] if i else root
             block = tuple(tokens[i * bs:(i + 1) * bs])
             if i == len(seq.digests):
                 seq.digests.append(digest(parent, block))
@@ -444,7 +494,7 @@ class Engine:
         p = len(seq.prompt)
         if old < p <= seq.n_cached and p % bs:
             i = p // bs
-            self.kv.register(seq.table[i], seq.digests[i - 1] if i else b"", tuple(seq.prompt[i * bs:p]))
+            self.kv.register(seq.table[i], seq.digests[i - 1] if i else root, tuple(seq.prompt[i * bs:p]))
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -458,7 +508,8 @@ class Engine:
     def stats(self) -> dict:
         by = {st: sum(1 for s in self.seqs.values() if s.status is st and not s.held) for st in Status}
         used = self.kv.num_blocks - self.kv.free_blocks
-        return {"version": self.version, "running": by[Status.RUNNING], "waiting": by[Status.WAITING],
+        return {"version": self.version, "versions": sorted(self.versions), "running": by[Status.RUNNING],
+                "waiting": by[Status.WAITING],
                 "offloaded": by[Status.OFFLOADED], "held": sum(1 for s in self.seqs.values() if s.held),
                 "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,
                 "kv_used_fraction": used / self.kv.num_blocks, "kv_blocks_cached": self.kv.cached_blocks,

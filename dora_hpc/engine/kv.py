@@ -165,11 +165,12 @@ class KVPool:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # -- prefix cache ------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int, list[bytes]]:
+    def match(self, tokens: Sequence[int], limit: int, root: bytes = b"") -> tuple[list[int], int, list[bytes]]:
         """The longest cached prefix of ``tokens``, at most ``limit`` tokens: (its blocks, now held by the
         caller too; its length in tokens; the digests of its full blocks). Full blocks match by digest; the
-        block after them may match in part (its first slots), and is then the caller's to copy on write."""
-        bs, blocks, digests, parent = self.block_size, [], [], b""
+        block after them may match in part (its first slots), and is then the caller's to copy on write.
+        ``root`` is the first block's parent (b"": one cache; a version's: one cache per version)."""
+        bs, blocks, digests, parent = self.block_size, [], [], root
         for i in range(limit // bs):
             b = self._full.get(d := digest(parent, tokens[i * bs:(i + 1) * bs]))
             if b is None:

@@ -94,6 +94,7 @@ class TrainerRank(RankClock):
                                    tensor_parallel=t.tensor_parallel,
                                    activation_checkpointing=t.activation_checkpointing,
                                    mixed_precision=t.mixed_precision, lora=LoraSpec.of(cfg))
+        self.adapter_versions = bool(t.lora) and LoraSpec.of(cfg).adapter_versions
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0
@@ -184,10 +185,13 @@ class TrainerRank(RankClock):
         """Keep this rank's shard of the weights it holds now as ``version`` (dropping versions no longer
         live) and return the version's checksum (a collective over the trainer ranks)."""
         shard = self.trainer.backend.shard_state_dict(self.shard, self.shards, self.dtype)
+        if version == 0 and self.adapter_versions:  # v0 is the model folder's: its fresh adapter (B = 0) is none
+            shard = {}
         digests = self.dp.allgather(shard_digest(shard))
         if self.trainer.backend.whole and self.shards > 1:  # a replica checks its neighbour's shard as well
             nxt = (self.shard + 1) % self.shards
-            mine = shard_digest(shard_of(self.trainer.backend.model.state_dict(), nxt, self.shards, self.dtype))
+            whole = {} if version == 0 and self.adapter_versions else self.trainer.backend.published()
+            mine = shard_digest(shard_of(whole, nxt, self.shards, self.dtype))
             if self.dp.allgather(mine) != digests[1:] + digests[:1]:
                 raise RuntimeError(f"trainer replicas diverged after step {step}: shard digests by trainer rank "
                                    f"{dict(enumerate(d[:16] for d in digests))}")
@@ -208,7 +212,8 @@ class TrainerRank(RankClock):
             self.rollout.early.append((header, self.comm.rank, dict(shard)))
             return
         base = self.versions.get(msg.base, (None,))[0] if self.cfg.train.publish_delta else None
-        pieces = shard if base is None else {n: delta(p, base[n]) or p for n, p in shard.items()}
+        pieces = shard if base is None else {n: (delta(p, base[n]) if n in base else None) or p  # (v0's adapter: none)
+                                             for n, p in shard.items()}
         self.comm.send_weights(pieces, msg.version, checksum, msg.dst, shard=self.shard, shards=self.shards,
                                base=-1 if base is None else msg.base)
 

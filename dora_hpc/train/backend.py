@@ -133,6 +133,11 @@ class TrainBackend:
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def published(self) -> dict[str, torch.Tensor]:
+        """A ``whole`` backend's version, whole, as ``shard_state_dict`` cuts it (a replica checks its neighbour's
+        shard with it)."""
+        raise NotImplementedError
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 

@@ -104,12 +104,12 @@ class FSDPBackend(ReplicatedBackend):
         """This rank's rows of every weight; under LoRA each adapted weight's rows W_r + (alpha / r) B_r A, its
         adapter's A gathered whole (r x in: small)."""
         out = {}
-        state = self.model.state_dict()
-        adapted = adapted_layers(self.model) if self.opts.lora else {}
-        for k, v in state.items():
-            if ".lora_" in k:
-                continue
-            k = hf_name(k) if self.opts.lora else k
+        lora = self.opts.lora
+        adapted = adapted_layers(self.model) if lora and not lora.adapter_versions else {}
+        for k, v in self.model.state_dict().items():
+            if lora and (".lora_" in k) != lora.adapter_versions:
+                continue  # a version is the adapter, or the merged base
+            k = hf_name(saved_name(k)) if lora else k
             local = v.to_local() if hasattr(v, "to_local") else piece(v, rank, shards)  # a DTensor, or not sharded
             if k in adapted:
                 m = adapted[k]

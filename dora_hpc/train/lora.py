@@ -6,6 +6,8 @@ Invariants:
   what a checkpoint keeps: with the run's model folder and its ``train.lora`` they are the whole policy;
 * ``merged_state``: every weight of the policy under its Hugging Face name, each adapted weight W + (alpha / r) B A as
   peft's own merge computes it: what a version is for an engine that holds whole weights, and ``export --merged``;
+* ``published_adapter``: the adapter under the names the built-in engine takes (``<HF module>.lora_A.weight``,
+  engine/lora.py): what a version is for an engine that holds adapters (``adapter_versions``);
 * a ``train.lora`` that cannot run raises LoraError naming the key (``target_modules`` that match no module).
 """
 
@@ -30,15 +32,21 @@ class LoraSpec:
     alpha: float
     target_modules: tuple[str, ...] | str  # module names, or peft's "all-linear" (every linear but the output head)
     dropout: float = 0.0
+    adapter_versions: bool = False  # a version is published as the adapter (else as the merged policy)
 
     @classmethod
     def of(cls, cfg) -> LoraSpec | None:
-        """``train.lora`` of a RunConfig (None: full fine-tuning)."""
+        """``train.lora`` of a RunConfig (None: full fine-tuning). The built-in engine holds versions as adapters;
+        vLLM's backend gets the merged policy."""
         lo = cfg.train.lora
         if lo is None:
             return None
         mods = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
-        return cls(lo.rank, lo.alpha, mods, lo.dropout)
+        return cls(lo.rank, lo.alpha, mods, lo.dropout, adapter_versions=cfg.engine.backend == "builtin")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 def attach(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
@@ -110,6 +118,11 @@ def check_adapter(want: dict[str, tuple[int, ...]], state: dict[str, torch.Tenso
         odd = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
         raise LoraError(f"the adapter does not fit this train.lora (rank or target_modules differ): "
                         f"{len(odd)} tensors, first {odd[0]} {got.get(odd[0])} against {want.get(odd[0])}")
+
+
+def published_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's live tensors under the engine's names (``<HF module>.lora_A.weight``)."""
+    return {hf_name(saved_name(k)): t for k, t in model.state_dict().items() if ".lora_" in k}
 
 
 def saved_name(fqn: str) -> str:

@@ -157,13 +157,21 @@ def wire(p: torch.Tensor | Delta) -> np.ndarray:
 def assemble(parts: list[tuple[int, int, dict[str, torch.Tensor | Delta]]], current: dict[str, torch.Tensor],
              dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Whole weights in ``dtype`` from every shard's pieces, given as (shard, shards, pieces). ``current`` is
-    what the receiver holds: it gives each tensor's whole shape and, to a delta, the rows of its base. The
-    pieces are consumed tensor by tensor, so pieces and whole weights are held twice over one tensor at most."""
+    what the receiver holds: it gives each tensor's whole shape and, to a delta, the rows of its base; an adapter's
+    tensor the receiver does not hold yet (engine/lora.py's names: the first adapter after the base) comes whole,
+    its rows those of its pieces. The pieces are consumed tensor by tensor, so pieces and whole weights are held
+    twice over one tensor at most."""
     out: dict[str, torch.Tensor] = {}
     for name in sorted({n for _, _, pieces in parts for n in pieces}):
-        if name not in current:
+        if name in current:
+            shape = tuple(current[name].shape)
+        elif name.endswith((".lora_A.weight", ".lora_B.weight")) and all(
+                isinstance(p.get(name), torch.Tensor | None) for _, _, p in parts):
+            got = [p[name] for _, _, p in parts if name in p]
+            shape = (sum(t.shape[0] for t in got), *got[0].shape[1:])
+        else:
             raise RuntimeError(f"published weights name a tensor the engine does not have: {name}")
-        out[name] = torch.empty(current[name].shape, dtype=dtype)
+        out[name] = torch.empty(shape, dtype=dtype)
         for shard, shards, pieces in parts:
             p = pieces.pop(name, None)
             if isinstance(p, Delta):

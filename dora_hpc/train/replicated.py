@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit, detached_copy
-from .lora import LoraSpec, adapter_state, attach, load_adapter_state, merged_state, refuse_adapter
+from .lora import LoraSpec, adapter_state, attach, load_adapter_state, merged_state, published_adapter, refuse_adapter
 from .publish import shard_of
 
 
@@ -76,9 +76,15 @@ class ReplicatedBackend(TrainBackend):
             return adapter_state(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def published(self) -> dict[str, torch.Tensor]:
+        """What a version is, whole (live tensors): the weights; under LoRA the adapter or the merged policy."""
+        lora = self.opts.lora
+        if lora is None:
+            return self.model.state_dict()
+        return published_adapter(self.model) if lora.adapter_versions else merged_state(self.model)
+
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        whole = merged_state(self.model) if self.opts.lora else self.model.state_dict()
-        return shard_of(whole, rank, shards, dtype)  # copies this rank's pieces only
+        return shard_of(self.published(), rank, shards, dtype)  # copies this rank's pieces only
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.opts.lora:
