@@ -26,6 +26,7 @@ from dora_hpc.core.events import (
     Progress,
     RequestFinished,
     Restore,
+    Retire,
     Sleep,
     Start,
     StartTrain,
@@ -62,6 +63,9 @@ class RandomDriver:
         self.started = False
         self.version: list[int | None] = [None] * n   # ready version per instance
         self.loading: dict[int, int] = {}              # instance -> version being loaded
+        self.extra: dict[int, set[int]] = defaultdict(set)   # shared: every version hosted (once ready)
+        self.adding: dict[int, set[int]] = defaultdict(set)  # shared: versions loading beside them
+        self.mixed_instances = 0                        # shared: most versions running on one instance at once
         self.where: dict[int, int] = {}                # live traj -> instance
         self.segments: dict[int, list[int]] = defaultdict(list)
         self.group_tag: dict[int, int] = {}
@@ -83,12 +87,26 @@ class RandomDriver:
         for cmd in self.p.on(event):
             self.execute(cmd)
 
+    def serving(self, i: int) -> set[int]:
+        """The versions instance ``i`` can run now (by this driver's own record)."""
+        if self.version[i] is None:
+            return set()
+        return self.extra[i] if self.p.cfg.shared_instances else {self.version[i]}
+
     def execute(self, cmd) -> None:
         at = getattr(cmd, "dst", getattr(cmd, "instance", None))
         if isinstance(cmd, AssignVersion | Dispatch | Migrate) and at in self.lost:
             raise InvariantBroken(f"{cmd}: instance {at} is lost")
         match cmd:
-            case AssignVersion(i, v, src, keep):
+            case AssignVersion(i, v, src, keep, add) if add:
+                if not self.p.cfg.shared_instances or self.version[i] is None or v in self.serving(i) | self.adding[i]:
+                    raise InvariantBroken(f"{cmd}: an added version where versions do not share instances, or twice")
+                self.adding[i].add(v)
+            case Retire(i, v):
+                if v not in self.extra[i] or any(j == i and self.segments[t][-1] == v for t, j in self.where.items()):
+                    raise InvariantBroken(f"{cmd}: not hosted there, or a request of it still runs there")
+                self.extra[i].discard(v)
+            case AssignVersion(i, v, src, keep, _):
                 if i in self.asleep and self.train_step is not None:
                     raise InvariantBroken(f"{cmd}: a borrowed instance woken while the trainer trains")
                 if i in self.asleep:
@@ -102,16 +120,17 @@ class RandomDriver:
                     raise InvariantBroken(f"{self.p.name} switched live requests to a new version")
                 if src == FOLDER and v != 0:
                     raise InvariantBroken(f"{cmd}: only version 0 is the model folder")
-                if src >= 0 and self.version[src] != v:
+                if src >= 0 and v not in self.serving(src):
                     raise InvariantBroken(f"{cmd}: peer {src} does not hold v{v}")
                 for t in live:
                     self.segments[t].append(v)
                     self.reprefills += 1
                 self.version[i] = None
+                self.extra[i], self.adding[i] = set(), set()
                 self.loading[i] = v
             case Dispatch(t, g, _, v, i):
-                if self.version[i] != v:
-                    raise InvariantBroken(f"{cmd}: instance {i} holds v{self.version[i]}")
+                if v not in self.serving(i):
+                    raise InvariantBroken(f"{cmd}: instance {i} holds {sorted(self.serving(i))}")
                 cfg = self.p.cfg
                 # partial rollout moves a group's samples to each new version; one started again after a
                 # loss starts under the version of the moment, as its group's other samples run under
@@ -127,7 +146,7 @@ class RandomDriver:
                     self.served_after_join.add(i)
                 self.segments[t].append(v)
             case Migrate(t, src, dst, _):
-                if self.where.get(t) != src or self.version[dst] != self.segments[t][-1]:
+                if self.where.get(t) != src or self.segments[t][-1] not in self.serving(dst):
                     raise InvariantBroken(f"{cmd}: bad source or destination version")
                 self.where[t] = dst
                 self.migrations += 1
@@ -151,6 +170,7 @@ class RandomDriver:
                 self.asleep.add(i)
                 self.elastic["sleeps"] += 1
                 self.version[i] = None
+                self.extra[i], self.adding[i] = set(), set()
                 self.loading.pop(i, None)  # a load in flight is cancelled
             case Offload(t, i):
                 if self.where.get(t) != i or i not in self.borrowed:
@@ -158,7 +178,7 @@ class RandomDriver:
                 self.parked[t] = self.where.pop(t)
                 self.elastic["offloads"] += 1
             case Restore(t, i):
-                if t not in self.parked or self.version[i] != self.segments[t][-1]:
+                if t not in self.parked or self.segments[t][-1] not in self.serving(i):
                     raise InvariantBroken(f"{cmd}: not parked, or the instance holds another version")
                 del self.parked[t]
                 self.where[t] = i
@@ -172,6 +192,9 @@ class RandomDriver:
                 raise InvariantBroken(f"unexpected command {cmd}")
         live = {self.segments[t][-1] for t in self.where}
         self.max_live_versions = max(self.max_live_versions, len(live))
+        if isinstance(cmd, Dispatch):
+            here = {self.segments[t][-1] for t, j in self.where.items() if j == cmd.instance}
+            self.mixed_instances = max(self.mixed_instances, len(here))
 
     def _train(self, step: int, groups: tuple[int, ...]) -> None:
         if self.train_step is not None:
@@ -201,6 +224,7 @@ class RandomDriver:
     # -- delivering completions --------------------------------------------------------------------
     def actions(self) -> list[tuple]:
         acts: list[tuple] = [("ready", i) for i in self.loading]
+        acts += [("added", i, v) for i, vs in self.adding.items() for v in vs]
         acts += [("finish", t) for t, i in self.where.items() if self.version[i] is not None]
         if self.train_step is not None:
             acts.append(("train",))
@@ -251,7 +275,13 @@ class RandomDriver:
         if act[0] == "ready":
             i = act[1]
             self.version[i] = self.loading.pop(i)
+            self.extra[i] = {self.version[i]}
             self.feed(InstanceReady(i, self.version[i]))
+        elif act[0] == "added":
+            _, i, v = act
+            self.adding[i].discard(v)
+            self.extra[i].add(v)
+            self.feed(InstanceReady(i, v))
         elif act[0] == "finish":
             t = act[1]
             i = self.where.pop(t)
@@ -268,6 +298,7 @@ class RandomDriver:
         self.to_lose -= 1
         self.lost.add(i)
         self.version[i] = None
+        self.extra[i], self.adding[i] = set(), set()
         self.loading.pop(i, None)
         for held in (self.where, self.parked):
             for t in [t for t, j in held.items() if j == i]:

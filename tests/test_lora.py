@@ -116,6 +116,8 @@ def test_a_lora_run_resumes_from_its_adapter_and_exports_an_adapter_and_a_merged
     a = analyze(run)
     assert a["steps"] == 4 and not any(v for k, v in a["invariants"].items() if k != "offenders")
     assert a["logprob_gap"]["max"] < 1e-5  # the engines serve the trainer's adapted policy
+    # versions are adapters: every instance hosts each live one, batches them together, and nothing migrates
+    assert a["multi_version_batches"] > 0 and a["migrations"] == 0
     with __import__("safetensors").safe_open(run / "checkpoints" / "step-4" / "weights.safetensors", "pt") as f:
         assert all(".lora_" in k for k in f.keys())  # a checkpoint is the adapter
 

@@ -29,7 +29,8 @@ def configs(draw, mode: str):
     rbs = tbs + (draw(st.integers(0, 4)) if streaming else 0)
     if mode in ("partial", "dora") and draw(st.booleans()):
         rbs = None  # batch.rbs: auto
-    borrowed = draw(st.integers(0, 3)) if mode == "dora" else 0  # cluster.elastic
+    shared = mode == "dora" and draw(st.booleans())  # train.lora: versions share instances
+    borrowed = draw(st.integers(0, 3)) if mode == "dora" and not shared else 0  # cluster.elastic
     k = draw(st.integers(0, 3))
     admission = draw(st.sampled_from(["eager", "lean"])) if mode == "dora" else "eager"
     depth = draw(st.none() | st.floats(1.0, k + 2.0)) if admission == "lean" else None
@@ -39,7 +40,7 @@ def configs(draw, mode: str):
         slots=draw(st.integers(1, 6)), k=k,
         rebalance_every=draw(st.integers(1, 3)), carry_kv=draw(st.booleans()),
         legacy_topup=draw(st.booleans()), topup_after_rebalance=draw(st.booleans()),
-        group_together=draw(st.booleans()),
+        group_together=draw(st.booleans()), shared_instances=shared,
     )
 
 
@@ -179,6 +180,43 @@ def test_dora_keeps_several_versions_live_and_migrates():
         stale |= set(d.staleness)
     assert multi > 30 and migrated > 5
     assert max(stale) <= 2 and 2 in stale
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_shared_instances_run_several_versions_on_one_instance_and_never_migrate(data, seed):
+    """Versions as adapters (PolicyConfig.shared_instances): every instance adds each new version and retires the
+    ones no trajectory needs; nothing migrates; the invariants hold; at most K + 2 versions are hosted on an instance
+    (the K + 1 the window holds, and one it left whose retirement waits for the next version's load)."""
+    cfg = data.draw(configs("dora"))
+    cfg = PolicyConfig(**{**cfg.__dict__, "shared_instances": True, "borrowed": 0})
+    driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
+    hosted = []
+    for step in range(1, 9):
+        driver.run(steps=step)
+        hosted += [len(driver.serving(i)) for i in range(cfg.n_instances)]
+    driver.check_nothing_lost()
+    assert driver.migrations == 0 and max(hosted) <= cfg.k + 2
+
+
+def test_shared_instances_do_mix_versions_in_one_instance():
+    mixed = []
+    for seed in range(6):
+        cfg = PolicyConfig(tbs=2, rbs=6, group_size=2, n_instances=2, slots=6, k=2, shared_instances=True)
+        d = RandomDriver(policy_for("dora", cfg), random.Random(seed))
+        d.run(steps=10)
+        mixed.append(d.mixed_instances)
+    assert max(mixed) >= 2, mixed  # requests of two versions or more ran on one instance at once
+
+
+def test_shared_instances_need_dora_and_no_borrowed_instances():
+    for mode in ("sync", "partial"):
+        with pytest.raises(ValueError, match="shared instances"):
+            policy_for(mode, PolicyConfig(tbs=1, rbs=2 if mode == "partial" else 1, group_size=1, n_instances=1,
+                                          slots=1, shared_instances=True))
+    with pytest.raises(ValueError, match="borrowed"):
+        policy_for("dora", PolicyConfig(tbs=1, rbs=2, group_size=1, n_instances=1, slots=1, borrowed=1,
+                                        shared_instances=True))
 
 
 def test_partial_records_reprefill_and_oversample_drops():
@@ -347,7 +385,7 @@ def test_borrowed_instances_serve_while_the_trainer_waits_and_sleep_while_it_tra
     that starts while one serves); after it they wake, unless the next step starts at once (the driver
     refuses a wake and a sleep in one decision), and restore what they parked. Invariants as always."""
     drawn = data.draw(configs("dora")).__dict__
-    cfg = PolicyConfig(**{**drawn, "borrowed": data.draw(st.integers(1, 3))})
+    cfg = PolicyConfig(**{**drawn, "borrowed": data.draw(st.integers(1, 3)), "shared_instances": False})
     driver = RandomDriver(policy_for("dora", cfg), random.Random(seed))
     driver.run(steps=8)
     driver.check_nothing_lost()

@@ -83,7 +83,7 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
 
 
 STEP_COLUMNS = ["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens", "prefix_hit_tokens",
-                "running", "kv_blocks_used", "new_tokens"]  # what analyze reads of the engine steps
+                "running", "kv_blocks_used", "new_tokens", "batch_versions"]  # what analyze reads of the engine steps
 
 
 def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | Path | None = None) -> dict:
@@ -133,7 +133,9 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "fenced": fenced(ops),
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
-        "max_live_versions": max_live_versions(esteps), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
+        "max_live_versions": max_live_versions(esteps),
+        "multi_version_batches": int((esteps["batch_versions"] >= 2).sum()),
+        "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
         "admission_cap": admission_caps(logged_caps(ops), cfg.get("batch", {}).get("tbs", 1), warm),
         **gate_figures(ops, tsteps, consumed, traj, esteps),
         **utilization(esteps, trained, ops, warmup_steps=warm, ranks=instance_ranks(run_dir, cfg),

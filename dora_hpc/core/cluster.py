@@ -2,7 +2,10 @@
 
 Invariants kept here (checked on every change, so a policy bug fails loudly in tests):
 * an instance hosts at most one version; a trajectory is placed only on an instance whose ready
-  version equals the trajectory's version (single version per trajectory);
+  version equals the trajectory's version (single version per trajectory). With ``shared`` (versions share
+  instances: a version is an adapter) an instance hosts every version it loaded and was not told to retire
+  (``resident``), and a trajectory is placed only on one that hosts its version; its free slots count for
+  each of them;
 * an instance never holds more live trajectories than it has slots;
 * every live trajectory is in exactly one place: its version's queue or one instance's active set;
 * a lost (fenced) instance hosts nothing and is given no work until a replacement joins in its place;
@@ -23,7 +26,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .events import Abort, AssignVersion, Dispatch, Migrate, Offload, Restore, Sleep
+from .events import Abort, AssignVersion, Dispatch, Migrate, Offload, Restore, Retire, Sleep
 
 
 @dataclass
@@ -35,6 +38,12 @@ class InstanceView:
     lost: bool = False  # fenced by the driver: hosts nothing until a replacement joins
     borrowed: bool = False  # on the trainer's accelerators: asleep while it trains
     asleep: bool = False
+    resident: set[int] = field(default_factory=set)  # shared: every version hosted (``version``: the newest)
+    adding: set[int] = field(default_factory=set)    # shared: versions loading beside those hosted
+
+    def serves(self, version: int) -> bool:
+        """A trajectory of ``version`` may run here now."""
+        return self.ready and (version == self.version or version in self.resident)
 
     @property
     def ready(self) -> bool:
@@ -62,10 +71,10 @@ class TrajView:
 
 class ClusterView:
     def __init__(self, n_instances: int, slots: int, group_size: int, borrowed: int = 0,
-                 group_together: bool = False) -> None:
+                 group_together: bool = False, shared: bool = False) -> None:
         if n_instances < 1 or slots < 1 or borrowed < 0:
             raise ValueError("a cluster needs at least one instance with at least one slot")
-        self.group_size, self.group_together = group_size, group_together
+        self.group_size, self.group_together, self.shared = group_size, group_together, shared
         self.instances = [InstanceView(slots) for _ in range(n_instances)]
         self.instances += [InstanceView(slots, borrowed=True) for _ in range(borrowed)]
         n_instances += borrowed
@@ -73,7 +82,7 @@ class ClusterView:
         self.queues: dict[int, deque[int]] = {}
         self._has_free: dict[int, set[int]] = {}  # version -> ready instances with a free slot
         self._free: dict[int, int] = {}            # version -> free slots on its ready instances
-        self._contrib: list[tuple[int | None, int]] = [(None, 0)] * n_instances  # (version, free)
+        self._contrib: list[tuple[tuple[int, ...], int]] = [((), 0)] * n_instances  # (versions, free)
         self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (_load_key, instance)
 
     # -- queries -----------------------------------------------------------------------------------
@@ -89,7 +98,7 @@ class ClusterView:
 
     def hosts(self, version: int, ready_only: bool = False) -> list[int]:
         return [i for i, inst in enumerate(self.instances)
-                if (inst.version == version and inst.ready) or (not ready_only and inst.target == version)]
+                if inst.serves(version) or (not ready_only and (inst.target == version or version in inst.adding))]
 
     def active_count(self, version: int) -> int:
         return sum(len(inst.active) for inst in self.instances if inst.target == version)
@@ -100,6 +109,14 @@ class ClusterView:
 
     def free_slots(self, version: int) -> int:
         return self._free.get(version, 0)
+
+    def idle_slots(self, version: int) -> int:
+        """Free slots where ``version`` could run that no queued trajectory will take: with shared instances
+        every queue competes for the same slots."""
+        if not self.shared:
+            return self.free_slots(version) - self.queued_count(version)
+        free = sum(inst.free for inst in self.instances if inst.serves(version))
+        return free - sum(len(q) for q in self.queues.values())
 
     # -- admission and placement -------------------------------------------------------------------
     def enqueue_group(self, group_id: int, version: int) -> None:
@@ -144,8 +161,15 @@ class ClusterView:
         return t
 
     def assign(self, cmd: AssignVersion) -> None:
-        """Load ``cmd.version`` on an instance; an asleep one wakes."""
+        """Load ``cmd.version`` on an instance; an asleep one wakes. With ``cmd.add`` (shared) the version
+        loads beside those hosted, which keep running."""
         inst = self.instances[cmd.instance]
+        if cmd.add:
+            if not self.shared or not inst.ready or cmd.version in inst.resident | inst.adding:
+                raise AssertionError(f"instance {cmd.instance} told to add v{cmd.version} (shared: {self.shared}, "
+                                     f"hosts {sorted(inst.resident)}, adding {sorted(inst.adding)})")
+            inst.adding.add(cmd.version)
+            return
         if inst.active and not cmd.keep_requests:
             raise AssertionError(f"instance {cmd.instance} reassigned with {len(inst.active)} live requests")
         inst.asleep = False
@@ -157,15 +181,31 @@ class ClusterView:
 
     def ready(self, instance: int, version: int) -> None:
         inst = self.instances[instance]
-        if inst.loading != version:
+        if version in inst.adding:
+            inst.adding.discard(version)
+            inst.resident.add(version)
+            inst.version = max(inst.resident)
+        elif inst.loading != version:
             raise AssertionError(f"instance {instance} ready with v{version}, was loading v{inst.loading}")
-        inst.version, inst.loading = version, None
+        else:
+            inst.version, inst.loading = version, None
+            inst.resident = {version} if self.shared else set()
         self._refresh(instance)
+
+    def retire(self, instance: int, version: int) -> Retire:
+        """Shared: ``instance`` stops hosting ``version``, which no trajectory there has."""
+        inst = self.instances[instance]
+        if version not in inst.resident or version == inst.version or any(
+                self.trajs[t].version == version for t in inst.active):
+            raise AssertionError(f"instance {instance} told to retire v{version} (hosts {sorted(inst.resident)})")
+        inst.resident.discard(version)
+        self._refresh(instance)
+        return Retire(instance, version)
 
     def migrate(self, cmd: Migrate) -> None:
         t = self.trajs[cmd.traj_id]
         dst = self.instances[cmd.dst]
-        if t.instance != cmd.src or dst.version != t.version or not dst.ready or dst.free < 1:
+        if t.instance != cmd.src or not dst.serves(t.version) or dst.free < 1:
             raise AssertionError(f"bad migration {cmd} of a v{t.version} trajectory")
         self.instances[cmd.src].active.discard(cmd.traj_id)
         self._refresh(cmd.src)
@@ -194,6 +234,7 @@ class ClusterView:
             self.queues.setdefault(t.version, deque()).appendleft(tid)
         inst.active.clear()
         inst.lost, inst.asleep, inst.version, inst.loading = True, False, None, None
+        inst.resident, inst.adding = set(), set()
         self._refresh(instance)
         return out
 
@@ -223,6 +264,7 @@ class ClusterView:
             raise AssertionError(f"instance {instance} put to sleep (borrowed: {inst.borrowed}, "
                                  f"{len(inst.active)} live requests)")
         inst.asleep, inst.version, inst.loading = True, None, None
+        inst.resident, inst.adding = set(), set()
         self._refresh(instance)
         return Sleep(instance)
 
@@ -264,7 +306,7 @@ class ClusterView:
 
     def _put(self, traj_id: int, instance: int) -> None:
         inst, t = self.instances[instance], self.trajs[traj_id]
-        if not inst.ready or inst.version != t.version or inst.free < 1:
+        if not inst.serves(t.version) or inst.free < 1:
             raise AssertionError(f"trajectory {traj_id} (v{t.version}) cannot run on instance {instance}")
         inst.active.add(traj_id)
         t.instance, t.started = instance, True
@@ -272,24 +314,24 @@ class ClusterView:
 
     def _refresh(self, i: int) -> None:
         """Re-index instance i after any change: free-slot sets, counters and the load heap."""
-        old_v, old_free = self._contrib[i]
-        if old_v is not None:
-            self._free[old_v] -= old_free
-            self._has_free.get(old_v, set()).discard(i)
+        old_vs, old_free = self._contrib[i]
+        for v in old_vs:
+            self._free[v] -= old_free
+            self._has_free.get(v, set()).discard(i)
         inst = self.instances[i]
-        v, free = (inst.version, inst.free) if inst.ready else (None, 0)
-        self._contrib[i] = (v, free)
-        if v is None:
-            return
-        self._free[v] = self._free.get(v, 0) + free
-        if free > 0:
-            self._has_free.setdefault(v, set()).add(i)
-            heap = self._by_load.setdefault(v, [])
-            if len(heap) > 4 * len(self.instances) + 64:  # drop stale entries now and then
-                heap[:] = [(self._load_key(j), j) for j in self._has_free[v]]
-                heapq.heapify(heap)
-            else:
-                heapq.heappush(heap, (self._load_key(i), i))
+        vs = (tuple(sorted(inst.resident | {inst.version})) if self.shared else (inst.version,)) if inst.ready else ()
+        free = inst.free if inst.ready else 0
+        self._contrib[i] = (vs, free)
+        for v in vs:
+            self._free[v] = self._free.get(v, 0) + free
+            if free > 0:
+                self._has_free.setdefault(v, set()).add(i)
+                heap = self._by_load.setdefault(v, [])
+                if len(heap) > 4 * len(self.instances) + 64:  # drop stale entries now and then
+                    heap[:] = [(self._load_key(j), j) for j in self._has_free[v]]
+                    heapq.heapify(heap)
+                else:
+                    heapq.heappush(heap, (self._load_key(i), i))
 
     def with_its_group(self, traj_id: int, free) -> int | None:
         """A dedicated instance among ``free`` (those with room) that runs a sample of ``traj_id``'s group."""

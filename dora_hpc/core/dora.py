@@ -38,7 +38,13 @@ class Dora(Policy):
     their KV to dedicated instances of their version with room, the rest are offloaded to host memory
     and restored, first of their queue, on the next instance of their version with room -- and sleeps;
     after the step it wakes with the latest version. Nothing is re-prefilled and every trajectory keeps
-    its one version."""
+    its one version.
+
+    Shared instances (``cfg.shared_instances``: a version is an adapter): every instance hosts every version
+    that live work needs. On a publish each instance adds the new version and retires those no trajectory,
+    queued or running, is tagged with; a request is placed on the least-loaded instance with room whatever
+    its version, the oldest version's queue first (the window waits on it). There is nothing to re-partition,
+    so the planner and its migrations do not run."""
 
     name = "dora"
 
@@ -47,7 +53,7 @@ class Dora(Policy):
         # versions v-K..v live on the instances, v+1 being made: K + 2
         return Traits(uses_rbs=True, staleness_bound=k, single_version=True, placement="disaggregated",
                       kv_offload=True, keep_versions=k + 2, dynamic_sampling=True, auto_rbs=True, elastic=True,
-                      uses_k=True)
+                      uses_k=True, shared_instances=True)
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__(cfg)
@@ -79,11 +85,14 @@ class Dora(Policy):
                               f"step {plan.version}")
 
     def on_ready(self, instance: int) -> list[Command]:
-        return self._admit() + self._train() + self._rebalance_if_idle(instance)
+        out = self._admit() + self._train() + self._rebalance_if_idle(instance)
+        return out + (self._retire() if self.cfg.shared_instances else [])
 
     def _rebalance_if_idle(self, instance: int) -> list[Command]:
         """An instance with nothing to run for its version (its load outlived the version's work, or
         its last request finished) is offered to a starved version now, not at the next Tick."""
+        if self.cfg.shared_instances:
+            return []
         inst = self.view.instances[instance]
         if inst.ready and not inst.active and not self.view.queued_count(inst.version):
             return self._rebalance()
@@ -111,9 +120,33 @@ class Dora(Policy):
             self.lean.on_trainer_free(self.n_complete(), self._can_train())
             self._retag_unstarted()
         wake = [] if self._can_train() else self._wake()  # a step that starts at once would put them back to sleep
+        if self.cfg.shared_instances:
+            return self._add_latest() + self._admit() + self._retire() + self._train()
         if self.cfg.topup_after_rebalance:  # the paper's tiers: fresh work, then migration, then legacy top-up
             return wake + self._admit(legacy=False) + self._rebalance() + self._admit() + self._train()
         return wake + self._admit() + self._rebalance() + self._train()
+
+    def _add_latest(self) -> list[Command]:
+        """Shared instances: every ready instance adds the latest version beside those it hosts."""
+        out: list[Command] = []
+        for i, inst in enumerate(self.view.instances):
+            if inst.ready and self.latest not in inst.resident | inst.adding:
+                cmd = AssignVersion(i, self.latest, TRAINER, add=True)
+                self.view.assign(cmd)
+                out.append(cmd)
+        return out
+
+    def _retire(self) -> list[Command]:
+        """Shared instances: each instance drops the versions no trajectory needs (none queued or running under
+        them, and not the latest); at most the K + 1 versions the window holds stay resident."""
+        needed = {self.latest} | {t.version for t in self.view.trajs.values()}
+        if self.cfg.legacy_topup:
+            needed |= set(self.window.live_versions)
+        out: list[Command] = []
+        for i, inst in enumerate(self.view.instances):
+            for v in sorted(inst.resident - needed - {inst.version}):
+                out.append(self.view.retire(i, v))
+        return out
 
     def _wake(self) -> list[Command]:
         """The trainer is free and must wait: each asleep borrowed instance loads the latest version from
@@ -171,7 +204,7 @@ class Dora(Policy):
             for v in sorted(self.window.live_versions, reverse=True):
                 if v == latest:
                     continue
-                idle = self.view.free_slots(v) - self.view.queued_count(v)
+                idle = self.view.idle_slots(v)
                 while idle >= g and self.window.room(v, slack=1) > 0 and (
                         self.lean is None or self._in_pipeline() < self.lean.depth):
                     self.admit(v)
@@ -195,12 +228,16 @@ class Dora(Policy):
         return self._rebalance() + self._admit() + self._train()
 
     def _place_all(self) -> list[Command]:
+        """Each version's queue onto its instances: newest first, or with shared instances (where the queues
+        compete for the same slots) oldest first, as the window waits on the oldest."""
         out: list[Command] = []
-        for v in sorted(self.view.queues, reverse=True):
+        for v in sorted(self.view.queues, reverse=not self.cfg.shared_instances):
             out += self.view.place(v)
         return out
 
     def _rebalance(self) -> list[Command]:
+        if self.cfg.shared_instances:
+            return []  # nothing to re-partition: every instance hosts every live version
         return planner.plan(self.view, self.latest, self.cfg.carry_kv, self.cfg.oldest_first, self.work)
 
     def train_wait(self) -> str | None:

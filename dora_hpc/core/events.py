@@ -106,7 +106,9 @@ class AssignVersion:
 
     With ``keep_requests=False`` (every policy but PartialRollout) the instance holds no live request
     when this command is issued: the policy has migrated them away first. With ``keep_requests=True``
-    (PartialRollout only) its live requests continue under the new weights after a re-prefill.
+    (PartialRollout only) its live requests continue under the new weights after a re-prefill. With ``add``
+    (versions share instances: a version is an adapter) the version joins those the instance hosts; its live
+    requests of other versions continue untouched.
     The driver answers with InstanceReady once the weights are loaded.
     """
 
@@ -114,13 +116,24 @@ class AssignVersion:
     version: int
     source: int = TRAINER
     keep_requests: bool = False
+    add: bool = False
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Versions share instances: ``instance`` stops hosting ``version`` (its adapter leaves); no request of that
+    version is live there. The driver answers nothing."""
+
+    instance: int
+    version: int
 
 
 @dataclass(frozen=True)
 class Dispatch:
     """Start trajectory ``traj_id`` (sample ``sample_idx`` of prompt group ``group_id``) on ``instance``.
 
-    ``version`` is the tag the group received at admission; the instance hosts exactly that version.
+    ``version`` is the tag the group received at admission; the instance hosts that version (among others when
+    versions share instances).
     """
 
     traj_id: int
@@ -206,4 +219,4 @@ class StartTrain:
     group_ids: tuple[int, ...]
 
 
-Command = AssignVersion | Dispatch | Migrate | Offload | Restore | Sleep | Abort | Drop | Filter | StartTrain
+Command = AssignVersion | Retire | Dispatch | Migrate | Offload | Restore | Sleep | Abort | Drop | Filter | StartTrain

@@ -229,8 +229,15 @@ def make_policy(run_config, instances: int, mode: str | None = None, borrowed: i
                        oldest_first=d.planner == "straggler", by_work=d.planner == "work", legacy_topup=legacy_topup,
                        topup_after_rebalance=d.supplement == "after_migration", filter_groups=b.filter_groups,
                        borrowed=borrowed, admission=d.admission, depth=d.depth,
-                       group_together=run_config.engine.prefix_caching)
+                       group_together=run_config.engine.prefix_caching,
+                       shared_instances=traits.shared_instances and shares_instances(run_config))
     return policy_for(mode, cfg)
+
+
+def shares_instances(run_config) -> bool:
+    """Whether a RunConfig's versions are adapters an instance can hold side by side: train.lora with the
+    built-in engine (vLLM's backend gets whole merged weights)."""
+    return run_config.train.lora is not None and run_config.engine.backend == "builtin"
 
 
 def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
@@ -240,6 +247,11 @@ def policy_for(mode: str, cfg: PolicyConfig) -> Policy:
     if cfg.borrowed and not POLICIES[mode].traits(cfg.k).elastic:
         raise ValueError(f"borrowed instances (cluster.elastic) need a policy that drains them before training; "
                          f"mode {mode!r} has none")
+    if cfg.shared_instances and not POLICIES[mode].traits(cfg.k).shared_instances:
+        raise ValueError(f"shared instances (versions as adapters) need a policy that hosts several versions on an "
+                         f"instance; mode {mode!r} has none")
+    if cfg.shared_instances and cfg.borrowed:
+        raise ValueError("shared instances (train.lora) do not run with borrowed ones (cluster.elastic) yet")
     if cfg.filter_groups and not POLICIES[mode].traits(cfg.k).dynamic_sampling:
         raise ValueError(f"filter_groups (dynamic sampling) streams replacements through DORA's window; mode {mode!r} "
                          "has none")

@@ -55,6 +55,8 @@ class Traits:
     #                               under a window, while it allows), so no fixed number bounds what is in flight
     elastic: bool = False         # may borrow the trainer's accelerators for rollout while it waits (cluster.elastic)
     uses_k: bool = False          # dora.k is its staleness bound (a staleness window of K versions)
+    shared_instances: bool = False  # versions may share instances (train.lora: a version is an adapter, every
+    #                               instance hosts each live one, requests are placed by load alone)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class PolicyConfig:
     admission: str = "eager"      # Dora: eager (fill the window) or lean (core/admission.py)
     depth: float | None = None    # Dora, lean: the pipeline depth's cap in units of TBS (None: learned)
     group_together: bool = False  # place a group's samples where one of them runs (engines share its prompt)
+    shared_instances: bool = False  # versions share instances (Traits.shared_instances; versions are adapters)
 
     def __post_init__(self) -> None:
         if self.tbs < 1 or (self.rbs is not None and self.rbs < self.tbs):
@@ -104,7 +107,8 @@ class Policy:
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size, cfg.borrowed, cfg.group_together)
+        self.view = ClusterView(cfg.n_instances, cfg.slots, cfg.group_size, cfg.borrowed, cfg.group_together,
+                                cfg.shared_instances)
         self.ledger = Ledger(cfg.group_size)
         self.latest = 0
         self.trainer_busy = False

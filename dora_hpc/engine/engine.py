@@ -136,6 +136,7 @@ class Engine:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.adapters = Adapters(self.model, lora_scale) if lora_scale is not None else None
         self.base_version = self.version = version
+        self.batch_versions = 0  # versions among the last step's requests
 
     @property
     def version(self) -> int:
@@ -421,6 +422,7 @@ class Engine:
             ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
         batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], [s.table for s, _ in plan],
                             self.kv.block_size, self.kv.k.device)
+        self.batch_versions = len({s.version for s, _ in plan})
         if self.adapters is not None:
             self.adapters.set_batch([s.version for s, n in plan for _ in range(n)])
         logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv)
@@ -508,7 +510,8 @@ class Engine:
     def stats(self) -> dict:
         by = {st: sum(1 for s in self.seqs.values() if s.status is st and not s.held) for st in Status}
         used = self.kv.num_blocks - self.kv.free_blocks
-        return {"version": self.version, "versions": sorted(self.versions), "running": by[Status.RUNNING],
+        return {"version": self.version, "versions": sorted(self.versions),
+                "batch_versions": self.batch_versions, "running": by[Status.RUNNING],
                 "waiting": by[Status.WAITING],
                 "offloaded": by[Status.OFFLOADED], "held": sum(1 for s in self.seqs.values() if s.held),
                 "kv_blocks_used": used, "kv_blocks_free": self.kv.free_blocks,

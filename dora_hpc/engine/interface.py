@@ -17,6 +17,13 @@ class RolloutEngine(Protocol):
     version: int
     max_num_seqs: int
 
+    @property
+    def versions(self) -> set[int]:
+        """Every version a request may be tagged with here (one, but several when versions are adapters)."""
+
+    def retire(self, version: int) -> None:
+        """Stop hosting ``version`` (versions as adapters); no request of it is live."""
+
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
         """Queue a request tagged ``version``; raises RequestError for another version or a bad request.
         ``hold``: a multi-turn episode, whose KV stays between turns (the built-in engine only)."""

@@ -384,6 +384,14 @@ class VllmEngine:
         pace(t0, self.min_step_time_s, self.prefill_s_per_token, prefilled)
         return finished
 
+    @property
+    def versions(self) -> set[int]:
+        """The one version hosted (train.lora reaches vLLM as merged whole weights)."""
+        return {self.version}
+
+    def retire(self, version: int) -> None:
+        raise RequestError(f"vLLM's backend hosts one version; it has none to retire (v{version})")
+
     def stats(self) -> dict:
         running = sum(1 for live in self.reqs.values() if not live.parked)
         usage = self._kv_usage()

@@ -30,9 +30,15 @@ class SleepEngine:        # orchestrator -> a borrowed instance: it runs nothing
 
 @dataclass(frozen=True)
 class LoadVersion:        # orchestrator -> rollout: weights of `version` come from `source` (a rank, or
-    version: int          # roles.TRAINERS: every trainer rank, each its shard)
-    source: int
+    version: int          # roles.TRAINERS: every trainer rank, each its shard); `add`: beside the versions
+    source: int           # hosted (an adapter), whose requests continue
     keep_requests: bool
+    add: bool = False
+
+
+@dataclass(frozen=True)
+class RetireVersion:      # orchestrator -> rollout: stop hosting `version` (an adapter no request there has)
+    version: int
 
 
 @dataclass(frozen=True)

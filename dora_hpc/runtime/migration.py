@@ -108,8 +108,8 @@ class Migrations:
         try:
             if not meta.get("unstarted"):  # an agent episode before its first call has nothing on an engine
                 self.engine.import_(meta, kv)
-            elif meta["version"] != self.engine.version:
-                raise RequestError(f"tagged v{meta['version']}, the engine hosts v{self.engine.version}")
+            elif meta["version"] not in self.engine.versions:
+                raise RequestError(f"tagged v{meta['version']}, the engine hosts {sorted(self.engine.versions)}")
         except RequestError as e:
             raise RuntimeError(f"rank {self.comm.rank}: migration of {meta['req_id']} refused: {e}") from None
         info["reprefill"] += self.engine.stats()["reprefill_tokens"] - before  # what the engine recomputes

@@ -43,6 +43,7 @@ from ..core.events import (
     Progress,
     RequestFinished,
     Restore,
+    Retire,
     Sleep,
     Start,
     StartTrain,
@@ -79,6 +80,7 @@ from .messages import (
     Published,
     Ready,
     Resume,
+    RetireVersion,
     Shutdown,
     SleepEngine,
     StopRequest,
@@ -368,7 +370,7 @@ class Orchestrator(OpLog):
         requests is logged as a ``load_balancing`` op (the paper's Fig. 13 overhead)."""
         t = self.now()
         commands = self.policy.on(event)
-        if any(isinstance(c, Migrate | AssignVersion) for c in commands):
+        if any(isinstance(c, Migrate) or (isinstance(c, AssignVersion) and not c.add) for c in commands):
             self.op("load_balancing", detail=type(event).__name__, t_start=t)
         self.execute(commands)
         ended = self.figures.on_decision(t, self.policy.train_wait())
@@ -379,12 +381,14 @@ class Orchestrator(OpLog):
         r = self.roles.rank_of_instance
         for c in commands:
             match c:
-                case AssignVersion(i, v, src, keep):
+                case AssignVersion(i, v, src, keep, add):
                     # a borrowed instance's trainer rank keeps only its shard: that version comes from the trainers
                     source = src if src == FOLDER else (
                         TRAINERS if src == TRAINER or self.roles.role(r(src)) == "trainer" else r(src))
-                    self.weights.start(i, v, source, keep)
+                    self.weights.start(i, v, source, keep, add)
                     self.op("assign", version=v, peer=source, detail=f"instance={i}")
+                case Retire(i, v):
+                    self.comm.send(RetireVersion(v), r(i))
                 case Dispatch(t, g, s, v, i):
                     e = self.epoch[t] = self.epoch.get(t, 0) + 1
                     self.comm.send(Generate(t, g, s, v, self.task.prompt(g), self.task.max_tokens(t), e), r(i))

@@ -55,6 +55,7 @@ from .messages import (
     Pause,
     Ready,
     Resume,
+    RetireVersion,
     SendWeights,
     Shutdown,
     SleepEngine,
@@ -137,7 +138,8 @@ class RolloutRank(OpLog, Migrations):
                                      "kv_blocks_used": st["kv_blocks_used"], "version": self.engine.version,
                                      "prefill_tokens": st["prefill_tokens"] - before["prefill_tokens"],
                                      "prefix_hit_tokens": st["prefix_hit_tokens"] - before["prefix_hit_tokens"],
-                                     "running": st["running"], "groups": self.live_groups()})
+                                     "running": st["running"], "groups": self.live_groups(),
+                                     "batch_versions": st.get("batch_versions", 1)})
         freed = st["free_cache_s"] - before["free_cache_s"]  # every backend keeps engine.COUNTERS
         if freed > 0:  # KV moved to host and back for space (the paper's free-cache overhead)
             self.op("free_cache", t_start=self.now() - freed,
@@ -208,6 +210,8 @@ class RolloutRank(OpLog, Migrations):
                     self.engine.add(msg.traj_id, msg.prompt, params, msg.version)
             case LoadVersion():
                 self.load(msg)
+            case RetireVersion():
+                self.engine.retire(msg.version)
             case SendWeights():
                 self.send_whole(msg.dst)
             case MigrateOut():

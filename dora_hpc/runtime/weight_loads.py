@@ -25,7 +25,7 @@ class WeightLoads:
         self.folder: dict[int, str] = {}  # instance -> the checksum of v0 as its model folder gave it
         self.trainer_v0: str | None = None
 
-    def start(self, i: int, v: int, source: int, keep: bool) -> None:
+    def start(self, i: int, v: int, source: int, keep: bool, add: bool = False) -> None:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
         rank's shard, as deltas against the version the instance holds, or (FOLDER) what its engine loaded
         at start."""
@@ -33,7 +33,7 @@ class WeightLoads:
         dst = self.roles.rank_of_instance(i)
         for rank in [] if source == FOLDER else self.roles.trainer_ranks if source == TRAINERS else [source]:
             self.comm.send(SendWeights(v, dst, base if source == TRAINERS else -1), rank)
-        self.comm.send(LoadVersion(v, source, keep), dst)
+        self.comm.send(LoadVersion(v, source, keep, add), dst)
         self.under_way[i] = (v, source, keep)
 
     def ready(self, msg: Ready) -> None:
