@@ -18,7 +18,7 @@ from ..measure.gate import gate_figures
 from ..measure.history import history
 from ..measure.invariants import check, fence_detail, joined
 from ..measure.migration import migration_figures
-from ..measure.utilization import trained_tokens, utilization
+from ..measure.utilization import multi_version_batches, trained_tokens, utilization
 from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
 from .invariants import read_trajectories
@@ -134,7 +134,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk),
         "max_live_versions": max_live_versions(esteps),
-        "multi_version_batches": int((esteps["batch_versions"] >= 2).sum()),
+        "multi_version_batches": multi_version_batches(esteps),
         "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
         "admission_cap": admission_caps(logged_caps(ops), cfg.get("batch", {}).get("tbs", 1), warm),
         **gate_figures(ops, tsteps, consumed, traj, esteps),

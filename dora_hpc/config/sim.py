@@ -76,6 +76,14 @@ class ModelSpec(Section):
     kv_latent: int | None = Field(None, ge=1, description="MLA: values cached per token per layer "
                                   "(kv_lora_rank + qk_rope_head_dim), in place of 2 x kv_heads x head_dim")
     bytes_per_param: int = Field(2, ge=1)
+    intermediate: int | None = Field(None, ge=1, description="the MLP's width (train.lora's adapter size; unset: "
+                                     "4 x hidden)")
+
+    def adapter_bytes(self, rank: int) -> float:
+        """train.lora: a rank-``rank`` adapter on every linear of every layer (all-linear: q, k, v, o and a gated
+        MLP), rank x (in + out) per linear, in the publish dtype."""
+        kv, i = self.kv_heads * self.head_dim, self.intermediate or 4 * self.hidden
+        return rank * self.layers * (9 * self.hidden + 2 * kv + 3 * i) * self.bytes_per_param
 
     @model_validator(mode="after")
     def _active_within_total(self) -> ModelSpec:
@@ -118,6 +126,9 @@ class HardwareSpec(Section):
                                         "efficiency a chunk loses against one whole prefill (Sarathi, arXiv "
                                         "2308.16369: within 10% at 512-token chunks, 20% at 256)")
     step_overhead_ms: float = Field(5.0, ge=0, description="fixed cost of one engine step (scheduling, launch)")
+    lora_step_ms: float = Field(2.0, ge=0, description="train.lora: what a decode step pays for the requests' "
+                                "adapters, batched across versions (Punica, arXiv 2310.18547: SGMV adds about 2 ms "
+                                "a token at 7B-70B)")
     kv_link_gbps: float = Field(25, gt=0, description="instance-to-instance KV transfer, GB/s")
     weight_link_gbps: float = Field(25, gt=0, description="trainer/peer weight transfer per accelerator, GB/s")
     host_link_gbps: float = Field(25, gt=0, description="device<->host KV copy per accelerator (PCIe), GB/s")

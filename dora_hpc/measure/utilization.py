@@ -157,3 +157,9 @@ def utilization(esteps: dict[str, np.ndarray], tsteps: dict[str, np.ndarray], op
             "instance_busy_s": float(np.mean([Cover(busy[r]).length(lo, hi) if busy[r] else 0.0 for r in ranks])),
             "trainer_wait_fraction": {k: float(v / span) for k, v in waits.items()},
             "overheads": {k: v / (n_inst * span) for k, v in sorted(over.items())}}
+
+
+def multi_version_batches(esteps: dict) -> int:
+    """Engine steps whose requests were of two versions or more (``batch_versions``): under train.lora's shared
+    instances one forward serves several versions' adapters. A simulated run counts its macro steps."""
+    return int((esteps["batch_versions"] >= 2).sum()) if "batch_versions" in esteps else 0

@@ -25,7 +25,7 @@ class Borrowing:
     def _restore(self, t: int, i: int) -> None:
         src, req = self.parked.pop(t)
         inst = self.inst[i]
-        if inst.loading or inst.version != self.trajs[t].segments[-1]:
+        if not inst.hosts(self.trajs[t].segments[-1]):
             raise SimError(f"Restore({t}, {i}): instance {i} does not host the trajectory's version")
         # from that node's host memory over the network (if another node's), then the host->device copy
         # it pays when it runs (OWES_HOST)
@@ -39,7 +39,7 @@ class Borrowing:
         inst = self._stopped(i)
         if inst.has_work():
             raise SimError(f"Sleep({i}) on an instance with live requests")
-        inst.asleep, inst.loading, inst.version = True, False, None
+        inst.asleep, inst.loading, inst.version, inst.resident = True, False, None, set()
         inst.load_epoch += 1
         self.log.slept(i)
         self._start(inst)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import RunConfig
 from ..core.events import (
@@ -40,6 +40,7 @@ from ..core.events import (
     Progress,
     RequestFinished,
     Restore,
+    Retire,
     Sleep,
     Start,
     StartTrain,
@@ -82,6 +83,10 @@ class Simulator(Borrowing, EpisodeSteps):
         resident = cfg.sim.hardware.trainer_state_bytes_per_param * cfg.sim.model.params_b * 1e9 / self.train_accels
         self.borrowed_cost = cost or CostModel.build(cfg.sim, tp, reserved_bytes=tp * resident)
         self.policy = make_policy(cfg, n_inst, mode, self.n_borrowed)
+        self.shared = self.policy.cfg.shared_instances  # train.lora: versions are adapters every instance hosts
+        if self.shared:  # each decode step pays for the adapters; a publish moves an adapter's bytes
+            self.cost = replace(self.cost, a=self.cost.a + cfg.sim.hardware.lora_step_ms / 1e3)
+            self.adapter_share = cfg.sim.model.adapter_bytes(cfg.train.lora.rank) / cfg.sim.model.weight_bytes
         self.work = Workload(cfg.workload, cfg.seed)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
         share = {"share": cfg.engine.prefix_caching, "shared_prefix": cfg.workload.shared_prefix_tokens}
@@ -160,8 +165,19 @@ class Simulator(Borrowing, EpisodeSteps):
         if load_epoch != inst.load_epoch:
             return  # a Sleep cancelled this load
         inst.loading, inst.version = False, v
+        inst.resident = {v}
         self.log.ready(self.now, i)
         self._start(inst)
+        self._feed(InstanceReady(i, v))
+
+    def _ev_added(self, i: int, v: int, load_epoch: int) -> None:
+        """An adapter's load ended: the instance hosts ``v`` beside the others."""
+        inst = self.inst[i]
+        if load_epoch != inst.load_epoch:
+            return
+        inst.resident.add(v)
+        inst.version = max(inst.resident)
+        self.log.ready(self.now, i)
         self._feed(InstanceReady(i, v))
 
     def _ev_run(self, i: int, epoch: int) -> None:
@@ -191,7 +207,7 @@ class Simulator(Borrowing, EpisodeSteps):
             return  # offloaded on the way (a drain): it waits in host memory instead
         dst, req, _ = self.in_transit.pop(t)
         inst = self.inst[dst]
-        if inst.version != self.trajs[t].segments[-1] or inst.loading:
+        if not inst.hosts(self.trajs[t].segments[-1]):
             raise SimError(f"trajectory {t} arrived at instance {dst} that no longer hosts its version")
         self.log.arrived(self.now, t, dst, (req.prompt + req.gen_at_join) * self.cost.kv_bytes_per_token)
         self._stop(inst)
@@ -221,10 +237,12 @@ class Simulator(Borrowing, EpisodeSteps):
             return
         self._mark()
         t0, steps0, running, waiting = inst.t_run, inst.steps, len(inst.reqs), len(inst.waiting)
+        versions = len({self.trajs[t].segments[-1] for t in inst.reqs})
         inst.advance(self.now)
         self.running -= 1
         if self.now > t0:
-            self.log.advanced(t0, self.now, inst, inst.steps - steps0, running, waiting, self.policy.cfg.slots)
+            self.log.advanced(t0, self.now, inst, inst.steps - steps0, running, waiting, self.policy.cfg.slots,
+                              versions)
 
     def _start(self, inst: Instance) -> None:
         self._stop(inst)
@@ -283,6 +301,16 @@ class Simulator(Borrowing, EpisodeSteps):
 
     def _execute(self, cmd) -> None:
         match cmd:
+            case AssignVersion(i, v, src, _keep, add) if add:  # an adapter beside the others: nothing stops
+                load_s = self.adapter_share * self.cost.weight_load_s
+                self.log.assigned(self.now, i, v, src)
+                self.ops["weight_sync"] += load_s
+                self.counts["weight_syncs"] += 1
+                self.counts["trainer_load_bytes"] += self.adapter_share * self.cfg.sim.model.weight_bytes
+                self.counts["weight_load_s"] += load_s
+                self._at(self.now + load_s, "added", i, v, self.inst[i].load_epoch)
+            case Retire(i, v):
+                self.inst[i].resident.discard(v)
             case AssignVersion(i, v, src, keep):
                 inst = self._stopped(i)
                 if inst.has_work() and not keep:
@@ -307,7 +335,7 @@ class Simulator(Borrowing, EpisodeSteps):
                 self._at(self.now + load_s, "ready", i, v, inst.load_epoch)
             case Dispatch(t, g, _s, v, i):
                 inst = self.inst[i]
-                if inst.loading or inst.version != v:
+                if not inst.hosts(v):
                     raise SimError(f"{cmd}: instance {i} does not host v{v}")
                 if t in self.trajs:
                     raise SimError(f"trajectory {t} dispatched twice")

@@ -62,6 +62,7 @@ class Instance:
     shared_prefix: int = 0          # tokens every prompt starts with (workload.shared_prefix_tokens)
     version: int | None = None
     loading: bool = False
+    resident: set[int] = field(default_factory=set)  # train.lora: every version (adapter) hosted
     paused: bool = False
     asleep: bool = False            # a borrowed instance while the trainer trains (cluster.elastic)
     load_epoch: int = 0             # a weight load in flight that a Sleep cancelled is ignored
@@ -85,6 +86,10 @@ class Instance:
     since: float = 0.0
 
     # -- queries -----------------------------------------------------------------------------------
+    def hosts(self, version: int) -> bool:
+        """A request of ``version`` may run here (its weights, or under train.lora its adapter, are loaded)."""
+        return not self.loading and (version == self.version or version in self.resident)
+
     def generated(self, r: Req) -> int:
         return r.gen_at_join + self.steps - r.join_step if r.traj in self.reqs else r.gen_at_join
 

@@ -117,11 +117,13 @@ class SimLog:
             traj, rec.group, traj % self.g, rec.segments[0], rec.segments[0], prompt, response, t0, now,
             rec.migrations, rec.reprefill, ">".join(map(str, path)), list(rec.segments), rec.turn + 1, rec.env_s))
 
-    def advanced(self, t0: float, t1: float, inst, steps: int, running: int, waiting: int, capacity: int) -> None:
-        """One macro step of ``inst`` (its batch constant over [t0, t1]): ``steps`` decode steps."""
+    def advanced(self, t0: float, t1: float, inst, steps: int, running: int, waiting: int, capacity: int,
+                 versions: int = 1) -> None:
+        """One macro step of ``inst`` (its batch constant over [t0, t1]): ``steps`` decode steps of requests of
+        ``versions`` versions."""
         self.esteps[rank_of(inst.idx)].append((
             t0, t1, running + waiting, capacity, steps * running, int(inst.kv_tokens() // self.block),
-            -1 if inst.version is None else inst.version, running))
+            -1 if inst.version is None else inst.version, running, versions))
 
     def waiting_for(self, t0: float, t1: float, kind: str) -> None:
         """The trainer sat idle over [t0, t1] waiting for ``kind``; stretches of one kind are one op."""
@@ -176,7 +178,7 @@ class SimLog:
         e = [(r, *row) for r, rows in self.esteps.items() for row in rows]
         esteps = {c: np.array([x[i] for x in e], dtype=float if c in ("t_start", "t_end") else np.int64)
                   for i, c in enumerate(("rank", "t_start", "t_end", "batch_size", "capacity", "new_tokens",
-                                         "kv_blocks_used", "version", "running"))}
+                                         "kv_blocks_used", "version", "running", "batch_versions"))}
         tsteps = {"step": np.array([s["step"] for s in steps], np.int64),
                   "t_start": np.array([self.tsteps[s["step"]][0] for s in steps], float),
                   "t_end": np.array([s["t_end"] for s in steps], float),
@@ -225,7 +227,8 @@ class SimLog:
         traj_cols = ("traj_id", "group_id", "sample_idx", "version", "dispatch_version", "prompt_len", "response_len",
                      "t_dispatch", "t_finish", "n_migrations", "reprefill_tokens", "instance_path",
                      "segment_versions", "turns", "env_s")
-        step_cols = ("t_start", "t_end", "batch_size", "capacity", "new_tokens", "kv_blocks_used", "version", "running")
+        step_cols = ("t_start", "t_end", "batch_size", "capacity", "new_tokens", "kv_blocks_used", "version", "running",
+                     "batch_versions")
         for i in range(instances):
             r = rank_of(i)
             write_shard(run_dir / f"traj-r{r}-00000.h5", "traj", attrs(r, "rollout"),

@@ -25,7 +25,7 @@ from ..core.policies import traits_of
 from ..measure.admission import admission_caps
 from ..measure.invariants import check
 from ..measure.migration import migration_figures
-from ..measure.utilization import utilization
+from ..measure.utilization import multi_version_batches, utilization
 from .cluster import Simulator
 from .costs import CostModel
 from .logs import rank_of
@@ -118,6 +118,7 @@ def summarize(sim: Simulator) -> dict:
         "preempt_recompute_tokens": int(counts["preempt_recompute_tokens"]),
         "dropped_groups": len(sim.dropped),
         "migrations": mig["count"],
+        "multi_version_batches": multi_version_batches(tables.esteps),
         "migrated_kv_bytes": float(mig["kv_bytes"]),
         "weight_syncs": int(counts["weight_syncs"]),
         "weights": weight_figures(sim, counts),

@@ -36,10 +36,11 @@ SCENARIOS = {  # name: (config, overrides, base seed, K)
 }
 SEEDS = 3  # the base seed and the next two
 LABELS = {"sync": ("sync", []), "partial": ("partial", []), "dora": ("dora", []),
-          "dora straggler": ("dora", ["dora.planner=straggler"]), "dora elastic": ("dora", ["cluster.elastic=true"])}
+          "dora straggler": ("dora", ["dora.planner=straggler"]), "dora elastic": ("dora", ["cluster.elastic=true"]),
+          "dora lora": ("dora", ["train.lora={rank: 32}"])}  # versions as rank-32 adapters on shared instances
 KEEP = ("throughput_tokens_per_s", "mean_step_time_s", "trainer_wait_fraction", "slot_utilization", "max_staleness",
         "lost_groups", "duplicate_groups", "split_groups", "mixed_version_trajectories", "reprefill_tokens",
-        "migrations", "kv_peak_fraction", "placement", "borrowed_instances")
+        "migrations", "kv_peak_fraction", "placement", "borrowed_instances", "weights")
 
 
 def steady(name: str, extra: list[str], seed: int) -> RunConfig:
