@@ -33,7 +33,13 @@ CASES: dict[str, list[str]] = {
     "dora-k3-eager": ["mode=dora", "dora.k=3", "dora.admission=eager"],
     "dora-k3-lean": ["mode=dora", "dora.k=3", "dora.admission=lean"],
     "partial": ["mode=partial"],
+    # train.lora (alpha 32, all-linear) at the config's lr x LORA_LR_SCALE: LoRA Without Regret (Thinking Machines,
+    # 2025) and TRL's reproduction find LoRA's best lr about 10x full fine-tuning's, about the same at every rank
+    "dora-k2-lora-r1": ["mode=dora", "dora.k=2", "train.lora={rank: 1}"],
+    "dora-k2-lora-r8": ["mode=dora", "dora.k=2", "train.lora={rank: 8}"],
+    "dora-k2-lora-r32": ["mode=dora", "dora.k=2", "train.lora={rank: 32}"],
 }
+LORA_LR_SCALE = 10
 DEFAULT_CASES = ["sync", "dora-k1", "dora-k3"]
 LOSSES: dict[str, list[str]] = {  # --losses: each runs every case (docs/training.md)
     "ppo_clip": ["train.policy_loss=ppo_clip", "train.is_correction=none"],
@@ -195,6 +201,8 @@ def bench_convergence(config: str, out: Path, sets: list[str] | None = None, see
         task = bar.add_task("convergence", total=len(seeds) * len(every) * (2 if eval_n else 1))
         for seed in seeds:
             for case, case_sets in every.items():
+                if any(s.startswith("train.lora=") for s in case_sets):  # its lr: LORA_LR_SCALE x the config's
+                    case_sets = [*case_sets, f"train.lr={load_config(config, sets).train.lr * LORA_LR_SCALE}"]
                 bar.update(task, description=f"{case} (seed {seed})")
                 run_case(config, [*sets, *case_sets, f"seed={seed}"], run_dir(out, case, seed), timeout_s=3600)
                 bar.advance(task)
