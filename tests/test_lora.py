@@ -197,3 +197,20 @@ def test_one_engine_batches_two_versions_adapters_with_each_versions_logprobs(ti
                              "model.layers.0.nope.lora_B.weight": torch.zeros(8, 4)}, version=3)
     engine.retire(1)
     assert engine.versions == {0, 2} and 1 not in engine.adapters.by_version
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_two_trainer_ranks_publish_the_adapter_in_shards(tmp_path, backend):
+    """Two trainer ranks (replicas checking each other's shard, or FSDP2's own shards of the adapter) publish each
+    version's adapter in the trainers' layout; the instances put it together, check its checksum and serve it."""
+    from dora_hpc.analysis.basic import analyze
+
+    run = tmp_path / "run"
+    p = cli("run", "configs/tiny-cpu.yaml", *LORA_RUN, "--set", "train.max_steps=4", "--set", "cluster.trainer_ranks=2",
+            "--set", f"train.backend={backend}", "--run-dir", str(run))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = analyze(run)
+    assert a["steps"] == 4 and not any(v for k, v in a["invariants"].items() if k != "offenders")
+    assert a["weights"]["mismatched_loads"] == 0 and a["logprob_gap"]["max"] < 1e-5
+    assert a["multi_version_batches"] > 0 and a["migrations"] == 0
