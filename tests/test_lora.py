@@ -165,7 +165,7 @@ def test_one_engine_batches_two_versions_adapters_with_each_versions_logprobs(ti
         trainer.train_step(rollout(Engine(tiny, kv_blocks=128, seed=v), 0, n_groups=2, g=4, step=v))
         adapters[v] = published(trainer)
         assert all(".lora_" in k for k in adapters[v])
-        engine.load_weights(adapters[v], version=v)
+        engine.load_weights(adapters[v], version=v, add=True)
         copies[v] = {k: t.clone() for k, t in trainer.backend.model.state_dict().items() if ".lora_" in k}
     assert engine.versions == {0, 1, 2} and engine.version == 2
     steps = []
@@ -194,9 +194,21 @@ def test_one_engine_batches_two_versions_adapters_with_each_versions_logprobs(ti
         engine.add(99, prompt, SamplingParams(max_tokens=2), version=3)
     with pytest.raises(AdapterError, match="adapts no linear"):
         engine.load_weights({"model.layers.0.nope.lora_A.weight": torch.zeros(4, 8),
-                             "model.layers.0.nope.lora_B.weight": torch.zeros(8, 4)}, version=3)
+                             "model.layers.0.nope.lora_B.weight": torch.zeros(8, 4)}, version=3, add=True)
     engine.retire(1)
     assert engine.versions == {0, 2} and 1 not in engine.adapters.by_version
+    base = engine.model.state_dict()
+    engine.retire(0)
+    engine.load_weights({k: t.clone() for k, t in base.items()}, version=0, add=True)  # the base's version, again
+    assert engine.versions == {0, 2} and engine.version == 2
+    with pytest.raises(Exception, match="not the base"):
+        engine.load_weights({k: t + 1 for k, t in base.items()}, version=0, add=True)
+    with pytest.raises(Exception, match="live requests"):
+        engine.add(100, prompt, SamplingParams(max_tokens=2), version=2)
+        engine.load_weights(adapters[1], version=1)  # without add: it would replace what the live request runs
+    engine.abort(100)
+    engine.load_weights(adapters[1], version=1)  # a version that replaces the others (modes that do not share)
+    assert engine.versions == {1} and set(engine.adapters.by_version) == {1}
 
 
 @pytest.mark.slow

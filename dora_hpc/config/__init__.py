@@ -391,6 +391,9 @@ class RunConfig(Section):
         if self.train.publish_dtype == "float32" and self.engine.dtype != "float32":
             raise ValueError(f"train.publish_dtype=float32 needs engine.dtype=float32: an engine in "
                              f"{self.engine.dtype} cannot hold float32 weights, so their checksum cannot hold")
+        if self.train.lora is not None and self.cluster.elastic and self.engine.backend == "builtin":
+            raise ValueError("train.lora with cluster.elastic: borrowed instances do not host versions as adapters "
+                             "yet; set one of them")
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")

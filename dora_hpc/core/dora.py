@@ -86,7 +86,7 @@ class Dora(Policy):
 
     def on_ready(self, instance: int) -> list[Command]:
         out = self._admit() + self._train() + self._rebalance_if_idle(instance)
-        return out + (self._retire() if self.cfg.shared_instances else [])
+        return out + (self._retire() + self._add_needed() if self.cfg.shared_instances else [])
 
     def _rebalance_if_idle(self, instance: int) -> list[Command]:
         """An instance with nothing to run for its version (its load outlived the version's work, or
@@ -121,28 +121,35 @@ class Dora(Policy):
             self._retag_unstarted()
         wake = [] if self._can_train() else self._wake()  # a step that starts at once would put them back to sleep
         if self.cfg.shared_instances:
-            return self._add_latest() + self._admit() + self._retire() + self._train()
+            return self._add_needed() + self._admit() + self._retire() + self._train()
         if self.cfg.topup_after_rebalance:  # the paper's tiers: fresh work, then migration, then legacy top-up
             return wake + self._admit(legacy=False) + self._rebalance() + self._admit() + self._train()
         return wake + self._admit() + self._rebalance() + self._train()
 
-    def _add_latest(self) -> list[Command]:
-        """Shared instances: every ready instance adds the latest version beside those it hosts."""
-        out: list[Command] = []
+    def _needed(self) -> set[int]:
+        """Shared instances: the versions live work needs: the latest, every trajectory's (queued or running),
+        and with legacy top-up every version the window may still admit under; all within the window."""
+        needed = {self.latest} | {t.version for t in self.view.trajs.values()}
+        return needed | set(self.window.live_versions) if self.cfg.legacy_topup else needed
+
+    def _add_needed(self) -> list[Command]:
+        """Shared instances: each ready instance with no load under way adds the newest needed version it lacks
+        (one load at a time: the next follows its InstanceReady). A publish brings the latest; a replacement,
+        or an instance that missed a publish, catches up with what the window still holds, from the trainers
+        (which keep every live version)."""
+        needed, out = self._needed(), []
         for i, inst in enumerate(self.view.instances):
-            if inst.ready and self.latest not in inst.resident | inst.adding:
-                cmd = AssignVersion(i, self.latest, TRAINER, add=True)
+            missing = needed - inst.resident - {inst.version}
+            if inst.ready and not inst.adding and missing:
+                cmd = AssignVersion(i, max(missing), TRAINER, add=True)
                 self.view.assign(cmd)
                 out.append(cmd)
         return out
 
     def _retire(self) -> list[Command]:
-        """Shared instances: each instance drops the versions no trajectory needs (none queued or running under
-        them, and not the latest); at most the K + 1 versions the window holds stay resident."""
-        needed = {self.latest} | {t.version for t in self.view.trajs.values()}
-        if self.cfg.legacy_topup:
-            needed |= set(self.window.live_versions)
-        out: list[Command] = []
+        """Shared instances: each instance drops the versions no live work needs (``_needed``); at most the K + 1
+        versions the window holds stay resident."""
+        needed, out = self._needed(), []
         for i, inst in enumerate(self.view.instances):
             for v in sorted(inst.resident - needed - {inst.version}):
                 out.append(self.view.retire(i, v))
@@ -225,7 +232,8 @@ class Dora(Policy):
             self.window.admit(self.latest)
 
     def on_lost(self) -> list[Command]:
-        return self._rebalance() + self._admit() + self._train()
+        adds = self._add_needed() if self.cfg.shared_instances else []  # requeued work may need older versions
+        return adds + self._rebalance() + self._admit() + self._train()
 
     def _place_all(self) -> list[Command]:
         """Each version's queue onto its instances: newest first, or with shared instances (where the queues

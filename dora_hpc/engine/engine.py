@@ -135,7 +135,7 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.adapters = Adapters(self.model, lora_scale) if lora_scale is not None else None
-        self.base_version = self.version = version
+        self._version, self._hosted = version, {version}
         self.batch_versions = 0  # versions among the last step's requests
 
     @property
@@ -145,15 +145,14 @@ class Engine:
 
     @version.setter
     def version(self, v: int) -> None:
-        self._version = v
-        if self.adapters is None or not self.adapters.by_version:
-            self.base_version = v  # the base weights are this version (the folder's v0, or a whole load)
+        """The engine's weights are version ``v`` (the model folder's v0, taken at start): it hosts that alone."""
+        self._version, self._hosted = v, {v}
 
     @property
     def versions(self) -> set[int]:
-        """Every version a request may be tagged with here: the one hosted, or under LoRA the base weights' and
-        each resident adapter's."""
-        return {self.version} if self.adapters is None else {self.base_version, *self.adapters.by_version}
+        """Every version a request may be tagged with here: the one hosted, or under LoRA each one loaded beside
+        the others (``add``) and not retired."""
+        return set(self._hosted)
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
@@ -186,11 +185,13 @@ class Engine:
         seq = self._get(req_id)
         return len(seq.prompt), len(seq.response)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The hosted version's weights (Hugging Face names); under LoRA the newest version's adapter (lora.py's
-        names; none for the base's version: a fresh adapter is the identity)."""
-        if self.adapters is not None:
-            return self.adapters.state(self.version)
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """A hosted version's weights (default the newest; Hugging Face names): under LoRA its adapter (lora.py's
+        names), or the base weights for a version with none (v0, the model folder's: a fresh adapter is the
+        identity)."""
+        v = self.version if version is None else version
+        if self.adapters is not None and self.adapters.by_version.get(v):
+            return self.adapters.state(v)
         return self.model.state_dict()
 
     def abort(self, req_id: int) -> None:
@@ -262,8 +263,8 @@ class Engine:
             return False
         t = time.perf_counter()
         try:
-            seq.table, dedup = self.kv.import_(seq.host_kv, seq.tokens if self.prefix_caching else None) \
-                if seq.n_cached else ([], 0)
+            seq.table, dedup = self.kv.import_(seq.host_kv, seq.tokens if self.prefix_caching else None,
+                                               self._root(seq.version)) if seq.n_cached else ([], 0)
         except KVFull:  # sharing a cached full block in part costs its copy, one block more: import it whole
             seq.table, dedup = self.kv.import_(seq.host_kv)
         self.counts["dedup_tokens"] += dedup
@@ -274,15 +275,27 @@ class Engine:
         return True
 
     # -- weights -----------------------------------------------------------------------------------
-    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False,
+                     add: bool = False) -> None:
         """Swap in the weights of ``version``. Live requests must be gone unless ``keep_requests``
-        (partial rollout), in which case their KV is dropped and re-prefilled under the new weights. Under LoRA an
-        adapter (lora.py's names) joins the versions hosted, the other versions' requests and cache untouched."""
-        adapter = self.adapters is not None and is_adapter(state)
-        if self.seqs and not (keep_requests or adapter):
+        (partial rollout), in which case their KV is dropped and re-prefilled under the new weights. Under LoRA a
+        version is an adapter (lora.py's names; none: the base weights' own version), and with ``add`` it joins
+        the versions hosted, the others' requests and cache untouched; without, it replaces them."""
+        adapter = self.adapters is not None and (is_adapter(state) or not state)
+        if self.adapters is not None and add and not adapter:  # the base's own version (v0), beside the adapters
+            state = check_state(self.model, state, f"weights of v{version}")
+            if any(not torch.equal(t, state[k].to(t)) for k, t in self.model.state_dict().items() if k in state):
+                raise RequestError(f"v{version}'s weights are not the base this engine holds: under LoRA the base "
+                                   "never changes")
+            state, adapter = {}, True
+        if self.seqs and not (keep_requests or (adapter and add)):
             raise RequestError(f"cannot load v{version}: {len(self.seqs)} live requests of v{self.version}")
         if adapter:
-            self.adapters.load(version, state)
+            if not add:
+                self.adapters.by_version.clear()
+                self.kv.clear_cache()
+            if state:
+                self.adapters.load(version, state)
         else:
             self.model.load_state_dict(check_state(self.model, state, f"weights of v{version}"), strict=False)
             self.kv.clear_cache()  # KV of the old weights is matched no more
@@ -295,7 +308,11 @@ class Engine:
             seq.table, seq.n_cached, seq.host_kv = [], 0, None
             seq.status, seq.version = Status.WAITING, version
             seq.head = self._head(seq.prompt, version)
-        self.version = version
+        if add and adapter:
+            self._hosted.add(version)
+            self._version = max(self._version, version)
+        else:
+            self._version, self._hosted = version, {version}
 
     def retire(self, version: int) -> None:
         """Under LoRA: stop hosting ``version`` (its adapter leaves); no request of it may be live."""
@@ -303,6 +320,7 @@ class Engine:
             raise RequestError(f"cannot retire v{version}: requests of it are live")
         if self.adapters is not None and version != self.version:
             self.adapters.drop(version)
+            self._hosted.discard(version)
 
     def sleep(self) -> int:
         """Free the KV pool for the trainer that hosts this engine (cluster.elastic) until the next
@@ -317,6 +335,7 @@ class Engine:
 
     def step(self) -> list[Finished]:
         t0, prefilled = time.perf_counter(), self.counts["prefill_tokens"]
+        self.batch_versions = 0
         plan = self._schedule()
         if plan and not self.kv.resident:
             raise RequestError("the engine sleeps (its KV pool is freed): load weights to wake it")

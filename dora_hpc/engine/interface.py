@@ -58,14 +58,15 @@ class RolloutEngine(Protocol):
 
     def restore(self, req_id: int) -> None: ...
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
-        """Swap in ``version``'s weights (and wake a slept engine)."""
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False,
+                     add: bool = False) -> None:
+        """Swap in ``version``'s weights (and wake a slept engine); ``add``: beside those hosted (adapters)."""
 
     def sleep(self) -> int:
         """Free the KV pool while the hosting trainer trains (cluster.elastic); returns the bytes freed."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The hosted version's weights, Hugging Face names (served to peers, checksummed)."""
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """A hosted version's weights (default the newest), Hugging Face names (served to peers, checksummed)."""
 
     def stats(self) -> dict: ...
 

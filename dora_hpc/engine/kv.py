@@ -249,7 +249,8 @@ class KVPool:
         idx = torch.tensor(self.slots(table, 0, tokens), dtype=torch.long, device=self.k.device)
         return torch.stack((self.k[:, idx], self.v[:, idx]), dim=1).contiguous()
 
-    def import_(self, data: torch.Tensor, tokens: Sequence[int] | None = None) -> tuple[list[int], int]:
+    def import_(self, data: torch.Tensor, tokens: Sequence[int] | None = None,
+                root: bytes = b"") -> tuple[list[int], int]:
         """Write an exported [layers, 2, tokens, kvh, d] tensor into blocks; returns (the table, the tokens
         deduplicated). With ``tokens`` (the sequence's, as many as ``data`` holds) the longest cached prefix
         whose values equal ``data``'s bit for bit is shared instead of written. Raises KVFull when the blocks
@@ -257,7 +258,7 @@ class KVPool:
         layers, two, n, kvh, d = data.shape
         if (layers, kvh, d) != (self.k.shape[0], self.k.shape[2], self.k.shape[3]) or two != 2:
             raise ValueError(f"KV of shape {tuple(data.shape)} does not fit this pool {tuple(self.k.shape)}")
-        table, shared = self._equal_prefix(data, tokens) if tokens is not None and n else ([], 0)
+        table, shared = self._equal_prefix(data, tokens, root) if tokens is not None and n else ([], 0)
         try:
             self.prepare(table, shared, n)
         except KVFull:
@@ -268,9 +269,10 @@ class KVPool:
         self.v[:, idx] = data[:, 1, shared:].to(self.v)
         return table, shared
 
-    def _equal_prefix(self, data: torch.Tensor, tokens: Sequence[int]) -> tuple[list[int], int]:
-        """The cached prefix of ``tokens`` (blocks held) as far as its values equal ``data``'s, slot by slot."""
-        blocks, n, _ = self.match(tokens, data.shape[2])
+    def _equal_prefix(self, data: torch.Tensor, tokens: Sequence[int], root: bytes = b"") -> tuple[list[int], int]:
+        """The cached prefix of ``tokens`` (blocks held; ``root`` as ``match``'s) as far as its values equal
+        ``data``'s, slot by slot."""
+        blocks, n, _ = self.match(tokens, data.shape[2], root)
         bs, keep = self.block_size, 0
         for i, b in enumerate(blocks):
             m = min(n - i * bs, bs)

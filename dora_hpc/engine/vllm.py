@@ -285,7 +285,7 @@ class VllmEngine:
             self.counts["recompute_tokens"] += self._give_kv(req_id, live, kv)
 
     # -- weights -----------------------------------------------------------------------------------
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """The hosted version's weights in Hugging Face naming (what load_weights was given; a tied lm_head too)."""
         return self.state
 
@@ -312,7 +312,8 @@ class VllmEngine:
         elif part == "kv_cache":
             self.llm.collective_rpc(allocate_kv_cache)
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False,
+                     add: bool = False) -> None:
         if self.reqs and not keep_requests:
             raise RequestError(f"cannot load v{version}: {len(self.reqs)} live requests of v{self.version}")
         for k, v in state.items():  # names the folder lacks (a tied lm_head) go through: vLLM knows them

@@ -305,15 +305,15 @@ class RolloutRank(OpLog, Migrations):
         if {h.version for h in headers} != {msg.version}:
             raise RuntimeError(f"rank {self.comm.rank}: v{[h.version for h in headers]} arrived for "
                                f"LoadVersion(v{msg.version})")
-        if any(h.base >= 0 and h.base != self.engine.version for h in headers):
+        if any(h.base >= 0 and (msg.add or h.base != self.engine.version) for h in headers):
             raise RuntimeError(f"rank {self.comm.rank}: a delta of v{msg.version} against v{headers[0].base} "
                                f"arrived at an engine holding v{self.engine.version}")
         dtype = getattr(torch, headers[0].dtype)
         state = assemble([(h.shard, h.shards, parts[s][1]) for s, h in zip(sources, headers, strict=True)],
                          self.engine.weights(), dtype)
-        self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests)
-        got = checksum_of({k: v for k, v in self.engine.weights().items() if k in state}, self.comm.roles.trainers,
-                          dtype)
+        self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests, add=msg.add)
+        got = checksum_of({k: v for k, v in self.engine.weights(msg.version).items() if k in state},
+                          self.comm.roles.trainers, dtype)
         if got != headers[0].checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
                                f"({got} != {headers[0].checksum})")

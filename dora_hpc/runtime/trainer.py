@@ -184,14 +184,12 @@ class TrainerRank(RankClock):
     def publish(self, version: int, step: int) -> str:
         """Keep this rank's shard of the weights it holds now as ``version`` (dropping versions no longer
         live) and return the version's checksum (a collective over the trainer ranks)."""
-        shard = self.trainer.backend.shard_state_dict(self.shard, self.shards, self.dtype)
-        if version == 0 and self.adapter_versions:  # v0 is the model folder's: its fresh adapter (B = 0) is none
-            shard = {}
+        base = version == 0 and self.adapter_versions  # v0 is the model folder's base: a fresh adapter is the identity
+        shard = self.trainer.backend.shard_state_dict(self.shard, self.shards, self.dtype, base=base)
         digests = self.dp.allgather(shard_digest(shard))
         if self.trainer.backend.whole and self.shards > 1:  # a replica checks its neighbour's shard as well
             nxt = (self.shard + 1) % self.shards
-            whole = {} if version == 0 and self.adapter_versions else self.trainer.backend.published()
-            mine = shard_digest(shard_of(whole, nxt, self.shards, self.dtype))
+            mine = shard_digest(shard_of(self.trainer.backend.published(base), nxt, self.shards, self.dtype))
             if self.dp.allgather(mine) != digests[1:] + digests[:1]:
                 raise RuntimeError(f"trainer replicas diverged after step {step}: shard digests by trainer rank "
                                    f"{dict(enumerate(d[:16] for d in digests))}")

@@ -4,7 +4,8 @@ Invariants:
 * a load is one LoadVersion to the instance plus one SendWeights to each source rank (every trainer rank
   for TRAINERS, none for FOLDER); it is under way from then until the instance's Ready;
 * a load from the trainers is a delta against the version the instance holds (its base), when no other
-  load is under way there; a slept instance, a lost one and one mid-load hold nothing a delta could use;
+  load is under way there; a slept instance, a lost one and one mid-load hold nothing a delta could use. A
+  version added beside others (an adapter, ``add``) comes whole and leaves the base a later delta uses alone;
 * version 0 taken from the model folder (FOLDER) is checked against the trainer's version 0 (its Initial):
   an instance whose folder differs stops the run, naming the instance.
 """
@@ -29,15 +30,18 @@ class WeightLoads:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
         rank's shard, as deltas against the version the instance holds, or (FOLDER) what its engine loaded
         at start."""
-        base = self.holds.pop(i, -1) if i not in self.under_way else -1
+        base = -1 if add else self.holds.pop(i, -1) if i not in self.under_way else -1
         dst = self.roles.rank_of_instance(i)
         for rank in [] if source == FOLDER else self.roles.trainer_ranks if source == TRAINERS else [source]:
             self.comm.send(SendWeights(v, dst, base if source == TRAINERS else -1), rank)
         self.comm.send(LoadVersion(v, source, keep, add), dst)
-        self.under_way[i] = (v, source, keep)
+        if not add:
+            self.under_way[i] = (v, source, keep)
 
     def ready(self, msg: Ready) -> None:
-        if self.under_way.pop(msg.instance, (0, None, False))[1] == FOLDER:
+        if msg.instance not in self.under_way or self.under_way[msg.instance][0] != msg.version:
+            return  # an added version: the instance's base for deltas is unchanged
+        if self.under_way.pop(msg.instance)[1] == FOLDER:
             self.folder[msg.instance] = msg.checksum
             self.check_folder()
         self.holds[msg.instance] = msg.version

@@ -310,7 +310,11 @@ class Simulator(Borrowing, EpisodeSteps):
                 self.counts["weight_load_s"] += load_s
                 self._at(self.now + load_s, "added", i, v, self.inst[i].load_epoch)
             case Retire(i, v):
-                self.inst[i].resident.discard(v)
+                inst = self.inst[i]
+                if any(self.trajs[r.traj].segments[-1] == v for r in (*inst.reqs.values(), *inst.waiting,
+                                                                      *inst.held.values())):
+                    raise SimError(f"{cmd}: a request of v{v} is still on instance {i}")
+                inst.resident.discard(v)
             case AssignVersion(i, v, src, keep):
                 inst = self._stopped(i)
                 if inst.has_work() and not keep:
@@ -324,7 +328,8 @@ class Simulator(Borrowing, EpisodeSteps):
                 share = self._load_share(inst, src)
                 load_s = share * self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0)
                 self.log.assigned(self.now, i, v, src)
-                inst.loading, inst.version, inst.asleep = True, None, False
+                inst.loading, inst.version, inst.asleep, inst.resident = True, None, False, set()
+                inst.load_epoch += 1  # an adapter load under way is superseded
                 self.ops["weight_sync"] += load_s
                 self.counts["weight_syncs"] += 1
                 if src != FOLDER:  # the model folder's v0 takes as long to load, but nothing crosses the network

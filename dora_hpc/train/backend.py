@@ -24,8 +24,8 @@ Invariants every backend keeps:
 * ``optimizer_state`` is the whole optimizer state keyed by parameter name (on every rank), so a
   checkpoint does not depend on how many ranks wrote it;
 * under LoRA (``BackendOptions.lora``) ``full_state_dict`` and ``load_full_state_dict`` are the adapter's weights
-  (lora.py ``adapter_state``: a checkpoint), and ``shard_state_dict`` the merged policy's, under Hugging Face
-  names as always: an engine that holds whole weights serves the adapted policy.
+  (lora.py ``adapter_state``: a checkpoint), and ``shard_state_dict`` the version as engines take it: the adapter
+  (``LoraSpec.adapter_versions``, the built-in engine) or the merged policy under Hugging Face names (vLLM).
 """
 
 from __future__ import annotations
@@ -130,10 +130,13 @@ class TrainBackend:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
+                         base: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the version (``base``: of the frozen base under LoRA: version 0 where versions are
+        adapters)."""
         raise NotImplementedError
 
-    def published(self) -> dict[str, torch.Tensor]:
+    def published(self, base: bool = False) -> dict[str, torch.Tensor]:
         """A ``whole`` backend's version, whole, as ``shard_state_dict`` cuts it (a replica checks its neighbour's
         shard with it)."""
         raise NotImplementedError

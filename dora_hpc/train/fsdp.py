@@ -100,15 +100,17 @@ class FSDPBackend(ReplicatedBackend):
             out[saved_name(k) if self.opts.lora else k] = v.detach().cpu().clone()
         return out
 
-    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """This rank's rows of every weight; under LoRA each adapted weight's rows W_r + (alpha / r) B_r A, its
-        adapter's A gathered whole (r x in: small)."""
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
+                         base: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's rows of every weight; under LoRA the adapter's, or each adapted weight's rows W_r + (alpha /
+        r) B_r A, its adapter's A gathered whole (r x in: small); with ``base`` the frozen base's rows."""
         out = {}
         lora = self.opts.lora
-        adapted = adapted_layers(self.model) if lora and not lora.adapter_versions else {}
+        adapter = bool(lora and lora.adapter_versions and not base)
+        adapted = adapted_layers(self.model) if lora and not lora.adapter_versions and not base else {}
         for k, v in self.model.state_dict().items():
-            if lora and (".lora_" in k) != lora.adapter_versions:
-                continue  # a version is the adapter, or the merged base
+            if lora and (".lora_" in k) != adapter:
+                continue  # a version is the adapter, or the (merged) base
             k = hf_name(saved_name(k)) if lora else k
             local = v.to_local() if hasattr(v, "to_local") else piece(v, rank, shards)  # a DTensor, or not sharded
             if k in adapted:

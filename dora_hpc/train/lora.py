@@ -76,10 +76,18 @@ def check(model_dir, spec: LoraSpec) -> None:
     """Raise LoraError where ``spec`` cannot adapt the model folder's model (built on the meta device: no weights
     are read), before any process starts."""
     import torch
+    from peft.tuners.lora import LoraLayer
+    from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        attach(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)), spec)
+        model = attach(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)), spec)
+    if spec.adapter_versions:  # the built-in engine adapts the decoder's linears (engine/lora.py)
+        odd = [n for n, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)
+               and (n.endswith("lm_head") or not isinstance(m.get_base_layer(), nn.Linear))]
+        if odd:
+            raise LoraError(f"train.lora.target_modules {spec.target_modules!r}: the built-in engine adapts the "
+                            f"decoder's linear layers only, not {odd[0]}")
 
 
 def is_adapter_state(state: dict) -> bool:

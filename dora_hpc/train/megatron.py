@@ -222,7 +222,8 @@ class MegatronBackend(TrainBackend):
             state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # as the torch backend has it
         return state
 
-    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
+                         base: bool = False) -> dict[str, torch.Tensor]:
         out = shard_of(self._hf_items(self.params), rank, shards, dtype)
         if self.hf_config.tie_word_embeddings and "model.embed_tokens.weight" in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()  # as full_state_dict has it

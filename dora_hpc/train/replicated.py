@@ -10,7 +10,16 @@ from pathlib import Path
 import torch
 
 from .backend import TrainBackend, check_fit, detached_copy
-from .lora import LoraSpec, adapter_state, attach, load_adapter_state, merged_state, published_adapter, refuse_adapter
+from .lora import (
+    LoraSpec,
+    adapter_state,
+    attach,
+    hf_name,
+    load_adapter_state,
+    merged_state,
+    published_adapter,
+    refuse_adapter,
+)
 from .publish import shard_of
 
 
@@ -76,15 +85,19 @@ class ReplicatedBackend(TrainBackend):
             return adapter_state(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def published(self) -> dict[str, torch.Tensor]:
-        """What a version is, whole (live tensors): the weights; under LoRA the adapter or the merged policy."""
+    def published(self, base: bool = False) -> dict[str, torch.Tensor]:
+        """What a version is, whole (live tensors): the weights; under LoRA the adapter or the merged policy, and
+        with ``base`` the frozen base's weights (version 0 where versions are adapters)."""
         lora = self.opts.lora
         if lora is None:
             return self.model.state_dict()
+        if base:
+            return {hf_name(k): t for k, t in self.model.state_dict().items() if ".lora_" not in k}
         return published_adapter(self.model) if lora.adapter_versions else merged_state(self.model)
 
-    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return shard_of(self.published(), rank, shards, dtype)  # copies this rank's pieces only
+    def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
+                         base: bool = False) -> dict[str, torch.Tensor]:
+        return shard_of(self.published(base), rank, shards, dtype)  # copies this rank's pieces only
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.opts.lora:
