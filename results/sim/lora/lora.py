@@ -4,11 +4,14 @@ as the reference; 3 seeds, steady state (dora_hpc/sim/sweeps.py). LoRA's costs a
 publish moves the adapter's bytes (sim.model.adapter_bytes: rank x (in + out) of every linear), and each decode step
 pays sim.hardware.lora_step_ms (2 ms, Punica, arXiv 2310.18547). Writes summary.json.
 
-    .venv/bin/python results/sim/lora/lora.py      # ~15 min on 2 cores
+    .venv/bin/python results/sim/lora/lora.py [WORKLOAD ...]   # paper-64 and the heavy tail: ~20 min on 2 cores;
+                                                               # agentic-64: over an hour
+Given workloads (default all three) replace theirs in summary.json and keep the others.
 """
 
 import json
 import statistics
+import sys
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -23,10 +26,12 @@ def median(rows: list[dict], f) -> float:
 
 
 if __name__ == "__main__":
-    jobs = [(n, label, SCENARIOS[n][2] + s) for n in NAMES for label in LABELS for s in range(SEEDS)]
+    names = sys.argv[1:] or NAMES
+    jobs = [(n, label, SCENARIOS[n][2] + s) for n in names for label in LABELS for s in range(SEEDS)]
     with Pool(2) as p:
         runs = grouped(p.map(run, jobs))
-    out = {}
+    path = Path(__file__).parent / "summary.json"
+    out = json.loads(path.read_text()) if path.exists() else {}
     for n, by in runs.items():
         out[n] = {label: {
             "tokens_per_s": median(rows, lambda r: r["throughput_tokens_per_s"]),
@@ -43,4 +48,4 @@ if __name__ == "__main__":
             "seeds": rows} for label, rows in by.items()}
         d, lo = out[n]["dora"], out[n]["dora lora"]
         out[n]["lora_over_full"] = lo["tokens_per_s"] / d["tokens_per_s"]
-    (Path(__file__).parent / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    path.write_text(json.dumps(out, indent=1) + "\n")
