@@ -301,43 +301,14 @@ class Simulator(Borrowing, EpisodeSteps):
 
     def _execute(self, cmd) -> None:
         match cmd:
-            case AssignVersion(i, v, src, _keep, add) if add:  # an adapter beside the others: nothing stops
-                load_s = self.adapter_share * self.cost.weight_load_s
-                self.log.assigned(self.now, i, v, src)
-                self.ops["weight_sync"] += load_s
-                self.counts["weight_syncs"] += 1
-                self.counts["trainer_load_bytes"] += self.adapter_share * self.cfg.sim.model.weight_bytes
-                self.counts["weight_load_s"] += load_s
-                self._at(self.now + load_s, "added", i, v, self.inst[i].load_epoch)
             case Retire(i, v):
                 inst = self.inst[i]
                 if any(self.trajs[r.traj].segments[-1] == v for r in (*inst.reqs.values(), *inst.waiting,
                                                                       *inst.held.values())):
                     raise SimError(f"{cmd}: a request of v{v} is still on instance {i}")
                 inst.resident.discard(v)
-            case AssignVersion(i, v, src, keep):
-                inst = self._stopped(i)
-                if inst.has_work() and not keep:
-                    raise SimError(f"{cmd} on an instance with live requests")
-                for r in inst.invalidate_kv() if keep else []:
-                    tokens = r.prompt + r.gen_at_join
-                    self.trajs[r.traj].reprefill += tokens
-                    self.counts["reprefill_tokens"] += tokens
-                for r in list(inst.reqs.values()) + list(inst.waiting) + list(inst.held.values()):
-                    self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
-                share = self._load_share(inst, src)
-                load_s = share * self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0)
-                self.log.assigned(self.now, i, v, src)
-                inst.loading, inst.version, inst.asleep, inst.resident = True, None, False, set()
-                inst.load_epoch += 1  # an adapter load under way is superseded
-                self.ops["weight_sync"] += load_s
-                self.counts["weight_syncs"] += 1
-                if src != FOLDER:  # the model folder's v0 takes as long to load, but nothing crosses the network
-                    self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
-                        share * self.cfg.sim.model.weight_bytes)
-                self.counts["weight_load_s"] += share * self.cost.weight_load_s
-                self._start(inst)
-                self._at(self.now + load_s, "ready", i, v, inst.load_epoch)
+            case AssignVersion():
+                self._assign(cmd)
             case Dispatch(t, g, _s, v, i):
                 inst = self.inst[i]
                 if not inst.hosts(v):
@@ -370,6 +341,38 @@ class Simulator(Borrowing, EpisodeSteps):
                 self._sleep(i)
             case _:
                 raise SimError(f"unknown command {cmd!r}")
+
+    def _assign(self, cmd: AssignVersion) -> None:
+        """A weight load: an adapter beside those hosted (``add``: nothing stops, an adapter's bytes move), or a
+        whole version (the instance stops until it is ready; with ``keep_requests`` its requests re-prefill)."""
+        i, v, src = cmd.instance, cmd.version, cmd.source
+        inst = self.inst[i] if cmd.add else self._stopped(i)
+        if cmd.add:
+            share = self.adapter_share
+            load_s = share * self.cost.weight_load_s
+        else:
+            if inst.has_work() and not cmd.keep_requests:
+                raise SimError(f"{cmd} on an instance with live requests")
+            for r in inst.invalidate_kv() if cmd.keep_requests else []:
+                tokens = r.prompt + r.gen_at_join
+                self.trajs[r.traj].reprefill += tokens
+                self.counts["reprefill_tokens"] += tokens
+            for r in list(inst.reqs.values()) + list(inst.waiting) + list(inst.held.values()):
+                self.trajs[r.traj].segments.append(v)  # the first segment stays the group's tag
+            share = self._load_share(inst, src)
+            load_s = share * self.cost.weight_load_s + (self.cfg.sim.hardware.engine_wake_s if inst.asleep else 0)
+            inst.loading, inst.version, inst.asleep, inst.resident = True, None, False, set()
+            inst.load_epoch += 1  # an adapter load under way is superseded
+        self.log.assigned(self.now, i, v, src)
+        self.ops["weight_sync"] += load_s
+        self.counts["weight_syncs"] += 1
+        if src != FOLDER:  # the model folder's v0 takes as long to load, but nothing crosses the network
+            self.counts["trainer_load_bytes" if src == TRAINER else "peer_load_bytes"] += (
+                share * self.cfg.sim.model.weight_bytes)
+        self.counts["weight_load_s"] += share * self.cost.weight_load_s
+        if not cmd.add:
+            self._start(inst)
+        self._at(self.now + load_s, "added" if cmd.add else "ready", i, v, inst.load_epoch)
 
     def _stopped(self, i: int) -> Instance:
         self._stop(self.inst[i])
