@@ -90,11 +90,12 @@ class TrainerRank(RankClock):
         t = cfg.train
         self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
         self.lead = comm.rank == comm.roles.lead_trainer
+        lora = LoraSpec.of(cfg)
+        self.adapter_versions = lora is not None and lora.adapter_versions  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,
                                    activation_checkpointing=t.activation_checkpointing,
-                                   mixed_precision=t.mixed_precision, lora=LoraSpec.of(cfg))
-        self.adapter_versions = bool(t.lora) and LoraSpec.of(cfg).adapter_versions
+                                   mixed_precision=t.mixed_precision, lora=lora)
         self.log = ShardWriter(run_dir, "train", comm.rank, "trainer", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.version = 0

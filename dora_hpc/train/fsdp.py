@@ -142,10 +142,9 @@ class FSDPBackend(ReplicatedBackend):
         """An adapter (``full_state_dict``'s names) into the sharded adapter."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        mine = {saved_name(k): k for k, v in self.model.state_dict().items() if ".lora_" in k}
-        check_adapter({saved_name(k): tuple(v.shape) for k, v in self.model.state_dict().items() if ".lora_" in k},
-                      state)
-        set_model_state_dict(self.model, {mine[k]: v for k, v in state.items()},
+        mine = {saved_name(k): (k, tuple(v.shape)) for k, v in self.model.state_dict().items() if ".lora_" in k}
+        check_adapter({name: shape for name, (_, shape) in mine.items()}, state)
+        set_model_state_dict(self.model, {mine[k][0]: v for k, v in state.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
 
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
