@@ -249,6 +249,23 @@ def test_an_episode_is_its_turns_cut_at_the_episode_cap():
     assert w.episode(7, 100) == eps[7]  # a pure function of (seed, trajectory)
 
 
+def test_logged_lengths_replace_the_draws_they_name_and_only_those():
+    """plan's fit check replays a real run's lengths (sim/fit.py): a logged group's prompt and a logged
+    trajectory's response are the logged ones; every other id keeps its draw; the simulated run trains them."""
+    from dora_hpc.sim.workload import Logged, Workload
+
+    cfg = load_config(SMALL)
+    drawn = Workload(cfg.workload, cfg.seed)
+    w = Workload(cfg.workload, cfg.seed, Logged({1: 7}, {0: 3, 5: 11}))
+    assert (w.prompt_len(1), w.response_len(0), w.response_len(5)) == (7, 3, 11)
+    assert [w.prompt_len(g) for g in (0, 2)] == [drawn.prompt_len(g) for g in (0, 2)]
+    assert [w.response_len(t) for t in range(1, 5)] == [drawn.response_len(t) for t in range(1, 5)]
+    long = Logged({}, dict.fromkeys(range(cfg.batch.group_size), cfg.workload.response_len.max))
+    s = Simulator(cfg, "sync", timeline=False, logged=long)
+    s.run()
+    assert s.episodes[0][0].tokens == cfg.workload.response_len.max
+
+
 def test_an_instant_environment_still_gives_every_turn():
     """Environment steps that take no time: an episode still runs all its turns (the step after the last one
     is the only one that may be skipped, since it only says done)."""

@@ -217,7 +217,9 @@ def task(run_dir: str) -> int:
         if rc:
             sys.exit(rc)
         return 0
-    (Path(run_dir) / "pids" / f"rank-{rank}.dead").write_text(str(child.pid))
+    pids = Path(run_dir) / "pids"  # absent when the child died before its MPI_Init returned
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank-{rank}.dead").write_text(str(child.pid))
     print(f"dora-hpc: rank {rank} (a rollout instance) was killed by {signal.Signals(-rc).name} on "
           f"{os.uname().nodename}: rank 0 fences it, the run goes on", file=sys.stderr, flush=True)
     return 0

@@ -53,7 +53,7 @@ from .costs import CostModel
 from .episodes import EpisodeSteps
 from .instance import OWES_HOST, OWES_NOTHING, OWES_REPREFILL, Instance, Req, SimError
 from .logs import SimLog
-from .workload import Workload
+from .workload import Logged, Workload
 
 
 @dataclass
@@ -70,8 +70,10 @@ class TrajRecord:
 
 
 class Simulator(Borrowing, EpisodeSteps):
-    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None) -> None:
-        """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``. It keeps the
+    def __init__(self, cfg: RunConfig, mode: str, timeline: bool = True, cost: CostModel | None = None,
+                 logged: Logged | None = None) -> None:
+        """``cost``: a fitted cost model (sim/fit.py) instead of the roofline one of ``cfg.sim``; ``logged``: a
+        real run's lengths in place of the workload's draws where it has them (sim/workload.py). It keeps the
         runtime's tables as it runs (sim/logs.py): its summary is computed from them, ``write_logs`` writes them."""
         self.cfg, self.mode = cfg, mode
         placement = cfg.cluster.placement_of(mode)
@@ -87,7 +89,7 @@ class Simulator(Borrowing, EpisodeSteps):
         if self.shared:  # each decode step pays for the adapters; a publish moves an adapter's bytes
             self.cost = replace(self.cost, a=self.cost.a + cfg.sim.hardware.lora_step_ms / 1e3)
             self.adapter_share = cfg.sim.model.adapter_bytes(cfg.train.lora.rank) / cfg.sim.model.weight_bytes
-        self.work = Workload(cfg.workload, cfg.seed)
+        self.work = Workload(cfg.workload, cfg.seed, logged)
         offload = self.policy.traits(cfg.dora.k).kv_offload and cfg.engine.on_kv_full == "offload"
         share = {"share": cfg.engine.prefix_caching, "shared_prefix": cfg.workload.shared_prefix_tokens}
         self.inst = [Instance(i, self.cost, kv_offload=offload, **share) for i in range(n_inst)]

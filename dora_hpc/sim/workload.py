@@ -5,7 +5,9 @@ Invariants:
 * every policy simulated with the same seed sees the same lengths for the same prompt group and trajectory
   ids, so modes are compared on identical work;
 * a single-turn workload (``turns.max: 1``) draws exactly what it drew before episodes existed: the first
-  turn's length is ``response_len(traj)``, later turns and environment steps use streams of their own.
+  turn's length is ``response_len(traj)``, later turns and environment steps use streams of their own;
+* ``Logged`` lengths (a real run's, replayed by plan's fit check) replace the draws for the prompt groups and
+  trajectories they name; everything else is drawn as above.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ def sample_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.nda
 
 
 @dataclass(frozen=True)
+class Logged:
+    """A logged run's own lengths: the whole prompt (shared prefix included) by group, the response by
+    trajectory."""
+    prompt: dict[int, int]
+    response: dict[int, int]
+
+
+@dataclass(frozen=True)
 class Turn:
     tokens: int          # model tokens of the turn
     env_tokens: int      # the environment's tokens after it (0 after the last turn: it ends the episode)
@@ -32,8 +42,8 @@ class Turn:
 
 
 class Workload:
-    def __init__(self, cfg: WorkloadConfig, seed: int) -> None:
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg: WorkloadConfig, seed: int, logged: Logged | None = None) -> None:
+        self.cfg, self.seed, self.logged = cfg, seed, logged
         self._blocks: dict[tuple[str, int], np.ndarray] = {}
 
     def _value(self, kind: str, dist: LengthDist, idx: int) -> int:
@@ -46,9 +56,13 @@ class Workload:
 
     def prompt_len(self, group_id: int) -> int:
         """The whole prompt: ``shared_prefix_tokens`` every prompt starts with, then the group's own."""
+        if self.logged is not None and group_id in self.logged.prompt:
+            return self.logged.prompt[group_id]
         return self.cfg.shared_prefix_tokens + self._value("prompt", self.cfg.prompt_len, group_id)
 
     def response_len(self, traj_id: int) -> int:
+        if self.logged is not None and traj_id in self.logged.response:
+            return self.logged.response[traj_id]
         return self._value("response", self.cfg.response_len, traj_id)
 
     def _draw(self, kind: int, idx: int, median: float, sigma: float, lo: float, hi: float) -> float:
