@@ -65,6 +65,19 @@ def test_a_shared_prompt_forward_is_refused_where_it_cannot_run(sets):
         load_config("configs/tiny-cpu.yaml", sets)
 
 
+@pytest.mark.parametrize("sets, says", [
+    (["train.replicas=2"], "must equal cluster.trainer_ranks"),
+    (["train.replicas=2", "cluster.trainer_ranks=2", "train.backend=fsdp"], "train.backend=torch"),
+    (["train.replicas=2", "cluster.trainer_ranks=2", "train.lora={rank: 4}"], "train.lora"),
+    (["train.replicas=2", "cluster.trainer_ranks=2", "cluster.elastic=true"], "cluster.elastic"),
+    (["train.replicas=0"], "train.replicas"),
+])
+def test_trainer_replicas_are_refused_where_they_cannot_run_yet(sets, says):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-cpu.yaml", sets)
+    assert "train.replicas" in str(e.value) and says in str(e.value)
+
+
 def test_float32_publishing_needs_a_float32_engine():
     """An engine in bfloat16 cannot hold float32 weights, so their checksum could never hold after a load."""
     vllm_bf16 = ["engine.backend=vllm", "engine.dtype=bfloat16"]

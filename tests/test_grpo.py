@@ -137,6 +137,23 @@ def test_grpo_raises_the_reward_and_published_weights_arrive_bit_exactly(tiny):
     assert last > first + 0.2, (first, last)  # measured: 0.49 -> 0.85
 
 
+def test_a_checkpoint_before_the_first_step_changes_neither_trainer(tiny):
+    """Saving a trainer that has not stepped (a checkpoint at v0, a replica recovering from it) keeps it
+    unstepped, and a trainer loaded from it takes the same first step: torch.distributed.checkpoint's getter
+    would have initialised Adam by a step at lr 0, which its bias correction counts (0.74 lr, not lr)."""
+    samples = [Trajectory(i, i // 4, -1, [3, 5, 9], [7 + i % 5, 11, 13], [-1.0, -2.0, -0.5], float(i % 3))
+               for i in range(8)]
+    plain, saved = GRPOTrainer(tiny, GRPOConfig(lr=1e-2)), GRPOTrainer(tiny, GRPOConfig(lr=1e-2))
+    weights, rest = saved.checkpoint_state()
+    loaded = GRPOTrainer(tiny, GRPOConfig(lr=1e-2), seed=5)
+    loaded.load_checkpoint(weights, rest)
+    for t in (plain, saved, loaded):
+        t.train_step(samples)
+    ref = checksum_of(plain.state_dict(), 1, torch.float32)
+    assert checksum_of(saved.state_dict(), 1, torch.float32) == ref
+    assert checksum_of(loaded.state_dict(), 1, torch.float32) == ref
+
+
 def test_bad_samples_are_refused(tiny):
     trainer = GRPOTrainer(tiny)
     with pytest.raises(ValueError, match="behaviour logprob"):

@@ -187,6 +187,13 @@ class TrainConfig(Section):
                               "groups each); the proximal policy stays the weights at the step's start")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of every weight (null: full "
                                     "fine-tuning); torch and fsdp backends; LoRA wants a larger lr (about 10x)")
+    replicas: int = Field(1, ge=1, description="fault-tolerant replicas of the trainer (torchft): each step's "
+                          "batch is split over the replicas alive at it, and a lost replica costs that step, not "
+                          "the job; 1: one group, whose loss requeues the job. Each replica is one trainer rank of "
+                          "the torch backend for now (cluster.trainer_ranks = train.replicas)")
+    replica_timeout_s: float = Field(60.0, gt=0, description="train.replicas >= 2: how long a step's collective "
+                                     "waits for a replica before giving up on it (a hung or unreachable one; a "
+                                     "killed one is noticed within seconds)")
 
     @model_validator(mode="after")
     def _band_around_one(self) -> TrainConfig:
@@ -394,6 +401,8 @@ class RunConfig(Section):
         if self.train.lora is not None and self.cluster.elastic and self.engine.backend == "builtin":
             raise ValueError("train.lora with cluster.elastic: borrowed instances do not host versions as adapters "
                              "yet; set one of them")
+        if self.train.replicas > 1:
+            self._replicas_fit()
         tp = self.train.tensor_parallel
         if tp is not None and self.train.backend != "megatron":
             raise ValueError(f"train.tensor_parallel is for train.backend=megatron (not {self.train.backend})")
@@ -401,6 +410,18 @@ class RunConfig(Section):
             raise ValueError(f"train.tensor_parallel ({tp}) must divide cluster.trainer_ranks "
                              f"({self.cluster.trainer_ranks})")
         return self
+
+    def _replicas_fit(self) -> None:
+        t = self.train
+        if self.cluster.trainer_ranks != t.replicas:
+            raise ValueError(f"train.replicas ({t.replicas}) must equal cluster.trainer_ranks "
+                             f"({self.cluster.trainer_ranks}): a replica is one trainer rank for now")
+        if t.backend != "torch":
+            raise ValueError(f"train.replicas is for train.backend=torch for now (not {t.backend}): a sharded "
+                             "replica group is not wired to torchft yet")
+        for key, on in (("cluster.elastic", self.cluster.elastic), ("train.lora", t.lora is not None)):
+            if on:
+                raise ValueError(f"train.replicas with {key}: not supported yet; set one of them")
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

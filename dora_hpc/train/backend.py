@@ -151,6 +151,16 @@ class TrainBackend:
         raise NotImplementedError
 
 
+def unstepped_state(opt: torch.optim.Optimizer, names: list[str]) -> dict | None:
+    """An optimizer that has not stepped yet has no state to keep: its hyper-parameters alone (None once it
+    has stepped). torch.distributed.checkpoint's getter would make one by stepping at lr 0, which Adam counts
+    in its bias correction: the first real step would then move every weight by 0.74 lr instead of lr."""
+    if opt.state:
+        return None
+    hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    return {"state": {}, "param_groups": [{**hyper, "params": names}]}
+
+
 def detached_copy(x):
     """A CPU copy of every tensor in a nested state (the optimizer's own state dict shares its tensors)."""
     if isinstance(x, torch.Tensor):

@@ -21,6 +21,11 @@ import torch
 BUCKET_BYTES = 64 << 20  # gradients are all-reduced in flat buckets of at most this size
 
 
+class StepAborted(RuntimeError):
+    """A fault-tolerant step lost a replica in its collectives (train/ft.py): nothing of it was applied
+    since the last commit, and the replicas left take it again."""
+
+
 def buckets(items: list, nbytes, limit: int) -> list[list]:
     """Consecutive ``items`` grouped so that no group's ``nbytes`` exceed ``limit`` (an item larger than
     ``limit`` is a group of its own)."""
@@ -55,7 +60,42 @@ def rendezvous(mpi_comm) -> tuple[str, int]:
     return addr
 
 
-class DataParallel:
+class Reductions:
+    """The sums and maxima a train step needs, over ``_all_reduce`` (in place; the identity with one replica)."""
+
+    size: int
+
+    def _all_reduce(self, t: torch.Tensor, op: str, group=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sum_(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        """In-place sum over the replicas, or over a subgroup of them (the identity with one rank); returns ``t``."""
+        return self._all_reduce(t, "sum", group)
+
+    def max_int(self, n: int) -> int:
+        """The largest ``n`` over the replicas."""
+        return int(self._all_reduce(torch.tensor([n], dtype=torch.int64), "max"))
+
+    def sum_floats(self, *xs: float) -> list[float]:
+        return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
+
+    def sum_grads_(self, params: list[torch.nn.Parameter], group=None) -> None:
+        """Replace every parameter's gradient with its sum over the replicas, or over ``group`` (a missing
+        gradient counts as 0), in flat buckets."""
+        if self.size == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in buckets(params, lambda p: p.numel() * p.element_size(), BUCKET_BYTES):
+            flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]), group)
+            off = 0
+            for q in bucket:
+                q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
+                off += q.numel()
+
+
+class DataParallel(Reductions):
     def __init__(self, mpi_comm=None, collectives: str = "gloo", timeout_s: float = 600.0) -> None:
         """``mpi_comm``: an mpi4py communicator over exactly the trainer ranks (None: one rank). The trainer
         computes on CPU, hence gloo collectives; a GPU trainer passes "nccl" (each rank then uses GPU rank % count)."""
@@ -94,9 +134,10 @@ class DataParallel:
     def lead(self) -> bool:
         return self.rank == 0
 
-    def sum_(self, t: torch.Tensor, group=None) -> torch.Tensor:
-        """In-place sum over the replicas, or over a subgroup of them (the identity with one rank); returns ``t``."""
-        return self._all_reduce(t, "sum", group)
+    def commit(self) -> bool:
+        """Whether the optimizer may step: always, here (a failed collective raises); fault-tolerant replicas
+        (train/ft.py) answer False when one of them was lost in the step."""
+        return True
 
     def _all_reduce(self, t: torch.Tensor, op: str, group=None) -> torch.Tensor:
         if self.size == 1:
@@ -109,28 +150,6 @@ class DataParallel:
         else:
             dist.all_reduce(t, op=op_, group=group)
         return t
-
-    def max_int(self, n: int) -> int:
-        """The largest ``n`` over the replicas."""
-        return int(self._all_reduce(torch.tensor([n], dtype=torch.int64), "max"))
-
-    def sum_floats(self, *xs: float) -> list[float]:
-        return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
-
-    def sum_grads_(self, params: list[torch.nn.Parameter], group=None) -> None:
-        """Replace every parameter's gradient with its sum over the replicas, or over ``group`` (a missing
-        gradient counts as 0)."""
-        if self.size == 1:
-            return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in buckets(params, lambda p: p.numel() * p.element_size(), BUCKET_BYTES):
-            flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in bucket]), group)
-            off = 0
-            for q in bucket:
-                q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
-                off += q.numel()
 
     def allgather(self, obj) -> list:
         """Every trainer rank's ``obj`` in rank order (pickled over MPI: small objects only)."""

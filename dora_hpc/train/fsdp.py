@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import check_fit, detached_copy
+from .backend import check_fit, detached_copy, unstepped_state
 from .lora import ADAPTER, LoraSpec, adapted_layers, attach, check_adapter, hf_name, refuse_adapter, saved_name
 from .publish import piece, rows
 from .replicated import ReplicatedBackend
@@ -150,11 +150,15 @@ class FSDPBackend(ReplicatedBackend):
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        fresh = unstepped_state(opt, [n for n, p in self.model.named_parameters() if p.requires_grad])
+        if fresh is not None:  # every rank alike: none has stepped
+            return fresh
         state = get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True))
         return detached_copy(state)
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, opt, state, options=StateDictOptions(full_state_dict=True))
+        if state["state"]:  # else it had not stepped: nor has this one
+            set_optimizer_state_dict(self.model, opt, state, options=StateDictOptions(full_state_dict=True))
 

@@ -35,7 +35,7 @@ import torch
 
 from ..core.trajectory import Trajectory
 from .backend import BackendName, BackendOptions, build_backend
-from .dp import DataParallel
+from .dp import DataParallel, StepAborted
 from .lora import LoraSpec
 from .losses import LossConfig, aggregate, k3, policy_loss
 
@@ -187,7 +187,9 @@ class GRPOTrainer:
         groups, split into mini-batches of whole groups, each micro-batched); returns metrics of the whole
         batch (over all replicas) and this share's advantages. A replica may get no samples in a step (or in
         a mini-batch); it still joins the gradient sums. ``batch_groups``: the whole batch's group ids in
-        order (data parallel with mini-batches: every replica cuts the batch at the same groups)."""
+        order (data parallel with mini-batches: every replica cuts the batch at the same groups).
+        Raises ``StepAborted`` when fault-tolerant replicas lost one in the step (train/ft.py): the optimizer
+        did not step for the mini-batch under way, earlier mini-batches' steps stand (the caller restores)."""
         if any(not s.response or len(s.response) != len(s.logprobs) for s in samples):
             raise ValueError("every sample needs a non-empty response with one behaviour logprob per token")
         cfg = self.cfg
@@ -233,11 +235,14 @@ class GRPOTrainer:
                     sums, tops = self._micro_stats(batch, loss, prox_lp, old_lp, mask, kl, ent, st)
                     tot += sums
                     top = torch.maximum(top, tops)
+            if part == len(parts) - 1:  # the step's figures, reduced before its last commit
+                self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
+                self.dp._all_reduce(top, "max")
             self.backend.finish_grads()
             norms.append(self.backend.clip_grad_norm(cfg.max_grad_norm))
+            if not self.dp.commit():  # a replica was lost in this optimizer step's collectives
+                raise StepAborted(f"step {self.step}: a replica was lost in its collectives")
             self.opt.step()
-        self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
-        self.dp._all_reduce(top, "max")
         self.step += 1
         return step_metrics(dict(zip(SUMS, (float(x) for x in tot), strict=True)), top, norms, len(parts),
                             n_tokens, n_samples, reward_sum) | {"advantages": adv_all}

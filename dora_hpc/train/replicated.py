@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import TrainBackend, check_fit, detached_copy
+from .backend import TrainBackend, check_fit, detached_copy, unstepped_state
 from .lora import (
     LoraSpec,
     adapter_state,
@@ -109,11 +109,13 @@ class ReplicatedBackend(TrainBackend):
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return detached_copy(get_optimizer_state_dict(self.model, opt))
+        fresh = unstepped_state(opt, [n for n, p in self.model.named_parameters() if p.requires_grad])
+        return fresh or detached_copy(get_optimizer_state_dict(self.model, opt))
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, opt, state)
+        if state["state"]:  # else it had not stepped: nor has this one
+            set_optimizer_state_dict(self.model, opt, state)
 
 

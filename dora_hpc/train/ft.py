@@ -1,0 +1,130 @@
+"""Fault-tolerant replicas of the trainer (``train.replicas``), on torchft: a lost replica costs the step it
+was in, not the job.
+
+Invariants:
+* a replica is one trainer rank with the whole model (the torch backend); replicas find each other through
+  torchft's lighthouse (``lighthouse``: rank 0 serves it) and agree, at the start of every step, on a
+  quorum: the replicas that take the step. ``rank`` and ``size`` are this replica's index among them and
+  their count, fixed from ``start_step`` until the step commits or is abandoned;
+* every collective of a step goes through torchft's Manager over its fault-tolerant gloo group; a failed
+  one (a replica of the quorum lost) ends the step uncommitted with ``StepAborted``, as ``commit`` answering
+  False does, and the optimizer steps only on a committed step, so the replicas that go on hold
+  bit-identical weights and take the step again in a new quorum;
+* a replica that is new to the quorum (it joined late, or returned) takes the weights, optimizer state and
+  the state ``extra`` names from a live one at the step's start (torchft's live recovery, no checkpoint
+  read) before it computes anything;
+* with one replica alive a step is that replica's alone (``size`` 1): no collective runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from .dp import Reductions, StepAborted
+
+QUORUM_TIMEOUT_S = 120.0   # a step's quorum: how long replicas wait for each other to reach the step
+HEARTBEAT_MS = 100         # each replica's heartbeat to the lighthouse
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 5000  # a replica silent this long is out of the next quorum
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 2000      # a quorum forms without a replica that has not asked within this
+
+
+def serve_lighthouse():
+    """torchft's lighthouse on this host (any port), for the run's replicas; returns it (``address()``)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
+                            heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+
+
+class Replicas(Reductions):
+    """The data-parallel interface of ``DataParallel`` (train/dp.py) over torchft's Manager."""
+
+    collectives = "gloo"
+    device = torch.device("cpu")
+
+    def __init__(self, lighthouse: str, replica_id: str, timeout_s: float,
+                 state: Callable[[], dict], load_state: Callable[[dict], None]) -> None:
+        """``state``/``load_state``: everything a replica that joins the quorum takes from a live one."""
+        import logging
+
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per quorum and commit otherwise
+        self.replica_id = replica_id
+        host = socket.gethostname()
+        with socket.socket() as s:  # this replica group's store (a group of one rank: it is its master)
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self.manager = Manager(pg=self.pg, min_replica_size=1, load_state_dict=load_state, state_dict=state,
+                               replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=host, store_port=port,
+                               rank=0, world_size=1, use_async_quorum=False, hostname=host,
+                               timeout=timedelta(seconds=timeout_s),
+                               quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+                               heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS))
+        self.rank, self.size = 0, 1
+        self.initialised = True
+        self.aborted = 0  # steps abandoned (a replica lost in them): each was taken again
+
+    # -- the step ----------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """The quorum of this step (a replica new to it recovers here); sets ``rank`` and ``size``."""
+        self.manager.start_quorum()
+        self.size = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise RuntimeError(f"replica {self.replica_id} is not in the quorum it joined")
+        self.rank = rank
+
+    def commit(self) -> bool:
+        """Whether every replica of the quorum finished the step's collectives (then the optimizer steps);
+        False: a replica was lost in it, and the step is taken again by those left."""
+        ok = self.manager.should_commit()
+        self.aborted += not ok
+        return ok
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives (Reductions' sums and maxima, and DataParallel's checks) -----------------------
+    def _all_reduce(self, t: torch.Tensor, op: str, group=None) -> torch.Tensor:
+        if self.size == 1:
+            return t
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM if op == "sum" else ReduceOp.MAX).wait()
+        if self.manager.errored() is not None:  # ``t`` may hold anything: the step ends here, uncommitted
+            self.commit()
+            raise StepAborted(f"replica {self.replica_id}: a replica was lost in step {self.manager.current_step()}")
+        return t
+
+    def allgather(self, obj) -> list:
+        """Replicas share nothing outside a step's collectives: each publishes its own whole copy, so the
+        layout it gathers is its own alone."""
+        return [obj]
+
+    def check_replicas(self, checksum: str, step: int) -> None:
+        """Fail unless every replica of the quorum holds weights with this checksum: the largest and the
+        smallest of a 62-bit digest of it agree."""
+        if self.size == 1:
+            return
+        h = int(hashlib.sha256(checksum.encode()).hexdigest()[:15], 16)
+        both = self._all_reduce(torch.tensor([h, -h], dtype=torch.int64), "max")
+        if int(both[0]) != -int(both[1]):
+            raise RuntimeError(f"trainer replicas diverged after step {step} (replica {self.replica_id})")
+
+    def ensure_process_group(self) -> None:
+        raise RuntimeError("train.replicas runs the torch backend: a sharded backend's group is not wired here")
+
+    def close(self) -> None:
+        if self.initialised:
+            self.manager.shutdown(wait=False)
+            self.initialised = False

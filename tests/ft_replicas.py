@@ -1,0 +1,102 @@
+"""Fault-tolerant trainer replicas (train/ft.py) as separate processes, each printing one JSON line per
+committed step: its step, the quorum's size and its index in it, the loss and the weights' checksum.
+
+    python tests/ft_replicas.py lighthouse                     # prints its address, serves until killed
+    python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S]
+    python tests/ft_replicas.py single MODEL_DIR STEPS           # one plain trainer, the reference
+
+Every replica takes the whole batch of ``dp_equivalence.batch(step)`` and trains on its share of the groups
+(the quorum's ``rank``-th of every ``size``), as the runtime's trainer does. ``--die-in STEP`` SIGKILLs the
+replica inside that step's gradient all-reduce (after its forward and backward); ``--pace S`` sleeps S
+seconds after each step (so a late replica can join while the others still train).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from dp_equivalence import batch
+
+from dora_hpc.train.dp import StepAborted
+from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
+from dora_hpc.train.publish import checksum_of
+
+CFG = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg="token")
+
+
+def line(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int | None, pace: float) -> None:
+    from dora_hpc.train.ft import Replicas
+
+    holder: dict = {}
+
+    def state() -> dict:
+        weights, rest = holder["trainer"].checkpoint_state()
+        return {"weights": weights, "rest": rest}
+
+    def load_state(sd: dict) -> None:
+        holder["trainer"].load_checkpoint(sd["weights"], sd["rest"])
+        line(healed=holder["trainer"].step)
+
+    dp = Replicas(lighthouse, rid, timeout_s=10.0, state=state, load_state=load_state)
+    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp)
+    if die_in is not None:
+        sum_grads = dp.sum_grads_
+
+        def dying(params, group=None):
+            if trainer.step == die_in and dp.size > 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            sum_grads(params, group)
+        dp.sum_grads_ = dying
+    while trainer.step < steps:
+        dp.start_step()  # a replica new to the quorum takes the step counter with the weights
+        samples = batch(trainer.step)
+        groups = list(dict.fromkeys(s.group_id for s in samples))
+        mine = set(groups[dp.rank::dp.size])
+        try:
+            m = trainer.train_step([s for s in samples if s.group_id in mine], groups)
+        except StepAborted:
+            line(aborted=trainer.step)
+            continue
+        line(step=trainer.step - 1, size=dp.size, rank=dp.rank, loss=m["loss"], grad_norm=m["grad_norm"],
+             checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
+        if os.environ.get("FT_DUMP"):
+            torch.save(trainer.state_dict(), f"{os.environ['FT_DUMP']}-{rid}-{trainer.step}.pt")
+        time.sleep(pace)
+    dp.close()
+
+
+def single(model_dir: str, steps: int) -> None:
+    trainer = GRPOTrainer(model_dir, CFG, seed=0)
+    for step in range(steps):
+        m = trainer.train_step(batch(step))
+        line(step=step, size=1, rank=0, loss=m["loss"], grad_norm=m["grad_norm"],
+             checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
+        if os.environ.get("FT_DUMP"):
+            torch.save(trainer.state_dict(), f"{os.environ['FT_DUMP']}-single-{trainer.step}.pt")
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    if argv[0] == "lighthouse":
+        from dora_hpc.train.ft import serve_lighthouse
+
+        lh = serve_lighthouse()
+        line(address=lh.address())
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    elif argv[0] == "single":
+        single(argv[1], int(argv[2]))
+    else:
+        opts = dict(zip(argv[5::2], argv[6::2], strict=True))
+        replica(argv[1], argv[2], argv[3], int(argv[4]), int(opts["--die-in"]) if "--die-in" in opts else None,
+                float(opts.get("--pace", 0)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
