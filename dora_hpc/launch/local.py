@@ -184,7 +184,8 @@ def launch(cfg: RunConfig, run_dir: Path, resume: str = "no") -> int:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(pid, signal.SIGKILL)
 
-    watcher = DeathWatch(pid_dir, Roles(n, cfg.cluster.trainer_ranks), on_death=end_job)
+    watcher = DeathWatch(pid_dir, Roles(n, cfg.cluster.trainer_ranks, replicated=cfg.train.replicas > 1),
+                         on_death=end_job)
     watcher.start()
     asked = []
 
@@ -253,18 +254,19 @@ def killed_by(status_file: Path) -> str:
 
 
 class DeathWatch(threading.Thread):
-    """Polls the ranks' processes. A rollout rank that dies while rank 0 and another rollout rank live
-    gets a ``rank-N.dead`` marker, which rank 0 acts on (it fences the rank); the first other rank to die
-    (or turn zombie) while the job runs is the rank to blame -- mpiexec's own message names only a PID
-    of its choosing -- and ``on_death`` ends the job. Ranks that raised leave a ``.failed`` marker and
-    ranks torn down by mpiexec a ``.cleanup`` one, so a rank that vanished without either (killed) is
-    preferred when several die within one poll; a rank that raised always ends the job."""
+    """Polls the ranks' processes. A rollout rank (or a trainer replica, ``train.replicas``) that dies while
+    rank 0 and another of its kind live gets a ``rank-N.dead`` marker, which rank 0 acts on (it fences the
+    rank); the first other rank to die (or turn zombie) while the job runs is the rank to blame --
+    mpiexec's own message names only a PID of its choosing -- and ``on_death`` ends the job. Ranks that
+    raised leave a ``.failed`` marker and ranks torn down by mpiexec a ``.cleanup`` one, so a rank that
+    vanished without either (killed) is preferred when several die within one poll; a rank that raised
+    always ends the job."""
 
     def __init__(self, pid_dir: Path, roles: Roles, on_death=None) -> None:
         super().__init__(daemon=True)
         self.pid_dir, self.roles, self.on_death = pid_dir, roles, on_death
         self.first_dead: int | None = None
-        self.fenced: list[int] = []  # rollout ranks that died and were left to rank 0
+        self.fenced: list[int] = []  # ranks that died and were left to rank 0
         self.shells: dict[int, int | None] = {}  # each rank's parent: the RANK_SHELL that records its status
         self._halt = threading.Event()
 
@@ -305,8 +307,10 @@ class DeathWatch(threading.Thread):
             time.sleep(0.002)
 
     def on_dead(self, dead: list[int], pids: dict[int, int]) -> None:
-        lost = [r for r in dead if self.roles.role(r) == "rollout" and not self._marked(r, "failed")]
-        left = [r for r in self.roles.rollout_ranks if r not in self.fenced and r not in dead]
+        lost = [r for r in dead if self.roles.fenceable(r) and not self._marked(r, "failed")]
+        kinds = {self.roles.role(r): self.roles.rollout_ranks if self.roles.role(r) == "rollout"
+                 else self.roles.trainer_ranks for r in lost}  # a trainer replica's kind: the trainers
+        left = all(any(r not in self.fenced and r not in dead for r in ranks) for ranks in kinds.values())
         if len(lost) == len(dead) and left and self._alive(pids[0]) and not self._marked(0, "done"):
             for r in lost:  # rank 0 fences it and the run goes on without it
                 self.fenced.append(r)

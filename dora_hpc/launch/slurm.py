@@ -196,16 +196,18 @@ RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, s
 
 def task(run_dir: str) -> int:
     """One task of the job step (submitit runs it). The orchestrator and the trainers run here; a rollout
-    rank runs as a child process (it inherits the PMI connection, so it is the MPI rank), and when a
-    signal kills it (SIGKILL, the kernel's OOM killer) this task leaves ``pids/rank-N.dead`` for rank 0
-    and exits 0: srun keeps the step, rank 0 fences the instance and the run goes on. A rank that raised
+    rank (or a trainer replica, ``train.replicas``) runs as a child process (it inherits the PMI connection,
+    so it is the MPI rank), and when a signal kills it (SIGKILL, the kernel's OOM killer) this task leaves
+    ``pids/rank-N.dead`` for rank 0 and exits 0: srun keeps the step, rank 0 fences the rank and the run
+    goes on. A rank that raised
     exits with its status, which ends the step (--kill-on-bad-exit) as before."""
     from ..runtime.main import main as rank_main
     from ..runtime.roles import Roles
 
     rank = int(os.environ.get("PMI_RANK") or os.environ.get("SLURM_PROCID") or 0)
     cfg = json.loads((Path(run_dir) / "launch.json").read_text())["config"]
-    if Roles(rank + 1, cfg["cluster"]["trainer_ranks"]).role(rank) != "rollout":
+    roles = Roles(rank + 1, cfg["cluster"]["trainer_ranks"], replicated=cfg["train"].get("replicas", 1) > 1)
+    if not roles.fenceable(rank):  # the orchestrator, or a trainer whose loss ends the job
         return rank_main(run_dir)
     fd = os.environ.get("PMI_FD")
     for s in RANK_SIGNALS:  # Slurm signals the rank too
@@ -220,7 +222,7 @@ def task(run_dir: str) -> int:
     pids = Path(run_dir) / "pids"  # absent when the child died before its MPI_Init returned
     pids.mkdir(exist_ok=True)
     (pids / f"rank-{rank}.dead").write_text(str(child.pid))
-    print(f"dora-hpc: rank {rank} (a rollout instance) was killed by {signal.Signals(-rc).name} on "
+    print(f"dora-hpc: rank {rank} (a {roles.role(rank)} rank) was killed by {signal.Signals(-rc).name} on "
           f"{os.uname().nodename}: rank 0 fences it, the run goes on", file=sys.stderr, flush=True)
     return 0
 

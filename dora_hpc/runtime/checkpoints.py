@@ -3,7 +3,8 @@
 Phase one sends the policy's snapshot to the trainers (the lead writes its weights of the same version
 beside it) and asks every live rank hosting an instance to flush its trajectory shard; phase two commits
 once every live one has. Invariant: every group a committed checkpoint calls complete is on disk
-(store/resume.py), and at most one checkpoint is in flight.
+(store/resume.py), and at most one checkpoint is in flight. One live trainer writes it (the lead; with
+fault-tolerant replicas the lowest live one); a writer lost before its Checkpointed abandons it.
 """
 
 from __future__ import annotations
@@ -38,13 +39,24 @@ class Checkpointer:
         return self.unflushed.pop(rank, [])
 
     def start(self, version: int, state: dict, live_ranks: list[int], t: float) -> None:
-        """Phase one for ``version``: ``state`` (the orchestrator's snapshot) goes to the lead trainer."""
-        self.in_flight = {"version": version, "flushed": set(), "t": t}
+        """Phase one for ``version``: ``state`` (the orchestrator's snapshot) goes to the writer."""
+        trainers = self.comm.live_trainers
+        writer = trainers[0]  # the lead (a replica: the lowest live one)
+        self.in_flight = {"version": version, "flushed": set(), "t": t, "writer": writer}
         for r in live_ranks:
             self.comm.send(Flush(version), r)
-        for t_rank in self.roles.trainer_ranks:  # all join (a sharded trainer gathers its optimizer); the lead writes
-            self.comm.send(Checkpoint(version, state if t_rank == self.roles.lead_trainer else None), t_rank)
+        for t_rank in trainers:  # all join (a sharded trainer gathers its optimizer); the writer writes
+            self.comm.send(Checkpoint(version, state if t_rank == writer else None), t_rank)
         self.flush_log()  # so the ops up to here survive a crash too
+
+    def trainer_lost(self, rank: int) -> bool:
+        """A trainer replica was fenced: the checkpoint it was writing is abandoned (the next one is taken
+        as usual). Returns whether one was."""
+        if self.in_flight is None or self.in_flight["writer"] != rank:
+            return False
+        self.op("checkpoint_abandoned", version=self.in_flight["version"], detail=f"writer={rank} lost")
+        self.in_flight = None
+        return True
 
     def on_progress(self, msg: Flushed | Checkpointed, live_ranks: list[int]) -> None:
         ckpt = self.in_flight
@@ -65,4 +77,4 @@ class Checkpointer:
             return
         if {self.roles.instance_of_rank(r) for r in live_ranks} <= ckpt["flushed"]:
             ckpt["committing"] = True
-            self.comm.send(Commit(ckpt["version"]), self.roles.lead_trainer)
+            self.comm.send(Commit(ckpt["version"]), ckpt["writer"])

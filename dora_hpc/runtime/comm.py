@@ -63,7 +63,7 @@ class SourceFenced(RuntimeError):
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
                  stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False,
-                 identity: tuple[int, int] | None = None) -> None:
+                 identity: tuple[int, int] | None = None, replicated: bool = False) -> None:
         """``identity``: a replacement's (rank, world size) in the run's world, which it is not part of."""
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
@@ -73,7 +73,7 @@ class Comm:
         self.links: dict[int, MPI.Intercomm] = {}  # ranks reached over a link of their own (route)
         self.broken: set[int] = set()  # rollout ranks an MPI call to failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
-        self.roles = Roles(size, trainers, trainers if elastic else 0)
+        self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
@@ -100,11 +100,20 @@ class Comm:
         return out
 
     def broke(self, rank: int, err: Exception) -> None:
-        """An MPI call to ``rank`` failed: its process is gone. Fatal unless it is a rollout rank, which
-        rank 0 fences (Orchestrator.died reads ``broken``); other ranks let rank 0 find out."""
-        if self.roles.role(rank) != "rollout":
+        """An MPI call to ``rank`` failed: its process is gone. Fatal unless the run can go on without it
+        (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died reads ``broken``);
+        other ranks let rank 0 find out."""
+        if not self.roles.fenceable(rank):
             raise err
         self.broken.add(rank)
+
+    def trainers_of(self, group_id: int) -> list[int]:
+        """The live trainer ranks this group's trajectories and notices go to (Roles.trainers_of_group)."""
+        return [t for t in self.roles.trainers_of_group(group_id) if t not in self.fenced]
+
+    @property
+    def live_trainers(self) -> list[int]:
+        return [t for t in self.roles.trainer_ranks if t not in self.fenced]
 
     def route(self, rank: int):
         """(communicator, rank in it) that reaches ``rank``: its link, or the world."""

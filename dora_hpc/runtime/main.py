@@ -207,10 +207,11 @@ def main(run_dir: str) -> int:
         install_signals(run, rank)
         meta = json.loads((run / "launch.json").read_text())
         cfg = validate(meta["config"], saved=True)
-        start = MPI.COMM_WORLD.bcast(decide_start(run, meta) if rank == 0 else None, root=0)
+        start = MPI.COMM_WORLD.bcast(decide_start(run, meta) | lighthouse(cfg) if rank == 0 else None, root=0)
         announce(MPI.COMM_WORLD, cfg, meta, start)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
-                    heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic)
+                    heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic,
+                    replicated=cfg.train.replicas > 1)
         outcome = play(comm, cfg, run, meta, start)
         comm.close()
         finish(MPI.COMM_WORLD, comm, run, outcome)
@@ -219,6 +220,20 @@ def main(run_dir: str) -> int:
         fail(Path(run_dir), rank, e)
         MPI.COMM_WORLD.Abort(1)
         return 1
+
+
+LIGHTHOUSE: list = []  # rank 0's torchft lighthouse, kept for the process's life
+
+
+def lighthouse(cfg) -> dict:
+    """Rank 0 serves torchft's lighthouse where the trainer is fault-tolerant replicas (train.replicas):
+    its address goes to every rank with the start."""
+    if cfg.train.replicas < 2:
+        return {"lighthouse": None}
+    from ..train.ft import serve_lighthouse
+
+    LIGHTHOUSE.append(serve_lighthouse())
+    return {"lighthouse": LIGHTHOUSE[-1].address()}
 
 
 def announce(world, cfg, meta: dict, start: dict) -> None:
@@ -268,7 +283,7 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
         from .trainer import TrainerRank
 
         task = make_task(cfg, meta["vocab_size"], model_dir) if cfg.cluster.elastic else None  # its borrowed instance
-        TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume, task).run()
+        TrainerRank(comm, cfg, run, model_dir, meta["run_id"], t0, attempt, resume, task, start["lighthouse"]).run()
     else:
         from .rollout import RolloutRank
 

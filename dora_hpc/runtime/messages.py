@@ -135,6 +135,12 @@ class Initial:            # lead trainer -> orchestrator, once at start: the che
 
 
 @dataclass(frozen=True)
+class Holds:              # trainer replica -> orchestrator: it holds this version now (recovered from a peer)
+    version: int
+    checksum: str
+
+
+@dataclass(frozen=True)
 class Published:          # lead trainer -> orchestrator: step version-1 finished
     version: int
     checksum: str

@@ -72,6 +72,7 @@ from .messages import (
     Generate,
     Heartbeat,
     Hello,
+    Holds,
     Initial,
     Linked,
     MigrateOut,
@@ -104,6 +105,8 @@ class Orchestrator(OpLog):
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
+        self.checksums: dict[int, str] = {}  # version -> its checksum as the trainer published it
+        self.reported: set[int] = set()      # versions whose Published has been acted on
         self.stale = Counter()
         self.env_waiting: dict[int, int] = {}  # instance -> its episodes waiting on their environment
         self.rewards: list[float] = []
@@ -192,7 +195,8 @@ class Orchestrator(OpLog):
             print(f"dora-hpc: skipping malformed prompt row {bad}", file=sys.stderr, flush=True)
         for trajs in self.requeued:  # before any Train: the trainer needs them for the steps to come
             for s in trajs:
-                self.comm.send(replace(s, prompt=self.task.prompt(s.group_id)), self.roles.trainer_of_group(s.group_id))
+                for t in self.comm.trainers_of(s.group_id):
+                    self.comm.send(replace(s, prompt=self.task.prompt(s.group_id)), t)
         self.feed(Start())
 
     def on_message(self, msg, src: int) -> None:
@@ -205,14 +209,19 @@ class Orchestrator(OpLog):
                 self.checkpoints.on_progress(msg, self.live_instance_ranks)
             case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
                 self.stop.set()
+            case Published() if not self.first_publish(msg, src):
+                pass  # another replica's report of the step (it holds the version too)
             case Published() if self.stopping:  # the step under way when the stop came: it is in the
                 self.record_step(msg)            # checkpoint being taken, so its record is kept
+            case Holds():  # a trainer replica recovered this version from a peer
+                self.holder(src, msg.version, msg.checksum)
             case _ if self.stopping:
                 pass  # frozen: the final snapshot is taken; what happens now is not kept
             case DecodeProgress():
                 self.feed(Progress(msg.instance, msg.decoded))
             case Initial():
                 self.weights.initial(msg.version, msg.checksum)
+                self.holder(src, msg.version, msg.checksum)
             case Ready():
                 self.weights.ready(msg)
                 self.figures.loads.append(msg.load_s)
@@ -234,6 +243,24 @@ class Orchestrator(OpLog):
         self.feed(RequestFinished(msg.traj_id, msg.instance, msg.reward, msg.response_len))
         if msg.kv_used_fraction >= self.cfg.dora.kv_threshold:
             self.feed(KvPressure(msg.instance, msg.kv_used_fraction))
+
+    def holder(self, src: int, version: int, checksum: str) -> None:
+        """Trainer rank ``src`` holds ``version``: fault-tolerant replicas each report every version they hold
+        (its holders, where loads come from), and all must hold the same weights."""
+        if self.roles.replicated:
+            self.weights.held(src, version)
+        known = self.checksums.setdefault(version, checksum)
+        if known != checksum:
+            raise RuntimeError(f"trainer replicas diverged: v{version} has checksum {checksum} on rank {src}, "
+                               f"{known} on another")
+
+    def first_publish(self, msg: Published, src: int) -> bool:
+        """Whether this is the step's first report (every replica reports it; one is acted on)."""
+        self.holder(src, msg.version, msg.checksum)
+        if self.roles.replicated and msg.version in self.reported:
+            return False
+        self.reported.add(msg.version)
+        return True
 
     def on_published(self, msg: Published) -> None:
         self.steps_done += 1
@@ -275,17 +302,20 @@ class Orchestrator(OpLog):
         from it)."""
         self.joins.poll()
         now = time.monotonic()
-        for r in self.live_rollout:  # its launcher saw it die (launch/local.py: DeathWatch; launch/slurm.py: task)
-            if self.died(r) and len(self.live_rollout) > 1:
+        for r in [*self.live_rollout, *self.live_replicas]:  # its launcher saw it die (launch/local.py:
+            if not self.died(r):                               # DeathWatch; launch/slurm.py: task)
+                continue
+            if self.others_live(r):
                 self.fence(r, now - self.last_heard.get(r, now), cause="died")
-            elif self.died(r):
-                self.op("hung", peer=r, detail="died, the last rollout instance")
-                self.log.flush()
-                raise RankHung(f"rank {r}, the last rollout instance, died")
+                continue
+            last = "the last rollout instance" if self.roles.role(r) == "rollout" else "the last trainer replica"
+            self.op("hung", peer=r, detail=f"died, {last}")
+            self.log.flush()
+            raise RankHung(f"rank {r}, {last}, died")
         for r, t in list(self.last_heard.items()):
             if r in self.fenced or now - t <= self.cfg.runtime.hang_timeout_s or self.joins.excused(r, now):
                 continue
-            if self.roles.role(r) == "rollout" and len(self.live_rollout) > 1:
+            if self.roles.fenceable(r) and self.others_live(r):
                 self.fence(r, now - t)
                 continue
             self.op("hung", peer=r, detail=f"silent {now - t:.0f}s")
@@ -309,6 +339,15 @@ class Orchestrator(OpLog):
         return [r for r in self.roles.rollout_ranks if r not in self.fenced]
 
     @property
+    def live_replicas(self) -> list[int]:
+        """Fault-tolerant trainer replicas not fenced (none where the trainer is not replicated)."""
+        return self.comm.live_trainers if self.roles.replicated else []
+
+    def others_live(self, r: int) -> bool:
+        """Whether another rank of ``r``'s kind (rollout instance, trainer replica) is live."""
+        return len(self.live_rollout if self.roles.role(r) == "rollout" else self.live_replicas) > 1
+
+    @property
     def live_instance_ranks(self) -> list[int]:
         """Ranks hosting an instance (a trainer with its borrowed one too), not fenced: they write shards."""
         return [r for r in self.roles.instance_ranks if r not in self.fenced]
@@ -317,7 +356,10 @@ class Orchestrator(OpLog):
         """Give up on rollout rank ``r`` (``cause``: hung, or died): nothing is sent to it again and nothing
         it sends is read; what ran on it (and what was migrating away from it) starts again elsewhere,
         through the policy; loads that waited for its weights take them from a trainer instead, and ranks
-        waiting for a buffer from it stop waiting. The run goes on with one instance fewer."""
+        waiting for a buffer from it stop waiting. The run goes on with one instance fewer. A trainer
+        replica: ``fence_trainer``."""
+        if self.roles.role(r) == "trainer":
+            return self.fence_trainer(r, silent_s, cause)
         i = self.roles.instance_of_rank(r)
         self.fenced.add(r)
         self.figures.fenced += 1
@@ -340,6 +382,22 @@ class Orchestrator(OpLog):
         self.live_counts.append((self.now(), len(self.live_instance_ranks)))
         self.feed(InstanceLost(i, in_transit))
         self.checkpoints.maybe_commit(self.live_instance_ranks)
+
+    def fence_trainer(self, r: int, silent_s: float, cause: str) -> None:
+        """Give up on trainer replica ``r``: the others take each step from now on (a step it was lost in
+        is taken again by them, train/ft.py); nothing is sent to it again, loads waiting for its weights
+        take them from another replica, and a checkpoint it was writing is abandoned (taken again at once
+        where no step is left to trigger the next)."""
+        self.fenced.add(r)
+        self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s trainer_replica")
+        self.log.flush()
+        why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
+        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; the {len(self.live_replicas)} other "
+              f"replicas take each step", file=sys.stderr, flush=True)
+        self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
+        self.weights.source_lost(r)
+        if self.checkpoints.trainer_lost(r) and self.steps_done >= self.cfg.train.max_steps:
+            self.start_checkpoint()
 
     def rejoin(self, r: int) -> None:
         """A replacement took fenced rank ``r``'s place (runtime/join.py), linked to every live rank and
@@ -412,23 +470,27 @@ class Orchestrator(OpLog):
                 case Drop(g, reason):
                     self.figures.forget(g)
                     self.op("drop", detail=f"group={g} {reason}")
-                    self.comm.send(Forget(g), self.roles.trainer_of_group(g))
+                    self.forget_group(g)
                 case Filter(g):
                     self.figures.forget(g)
                     self.op("filter", detail=f"group={g}")
-                    self.comm.send(Forget(g), self.roles.trainer_of_group(g))
+                    self.forget_group(g)
                 case StartTrain(step, groups):
                     stale = [step - self.policy.ledger.groups[g].version for g in groups]
                     self.stale.update(stale)
                     self.figures.on_train(step, stale, list(groups))
                     if (cap := self.policy.admission_cap()) is not None:
                         self.op("admission_cap", version=step, detail=f"groups={cap}")
-                    for t in self.roles.trainer_ranks:  # each replica trains on its share of the groups
+                    for t in self.comm.live_trainers:  # each replica trains on its share of the groups
                         self.comm.send(TrainMsg(step, groups), t)
                     if self.colocated and not self.paused:
                         self.set_paused(True, step)
                 case _:
                     raise RuntimeError(f"orchestrator: cannot execute {c!r}")
+
+    def forget_group(self, g: int) -> None:
+        for t in self.comm.trainers_of(g):
+            self.comm.send(Forget(g), t)
 
     def set_paused(self, paused: bool, step: int) -> None:
         for r in self.live_rollout:

@@ -43,7 +43,8 @@ def main(run_dir: str, sets: list[str]) -> int:
         print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
         return 2
     comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
-                heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size))
+                heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size),
+                replicated=cfg.train.replicas > 1)
     comm.links[0] = link
     comm.accept(port, plan.peers)
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))

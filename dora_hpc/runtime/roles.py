@@ -1,8 +1,9 @@
 """Which role each world rank plays: 0 = orchestrator, 1..T = trainers, T+1.. = rollout instances.
 
 Rollout instance i < R (the dedicated ones) is rank T+1+i. With ``cluster.elastic`` each trainer rank
-also hosts a borrowed instance: instance R+j is trainer rank 1+j. Pure (no MPI import), so the launcher
-can name a rank without initialising MPI itself.
+also hosts a borrowed instance: instance R+j is trainer rank 1+j. With ``train.replicas`` the trainer ranks
+are fault-tolerant replicas (train/ft.py): each gets every group, and one may be fenced while another lives.
+Pure (no MPI import), so the launcher can name a rank without initialising MPI itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class Roles:
     size: int
     trainers: int
     borrowed: int = 0  # trainer ranks that also host a rollout instance (cluster.elastic): all or none
+    replicated: bool = False  # train.replicas: each trainer rank a fault-tolerant replica with every group
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -47,12 +49,24 @@ class Roles:
         return 1
 
     @property
+    def publish_shards(self) -> int:
+        """The shards a published version is kept in: one per trainer rank, or one whole copy on every
+        replica (``replicated``: it may be the only one left)."""
+        return 1 if self.replicated else self.trainers
+
+    @property
     def trainer_ranks(self) -> list[int]:
         return list(range(1, 1 + self.trainers))
 
-    def trainer_of_group(self, group_id: int) -> int:
-        """The data-parallel replica that trains on this GRPO group (a group never splits)."""
-        return 1 + group_id % self.trainers
+    def trainers_of_group(self, group_id: int) -> list[int]:
+        """The trainer ranks this GRPO group's trajectories go to: its data-parallel owner (a group never
+        splits), or every replica (``replicated``: a step's quorum splits the batch as it is then)."""
+        return self.trainer_ranks if self.replicated else [1 + group_id % self.trainers]
+
+    def fenceable(self, rank: int) -> bool:
+        """Whether the run can go on without ``rank`` (while another of its kind lives): a rollout rank, or a
+        trainer replica."""
+        return self.role(rank) == "rollout" or (self.replicated and self.role(rank) == "trainer")
 
     def gpus_needed(self, rank: int, rollout_gpus: int) -> int:
         """GPUs a rank takes under runtime.device=cuda: none (orchestrator), one (trainer), or a rollout

@@ -185,7 +185,8 @@ class RolloutRank(OpLog, Migrations):
             "env_spans": [i for span in spans for i in span], "env_s": info.get("env_s", 0.0),
             "env_error": info.get("env_error", ""), "env_prefill_tokens": info.get("env_prefill", 0),
             "env_reruns": info.get("env_reruns", 0)})
-        self.comm.send(t, self.comm.roles.trainer_of_group(t.group_id))
+        for trainer in self.comm.trainers_of(t.group_id):
+            self.comm.send(t, trainer)
         self.comm.send(Done(t.traj_id, self.instance, len(t.response), reward, kv_frac, info["epoch"], info["kv_s"],
                             info.get("turns", 1), info.get("env_s", 0.0), self.now() - info["t_dispatch"],
                             bool(info.get("env_error")), len(t.prompt)), 0)
@@ -269,7 +270,7 @@ class RolloutRank(OpLog, Migrations):
             raise RuntimeError(f"rank {self.comm.rank}: v{msg.version} from the model folder, which holds v0 "
                                f"only until the engine's first load")
         dtype = publish_dtype(self.cfg.train.publish_dtype, self.cfg.engine.dtype)
-        got = checksum_of(self.engine.weights(), self.comm.roles.trainers, dtype)  # each shard cast to dtype there
+        got = checksum_of(self.engine.weights(), self.comm.roles.publish_shards, dtype)  # each shard cast there
         self.engine.version, self.checked = 0, (0, got)
         self.op("weight_load", peer=FOLDER, version=0, t_start=t, nbytes=0, detail=f"{got} from the model folder")
         self.comm.send(Ready(self.instance, 0, got, self.now() - t), 0)
@@ -313,7 +314,7 @@ class RolloutRank(OpLog, Migrations):
                          self.engine.weights(), dtype)
         self.engine.load_weights(state, msg.version, keep_requests=msg.keep_requests, add=msg.add)
         got = checksum_of({k: v for k, v in self.engine.weights(msg.version).items() if k in state},
-                          self.comm.roles.trainers, dtype)
+                          self.comm.roles.publish_shards, dtype)
         if got != headers[0].checksum:
             raise RuntimeError(f"rank {self.comm.rank}: weights of v{msg.version} arrived corrupted "
                                f"({got} != {headers[0].checksum})")

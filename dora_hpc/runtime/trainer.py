@@ -4,9 +4,14 @@ Invariants:
 * a train step consumes exactly the groups the orchestrator named, each complete, each once; it
   waits (still receiving trajectories) until all their samples have arrived;
 * data parallel over T trainer ranks: every rank gets every Train, trains on the groups it owns
-  (``Roles.trainer_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
+  (``Roles.trainers_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
-  alone logs the step, reports Published, writes checkpoints; every replica serves weights. The weights
+  alone logs the step, reports Published, writes checkpoints; every replica serves weights;
+* fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps
+  each version whole; each step's quorum splits the batch over the replicas alive then, a step a replica
+  was lost in is taken again by the others, and a replica that recovered a later version from a peer
+  skips the Trains it missed. The quorum's first replica logs the step and what it consumed; every
+  replica reports Published (rank 0 takes the first and learns who holds the version). The weights
   live in a trainer backend (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of
   a sharded backend (a step, gathering the weights to publish, gathering the optimizer for a
   checkpoint) is reached by every trainer rank in the same message order;
@@ -38,6 +43,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -49,7 +55,7 @@ from ..core.trajectory import Trajectory
 from ..store import checkpoint as ckpt_store
 from ..store.shards import ShardWriter
 from ..train.dp import DataParallel
-from ..train.grpo import GRPOTrainer, grpo_config
+from ..train.grpo import GRPOTrainer, group_advantages, grpo_config
 from ..train.lora import LoraSpec
 from ..train.publish import delta, publish_dtype, shard_digest, shard_of, version_checksum
 from .clock import RankClock
@@ -62,6 +68,7 @@ from .messages import (
     Flush,
     Forget,
     Generate,
+    Holds,
     Initial,
     LoadVersion,
     MigrateIn,
@@ -85,11 +92,19 @@ STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "c
 
 class TrainerRank(RankClock):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
-                 resume: ckpt_store.Checkpoint | None = None, task=None) -> None:
+                 resume: ckpt_store.Checkpoint | None = None, task=None, lighthouse: str | None = None) -> None:
+        """``lighthouse``: torchft's lighthouse (rank 0 serves it) where ``train.replicas`` > 1."""
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
-        self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
-        self.lead = comm.rank == comm.roles.lead_trainer
+        self.replicated = comm.roles.replicated
+        if self.replicated:
+            from ..train.ft import Replicas
+
+            self.dp = Replicas(lighthouse, f"trainer{comm.rank}", t.replica_timeout_s, self.replica_state,
+                               self.load_replica_state)
+        else:
+            self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
+        self.lead = comm.rank == comm.roles.lead_trainer  # replicated: the quorum's first replica (self.dp.lead)
         lora = LoraSpec.of(cfg)
         self.adapter_versions = lora is not None and lora.adapter_versions  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
@@ -106,13 +121,15 @@ class TrainerRank(RankClock):
             self.version = resume.step
             ledger = resume.state["orchestrator"]["ledger"]
             self.consumed = {g for g, _v, state, *_ in ledger["groups"] if state == 2}
-        self.shard, self.shards = comm.rank - 1, comm.roles.trainers  # this rank's shard of each version
+        # this rank's shard of each version (a fault-tolerant replica keeps it whole: it may be the only one left)
+        self.shard, self.shards = (0, 1) if self.replicated else (comm.rank - 1, comm.roles.publish_shards)
         self.dtype = publish_dtype(t.publish_dtype, cfg.engine.dtype)
         self.versions: dict[int, tuple[dict, str]] = {}  # version -> (this rank's shard, its checksum)
         self.traits = traits_of(cfg.mode, cfg.dora.k)
         self.keep_versions = self.traits.keep_versions
+        self.healed = False  # a replica that took a later version from a peer at a quorum (load_replica_state)
         initial = self.publish(self.version, -1)
-        if self.lead:  # rank 0 checks the instances that took version 0 from the model folder against it
+        if self.lead or self.replicated:  # rank 0 checks the instances that took v0 from the model folder against it
             self.comm.send(Initial(self.version, initial), 0)
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
@@ -171,7 +188,7 @@ class TrainerRank(RankClock):
                 if msg.version != self.version:
                     raise RuntimeError(f"trainer: checkpoint of v{msg.version} asked while holding v{self.version}")
                 weights, rest = self.trainer.checkpoint_state()  # a collective for a sharded backend
-                if self.lead:
+                if msg.state is not None:  # the writer (the lead; one live replica)
                     ckpt_store.write(self.run_dir, msg.version, weights, rest, msg.state)
             case Commit():
                 path = ckpt_store.commit(self.run_dir, msg.version, keep=self.cfg.train.keep_checkpoints)
@@ -266,14 +283,9 @@ class TrainerRank(RankClock):
     def _complete(self, g: int) -> bool:
         return len(self.queue.get(g, {})) == self.cfg.batch.group_size
 
-    def train(self, msg: Train) -> None:
-        if msg.step != self.version:
-            raise RuntimeError(f"trainer: step {msg.step} asked while holding v{self.version}")
-        dup = self.consumed.intersection(msg.group_ids)
-        if dup:
-            raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
-        mine = [g for g in msg.group_ids if self.comm.roles.trainer_of_group(g) == self.comm.rank]
-        while not all(self._complete(g) for g in mine):  # stragglers' messages are in flight
+    def await_groups(self, groups) -> None:
+        """Until every one of ``groups`` is complete here (stragglers' messages are in flight)."""
+        while not all(self._complete(g) for g in groups):
             got = self.comm.poll()
             if got is None:
                 time.sleep(0.001)
@@ -283,27 +295,135 @@ class TrainerRank(RankClock):
                 pass
             else:  # e.g. a Checkpoint of the version this step makes: after the step
                 self.deferred.append(got)
+
+    def train(self, msg: Train) -> None:
+        if self.replicated and msg.step < self.version:  # taken by the others while this replica was away
+            self.skip(msg)
+            return
+        if msg.step != self.version:
+            raise RuntimeError(f"trainer: step {msg.step} asked while holding v{self.version}")
+        dup = self.consumed.intersection(msg.group_ids)
+        if dup:
+            raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
+        self.await_groups(msg.group_ids if self.replicated else
+                          [g for g in msg.group_ids if self.comm.roles.trainers_of_group(g) == [self.comm.rank]])
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
-        trajs = [t for g in mine for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
-        # partial rollout: a trajectory's tokens may span versions, so none counts as sampled under one
-        tagged = self.traits.single_version
-        samples = trajs if tagged else [replace(t, version=-1) for t in trajs]
-        with self.serving_weights():
-            metrics = self.trainer.train_step(samples, msg.group_ids)
+        msg, trajs, metrics = self.replica_step(msg) if self.replicated else self.owned_step(msg)
         version = self.version = msg.step + 1
         checksum = self.publish(version, msg.step)
         self.consumed.update(msg.group_ids)
-        for t, adv in zip(trajs, metrics["advantages"], strict=True):
-            self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
-                                         "version": t.version, "staleness": msg.step - t.version,
-                                         "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
+        logs = self.dp.lead if self.replicated else None  # a replica: the quorum's first logs the whole batch
+        if logs is not False:
+            advantages = group_advantages(trajs, self.trainer.cfg.adv_std_norm) if logs else metrics["advantages"]
+            for t, adv in zip(trajs, advantages, strict=True):
+                self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
+                                             "version": t.version, "staleness": msg.step - t.version,
+                                             "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
         row = {"step": msg.step, "t_start": t_start, "t_end": self.now(), "loss": metrics["loss"],
                "reward_mean": metrics["reward_mean"], "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
                "tokens": metrics["tokens"], "weights_checksum": checksum, **{k: metrics[k] for k in STEP_STATS}}
-        if self.lead:
+        if self.lead if logs is None else logs:
             self.log.append("steps", row)
         self.log.flush()
-        if self.lead:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table
+        if self.lead or self.replicated:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table
             self.comm.send(Published(version, checksum, {k: v for k, v in row.items() if k != "weights_checksum"}),
                            0)
+
+    def samples(self, groups) -> tuple[list[Trajectory], list[Trajectory]]:
+        """The trajectories of ``groups`` (taken out of the queue) and the samples a step trains on: under
+        partial rollout a trajectory's tokens may span versions, so none counts as sampled under one."""
+        trajs = [t for g in groups for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
+        return trajs, trajs if self.traits.single_version else [replace(t, version=-1) for t in trajs]
+
+    def owned_step(self, msg: Train) -> tuple[Train, list[Trajectory], dict]:
+        """Data parallel: this rank's own groups; the gradient sums reach every rank."""
+        trajs, samples = self.samples([g for g in msg.group_ids if self.comm.roles.trainers_of_group(g) ==
+                                       [self.comm.rank]])
+        with self.serving_weights():
+            metrics = self.trainer.train_step(samples, msg.group_ids)
+        return msg, trajs, metrics
+
+    def replica_step(self, msg: Train) -> tuple[Train, list[Trajectory], dict]:
+        """A fault-tolerant replica: the step's quorum, then this replica's share of the batch (the quorum's
+        ``rank``-th of every ``size`` groups); a step a replica was lost in is taken again in a new quorum,
+        from the weights of its start. Returns the Train it took (a later one where this replica recovered a
+        later version at the quorum) and the whole batch's trajectories."""
+        from ..train.dp import StepAborted
+
+        while True:
+            with self.serving_weights():
+                self.dp.start_step()  # a replica new to the quorum recovers the others' state here
+            if self.healed:  # it took version self.version from a peer: Trains before it are the others' past
+                self.healed = False
+                self.comm.send(Holds(self.version, self.publish(self.version, self.version - 1)), 0)
+                msg = self.catch_up(msg)
+            groups = list(msg.group_ids)
+            share = set(groups[self.dp.rank::self.dp.size])
+            before = self.trainer.checkpoint_state() if self.trainer.cfg.mini_batches > 1 else None
+            samples = self.samples_of(groups)
+            try:
+                with self.serving_weights():
+                    metrics = self.trainer.train_step([s for s in samples if s.group_id in share], groups)
+            except StepAborted:
+                if before is not None:  # earlier mini-batches of it stepped: back to the step's start
+                    self.trainer.load_checkpoint(*before)
+                self.op_abort(msg.step)
+                continue
+            trajs, _ = self.samples(groups)
+            return msg, trajs, metrics
+
+    def samples_of(self, groups) -> list[Trajectory]:
+        """The samples of ``groups`` without taking them out of the queue (a step may be taken again)."""
+        trajs = [t for g in groups for t in sorted(self.queue[g].values(), key=lambda x: x.traj_id)]
+        return trajs if self.traits.single_version else [replace(t, version=-1) for t in trajs]
+
+    def op_abort(self, step: int) -> None:
+        print(f"dora-hpc: trainer rank {self.comm.rank}: a replica was lost in step {step}; taking it again with "
+              "those left", file=sys.stderr, flush=True)
+
+    def skip(self, msg: Train) -> None:
+        """A step the other replicas took while this one was away: its groups are consumed (their late
+        samples are not kept)."""
+        for g in msg.group_ids:
+            self.queue.pop(g, None)
+        self.consumed.update(msg.group_ids)
+        self.forgotten.update(msg.group_ids)
+
+    def catch_up(self, msg: Train) -> Train:
+        """After recovering version v from a peer: skip the Trains before step v (this one, those deferred
+        and those still in MPI) and return Train(v) once its groups are complete."""
+        self.skip(msg)
+        while True:
+            got = next((d for d in self.deferred if isinstance(d[0], Train)), None)
+            if got is not None:
+                self.deferred.remove(got)
+            else:
+                got = self.comm.poll()
+                if got is None:
+                    time.sleep(0.001)
+                    continue
+                if not isinstance(got[0], Train):
+                    if isinstance(got[0], Trajectory | SendWeights | Forget):
+                        self.handle(*got)
+                    else:
+                        self.deferred.append(got)
+                    continue
+            if got[0].step < self.version:
+                self.skip(got[0])
+                continue
+            if got[0].step != self.version:
+                raise RuntimeError(f"trainer: step {got[0].step} asked after recovering v{self.version}")
+            self.await_groups(got[0].group_ids)
+            return got[0]
+
+    def replica_state(self) -> dict:
+        """What a replica joining the quorum takes from this one (torchft's live recovery)."""
+        weights, rest = self.trainer.checkpoint_state()
+        return {"weights": weights, "rest": rest, "version": self.version, "consumed": sorted(self.consumed)}
+
+    def load_replica_state(self, state: dict) -> None:
+        self.trainer.load_checkpoint(state["weights"], state["rest"])
+        self.healed = state["version"] != self.version
+        self.version = state["version"]
+        self.consumed = set(state["consumed"])

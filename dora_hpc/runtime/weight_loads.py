@@ -7,7 +7,10 @@ Invariants:
   load is under way there; a slept instance, a lost one and one mid-load hold nothing a delta could use. A
   version added beside others (an adapter, ``add``) comes whole and leaves the base a later delta uses alone;
 * version 0 taken from the model folder (FOLDER) is checked against the trainer's version 0 (its Initial):
-  an instance whose folder differs stops the run, naming the instance.
+  an instance whose folder differs stops the run, naming the instance;
+* fault-tolerant trainer replicas (``Roles.replicated``) each keep a version whole: a load from the trainers
+  comes from one live replica that holds it (``holders``, from their Initial, Published and Holds), spread
+  over them by instance, and from another when that one is lost.
 """
 
 from __future__ import annotations
@@ -25,15 +28,33 @@ class WeightLoads:
         self.holds: dict[int, int] = {}  # instance -> the version it loaded and checked: a delta's base
         self.folder: dict[int, str] = {}  # instance -> the checksum of v0 as its model folder gave it
         self.trainer_v0: str | None = None
+        self.holders: dict[int, set[int]] = {}  # replicated trainers: version -> the replica ranks holding it
+
+    def held(self, rank: int, version: int) -> None:
+        """Trainer replica ``rank`` holds ``version`` (it published or recovered it)."""
+        self.holders.setdefault(version, set()).add(rank)
+
+    def trainer_source(self, i: int, v: int) -> int:
+        """Where instance ``i`` loads ``v`` from the trainers: every rank's shard (TRAINERS), or one live
+        replica that holds it, spread by instance."""
+        if not self.roles.replicated:
+            return TRAINERS
+        live = sorted(r for r in self.holders.get(v, ()) if r not in self.comm.fenced)
+        if not live:
+            raise RuntimeError(f"orchestrator: no live trainer replica holds v{v} (held by {self.holders.get(v)})")
+        return live[i % len(live)]
 
     def start(self, i: int, v: int, source: int, keep: bool, add: bool = False) -> None:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
         rank's shard, as deltas against the version the instance holds, or (FOLDER) what its engine loaded
         at start."""
+        if source == TRAINERS:
+            source = self.trainer_source(i, v)
+        trainers = source == TRAINERS or source != FOLDER and self.roles.role(source) == "trainer"
         base = -1 if add else self.holds.pop(i, -1) if i not in self.under_way else -1
         dst = self.roles.rank_of_instance(i)
         for rank in [] if source == FOLDER else self.roles.trainer_ranks if source == TRAINERS else [source]:
-            self.comm.send(SendWeights(v, dst, base if source == TRAINERS else -1), rank)
+            self.comm.send(SendWeights(v, dst, base if trainers else -1), rank)
         self.comm.send(LoadVersion(v, source, keep, add), dst)
         if not add:
             self.under_way[i] = (v, source, keep)
@@ -68,7 +89,8 @@ class WeightLoads:
         self.holds.pop(i, None)
 
     def source_lost(self, rank: int) -> None:
-        """Loads that waited for ``rank``'s weights take them from the trainers instead."""
+        """Loads that waited for ``rank``'s weights (a rollout peer's, or a trainer replica's) take them from
+        the trainers instead."""
         for i, (v, source, keep) in list(self.under_way.items()):
             if source == rank:
                 self.start(i, v, TRAINERS, keep)

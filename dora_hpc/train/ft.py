@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,8 +34,21 @@ LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 5000  # a replica silent this long is out of t
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 2000      # a quorum forms without a replica that has not asked within this
 
 
+def quiet() -> None:
+    """torchft's own lines at errors only: its Rust side logs every quorum and commit at info, its Python
+    side a flight-recorder warning per quorum (NCCL's; the replicas reduce over gloo) and a torch warning
+    on the buffer of a recovered state (read once, never written)."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
 def serve_lighthouse():
     """torchft's lighthouse on this host (any port), for the run's replicas; returns it (``address()``)."""
+    quiet()
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
@@ -50,12 +64,10 @@ class Replicas(Reductions):
     def __init__(self, lighthouse: str, replica_id: str, timeout_s: float,
                  state: Callable[[], dict], load_state: Callable[[dict], None]) -> None:
         """``state``/``load_state``: everything a replica that joins the quorum takes from a live one."""
-        import logging
-
+        quiet()
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
-        logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per quorum and commit otherwise
         self.replica_id = replica_id
         host = socket.gethostname()
         with socket.socket() as s:  # this replica group's store (a group of one rank: it is its master)
@@ -66,6 +78,7 @@ class Replicas(Reductions):
         self.manager = Manager(pg=self.pg, min_replica_size=1, load_state_dict=load_state, state_dict=state,
                                replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=host, store_port=port,
                                rank=0, world_size=1, use_async_quorum=False, hostname=host,
+                               init_sync=False,  # replicas start alike: the same model folder or checkpoint
                                timeout=timedelta(seconds=timeout_s),
                                quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
                                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS))
