@@ -93,3 +93,59 @@ def test_a_replica_lost_in_a_step_costs_that_step_and_a_replacement_recovers_fro
     assert len(healed) == 1 and min(got_c) == healed[0] >= 1  # live recovery, then it trains
     assert all(got_c[s]["checksum"] == got_a[s]["checksum"] and got_c[s]["size"] == 2 for s in got_c)
     same_steps(got_a, single(tiny, 6))  # every step, the lost and the shared, is the one trainer's
+
+
+REPO = Path(__file__).resolve().parents[1]
+REPLICAS = ["--set", "cluster.trainer_ranks=2", "--set", "train.replicas=2"]
+
+
+def run_dir_steps(run_dir: Path) -> int:
+    from dora_hpc.store.shards import read_table
+
+    try:
+        return len(read_table(run_dir, "train", "steps", ["step"])["step"])
+    except Exception:  # noqa: BLE001 - a shard being written
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, sig", [(1, signal.SIGKILL), (2, signal.SIGKILL), (2, signal.SIGSTOP)],
+                         ids=["kill-rank1", "kill-rank2", "stop-rank2"])
+def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_path, victim, sig):
+    """Two trainer replicas (tiny-cpu); after two steps one is SIGKILLed (rank 1: the checkpoint writer; rank
+    2: the other) or SIGSTOPped (hung: rank 0 fences it after runtime.hang_timeout_s, the other's collective
+    gives up after train.replica_timeout_s): the other takes every step from then on, and the run ends in its
+    first attempt with every step logged once and every invariant 0."""
+    from dora_hpc.analysis.basic import analyze
+    from dora_hpc.store.shards import read_table
+
+    run_dir = tmp_path / "ft"
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
+           *REPLICAS, "--set", "train.max_steps=8", "--set", "train.checkpoint_every=3",
+           "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while run_dir_steps(run_dir) < 2 and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    import os
+
+    os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    why = "died" if sig == signal.SIGKILL else "sent nothing for"
+    assert f"rank {victim} (trainer replica) {why}" in err, err[-3000:]
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # no requeue, no restart
+    a = analyze(run_dir)
+    assert a["steps"] == 8 and a["consumed"] == 8 * 32
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories"))
+    steps = read_table(run_dir, "train", "steps", ["step", "loss"], with_rank=True)
+    assert sorted(steps["step"].tolist()) == list(range(8))  # each step once, every loss finite
+    assert all(abs(x) < 1e3 for x in steps["loss"].tolist())
+    survivor = 3 - victim
+    late = [int(s) for s, r in zip(steps["step"], steps["rank"], strict=True) if r == survivor]
+    assert late and max(late) == 7  # the survivor logged the last steps
+    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail"])
+    assert any(k == "fence" and p == victim and "role=trainer" in d
+               for k, p, d in zip(ops["kind"], ops["peer"], ops["detail"], strict=True))

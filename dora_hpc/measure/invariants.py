@@ -16,9 +16,11 @@ import numpy as np
 
 
 def fence_detail(detail: str) -> dict:
-    """A ``fence`` op's detail (``cause=hung silent=12s started_again=8 unlogged=3,17``) as a dict."""
+    """A ``fence`` op's detail (``cause=hung silent=12s started_again=8 unlogged=3,17``; a trainer replica's
+    ``role=trainer``) as a dict."""
     f = dict(kv.split("=", 1) for kv in str(detail).split())
-    return {"cause": f.get("cause", "hung"), "silent_s": float(f.get("silent", "0").rstrip("s")),
+    return {"cause": f.get("cause", "hung"), "role": f.get("role", "rollout"),
+            "silent_s": float(f.get("silent", "0").rstrip("s")),
             "started_again": int(f.get("started_again", 0)),
             "unlogged": [int(x) for x in f.get("unlogged", "").split(",") if x]}
 

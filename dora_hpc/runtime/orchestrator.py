@@ -389,12 +389,12 @@ class Orchestrator(OpLog):
         take them from another replica, and a checkpoint it was writing is abandoned (taken again at once
         where no step is left to trigger the next)."""
         self.fenced.add(r)
-        self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s trainer_replica")
+        self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s role=trainer")
         self.log.flush()
-        why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
-        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; the {len(self.live_replicas)} other "
-              f"replicas take each step", file=sys.stderr, flush=True)
         self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
+        why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
+        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; {len(self.live_replicas)} replicas left take "
+              "each step", file=sys.stderr, flush=True)
         self.weights.source_lost(r)
         if self.checkpoints.trainer_lost(r) and self.steps_done >= self.cfg.train.max_steps:
             self.start_checkpoint()

@@ -10,8 +10,8 @@ Invariants:
 * fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps
   each version whole; each step's quorum splits the batch over the replicas alive then, a step a replica
   was lost in is taken again by the others, and a replica that recovered a later version from a peer
-  skips the Trains it missed. The quorum's first replica logs the step and what it consumed; every
-  replica reports Published (rank 0 takes the first and learns who holds the version). The weights
+  skips the Trains it missed. Every replica logs the step and all it consumed (readers keep one of each
+  row) and reports Published (rank 0 takes the first and learns who holds the version). The weights
   live in a trainer backend (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of
   a sharded backend (a step, gathering the weights to publish, gathering the optimizer for a
   checkpoint) is reached by every trainer rank in the same message order;
@@ -313,17 +313,18 @@ class TrainerRank(RankClock):
         version = self.version = msg.step + 1
         checksum = self.publish(version, msg.step)
         self.consumed.update(msg.group_ids)
-        logs = self.dp.lead if self.replicated else None  # a replica: the quorum's first logs the whole batch
-        if logs is not False:
-            advantages = group_advantages(trajs, self.trainer.cfg.adv_std_norm) if logs else metrics["advantages"]
-            for t, adv in zip(trajs, advantages, strict=True):
-                self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
-                                             "version": t.version, "staleness": msg.step - t.version,
-                                             "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
+        # a replica logs the whole step (every replica does: the step is logged while one lives; readers keep
+        # one of each row, store/shards.py read_table); a data-parallel rank its own groups, the lead the step
+        advantages = group_advantages(trajs, self.trainer.cfg.adv_std_norm) if self.replicated else \
+            metrics["advantages"]
+        for t, adv in zip(trajs, advantages, strict=True):
+            self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
+                                         "version": t.version, "staleness": msg.step - t.version,
+                                         "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
         row = {"step": msg.step, "t_start": t_start, "t_end": self.now(), "loss": metrics["loss"],
                "reward_mean": metrics["reward_mean"], "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
                "tokens": metrics["tokens"], "weights_checksum": checksum, **{k: metrics[k] for k in STEP_STATS}}
-        if self.lead if logs is None else logs:
+        if self.lead or self.replicated:
             self.log.append("steps", row)
         self.log.flush()
         if self.lead or self.replicated:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table

@@ -226,13 +226,30 @@ def scan(run_dir: Path, kind: str) -> ShardScan:
     return ShardScan(files, tmp, bad)
 
 
+# rows that fault-tolerant trainer replicas (train.replicas) each log for the step they all took: read once
+ONE_PER = {("train", "consumed"): ("attempt", "consume_step", "traj_id", "traj_attempt"),
+           ("train", "steps"): ("attempt", "step")}
+
+
 def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None = None,
                scan_result: ShardScan | None = None, with_rank: bool = False) -> dict[str, np.ndarray]:
     """Concatenate ``table`` across all complete shards of ``kind``; vlen columns stay object arrays.
-    ``with_rank`` adds a ``rank`` column: the writing rank (its file's attr) of every row."""
+    ``with_rank`` adds a ``rank`` column: the writing rank (its file's attr) of every row. A train step's
+    rows that several replicas logged (``ONE_PER``'s key) come once, the first shard's."""
+    keys = ONE_PER.get((kind, table), ())
+    wanted = columns or list(FILE_KINDS[kind][table])
+    out = _read_table(run_dir, kind, table, [*wanted, *(k for k in keys if k not in wanted)], scan_result, with_rank)
+    if keys and len(out[keys[0]]):
+        _, first = np.unique(np.stack([out[k].astype(np.int64) for k in keys], axis=1), axis=0, return_index=True)
+        keep = np.sort(first)
+        out = {c: v[keep] for c, v in out.items()}
+    return {c: out[c] for c in [*wanted, *(["rank"] if with_rank else [])]}
+
+
+def _read_table(run_dir: Path, kind: str, table: str, cols: list[str], scan_result: ShardScan | None,
+                with_rank: bool) -> dict[str, np.ndarray]:
     found = scan_result or scan(run_dir, kind)
     schema = FILE_KINDS[kind][table]
-    cols = columns or list(schema)
     parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
     ranks: list[np.ndarray] = []
     for p, got in found.read(table, cols):
