@@ -235,17 +235,22 @@ class GRPOTrainer:
                     sums, tops = self._micro_stats(batch, loss, prox_lp, old_lp, mask, kl, ent, st)
                     tot += sums
                     top = torch.maximum(top, tops)
-            if part == len(parts) - 1:  # the step's figures, reduced before its last commit
-                self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
-                self.dp._all_reduce(top, "max")
-            self.backend.finish_grads()
-            norms.append(self.backend.clip_grad_norm(cfg.max_grad_norm))
-            if not self.dp.commit():  # a replica was lost in this optimizer step's collectives
-                raise StepAborted(f"step {self.step}: a replica was lost in its collectives")
-            self.opt.step()
+            self._optimizer_step(part == len(parts) - 1, tot, top, norms)
         self.step += 1
         return step_metrics(dict(zip(SUMS, (float(x) for x in tot), strict=True)), top, norms, len(parts),
                             n_tokens, n_samples, reward_sum) | {"advantages": adv_all}
+
+    def _optimizer_step(self, last: bool, tot: torch.Tensor, top: torch.Tensor, norms: list[float]) -> None:
+        """The gradients summed and clipped, and the optimizer stepped on a committed step only; the step's
+        figures (``tot``, ``top``) are reduced before its last commit."""
+        if last:
+            self.dp.sum_(tot if self.backend.counts_metrics else tot.zero_())
+            self.dp._all_reduce(top, "max")
+        self.backend.finish_grads()
+        norms.append(self.backend.clip_grad_norm(self.cfg.max_grad_norm))
+        if not self.dp.commit():  # a replica was lost in this optimizer step's collectives
+            raise StepAborted(f"step {self.step}: a replica was lost in its collectives")
+        self.opt.step()
 
     def _micro_stats(self, batch, loss, prox_lp, old_lp, mask, kl, ent, st) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch's sums (SUMS order) and maxima (importance weight, response length)."""

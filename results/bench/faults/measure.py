@@ -1,6 +1,8 @@
 """Issue 47, item 4: what one lost rollout instance costs a run under Slurm, fenced-and-continue
 (``slurm.fence_rollout: true``) against requeue-and-resume (``false``), for the same kill at the same step,
-on the namespaced local cluster (NETNS=1 NNODES=5 bash slurm/start_local_slurm.sh).
+on the namespaced local cluster (NETNS=1 NNODES=5 bash slurm/start_local_slurm.sh). With ``--trainer``
+(issue 56): what one lost trainer costs, two fault-tolerant replicas (``train.replicas: 2``: the other takes
+the steps) against two data-parallel trainer ranks (the job requeues); rank 2, a trainer, is killed.
 
 Each run: configs/tiny-cpu.yaml, one plain job over 4 nodes (orchestrator and trainer on the first, one
 rollout instance on each of the others), a checkpoint every 5 steps; when the run has trained 8 steps,
@@ -10,6 +12,7 @@ start (attempts.jsonl) plus its ``t_end``; a step trained twice (requeue) counts
 kept it (the last).
 
     .venv/bin/python results/bench/faults/measure.py [REPEATS] > results/bench/faults/faults.json
+    .venv/bin/python results/bench/faults/measure.py [REPEATS] --trainer > results/bench/faults/trainer.json
     .venv/bin/python results/bench/faults/plot.py   # faults.png from faults.json
 """
 
@@ -33,11 +36,15 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS, KILL_AT, RANK = 30, 8, 3
 SETTINGS = [f"train.max_steps={STEPS}", "batch.tbs=4", "batch.rbs=6", "cluster.rollout_instances=3",
             "slurm.heterogeneous=false", "slurm.trainer.nodes=4", "train.checkpoint_every=5", "slurm.time_min=30"]
-CASES = {"fenced": "slurm.fence_rollout=true", "requeued": "slurm.fence_rollout=false"}
+CASES = {"fenced": ["slurm.fence_rollout=true"], "requeued": ["slurm.fence_rollout=false"]}
+if "--trainer" in sys.argv:  # two trainers: fault-tolerant replicas against data-parallel ranks
+    sys.argv.remove("--trainer")
+    RANK = 2
+    CASES = {"fenced": ["cluster.trainer_ranks=2", "train.replicas=2"], "requeued": ["cluster.trainer_ranks=2"]}
 
 
 def submit(run_dir: Path, case: str) -> str:
-    sets = [x for kv in (*SETTINGS, CASES[case]) for x in ("--set", kv)]
+    sets = [x for kv in (*SETTINGS, *CASES[case]) for x in ("--set", kv)]
     p = subprocess.run([sys.executable, "-m", "dora_hpc.cli", "submit", "configs/tiny-cpu.yaml", "--run-dir",
                         str(run_dir), *sets], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     return re.search(r"submitted job (\d+)", p.stdout).group(1)
@@ -131,7 +138,8 @@ def main() -> None:
     keys = ("lost_s", "kill_to_end_s", "kill_to_next_step_s", "tokens_per_s_before", "tokens_per_s_after",
             "steps_redone", "attempts")
     med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in keys} for c in CASES}
-    json.dump({"what": __doc__.split("\n\n")[0], "settings": SETTINGS, "kill": {"rank": RANK, "at_step": KILL_AT},
+    json.dump({"what": __doc__.split("\n\n")[0], "settings": SETTINGS, "cases": CASES,
+               "kill": {"rank": RANK, "at_step": KILL_AT},
                "medians": med,
                "requeued_over_fenced_lost_s": statistics.median(
                    r["lost_s"] / f["lost_s"] for r, f in zip(runs["requeued"], runs["fenced"], strict=True)),
