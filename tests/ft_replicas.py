@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "lighthouse":
         from dora_hpc.train.ft import serve_lighthouse
 
-        lh = serve_lighthouse()
+        lh = serve_lighthouse(2.0)  # a replica that starts later recovers the first one's state
         line(address=lh.address())
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
     elif argv[0] == "single":

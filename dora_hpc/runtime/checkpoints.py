@@ -25,6 +25,7 @@ class Checkpointer:
         self.in_flight: dict | None = None  # version, instances flushed, start time, committing
         self.last = -1                      # version of the last committed checkpoint
         self.unflushed: dict[int, list[int]] = {}  # rank -> trajectories done since its last Flushed
+        self.abandoned: set[int] = set()  # versions whose checkpoint was abandoned
 
     @property
     def busy(self) -> bool:
@@ -54,12 +55,22 @@ class Checkpointer:
         as usual). Returns whether one was."""
         if self.in_flight is None or self.in_flight["writer"] != rank:
             return False
-        self.op("checkpoint_abandoned", version=self.in_flight["version"], detail=f"writer={rank} lost")
-        self.in_flight = None
+        self.abandon(f"writer={rank} lost")
         return True
+
+    def abandon(self, why: str) -> None:
+        """The checkpoint in flight will not be written (its writer is lost, or it recovered a later version
+        from a peer); what its ranks still report for it is ignored."""
+        self.op("checkpoint_abandoned", version=self.in_flight["version"], detail=why)
+        self.abandoned.add(self.in_flight["version"])
+        self.in_flight = None
 
     def on_progress(self, msg: Flushed | Checkpointed, live_ranks: list[int]) -> None:
         ckpt = self.in_flight
+        if msg.version in self.abandoned and (ckpt is None or msg.version != ckpt["version"]):
+            if isinstance(msg, Flushed):
+                self.unflushed.pop(self.roles.rank_of_instance(msg.instance), None)
+            return
         if ckpt is None or msg.version != ckpt["version"]:
             raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({ckpt})")
         if isinstance(msg, Flushed):

@@ -232,7 +232,7 @@ def lighthouse(cfg) -> dict:
         return {"lighthouse": None}
     from ..train.ft import serve_lighthouse
 
-    LIGHTHOUSE.append(serve_lighthouse())
+    LIGHTHOUSE.append(serve_lighthouse(cfg.train.replica_timeout_s))
     return {"lighthouse": LIGHTHOUSE[-1].address()}
 
 

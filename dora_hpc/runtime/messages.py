@@ -165,6 +165,12 @@ class Checkpointed:       # lead trainer -> orchestrator
 
 
 @dataclass(frozen=True)
+class NotCheckpointed:    # a trainer replica asked to write a version it no longer holds -> orchestrator
+    version: int
+    holds: int
+
+
+@dataclass(frozen=True)
 class Flush:              # orchestrator -> rollout: put every trajectory row so far into a complete shard
     version: int
 

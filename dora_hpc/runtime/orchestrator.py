@@ -76,6 +76,7 @@ from .messages import (
     Initial,
     Linked,
     MigrateOut,
+    NotCheckpointed,
     Park,
     Pause,
     Published,
@@ -130,6 +131,8 @@ class Orchestrator(OpLog):
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
             self.op("start", version=0, detail="fresh")
+        if self.roles.replicated:  # every replica starts from the same version (the checkpoint's, or v0)
+            self.weights.holders[self.steps_done] = set(self.roles.trainer_ranks)
         self.figures = StepFigures(self.now(), episodes=cfg.env.multi_turn)
         self.sinks = Sinks(cfg, run_dir, self.steps_done, run_id)  # TensorBoard / W&B, from this step on
 
@@ -207,6 +210,12 @@ class Orchestrator(OpLog):
                 self.env_waiting[msg.instance] = msg.waiting
             case Flushed() | Checkpointed():
                 self.checkpoints.on_progress(msg, self.live_instance_ranks)
+            case NotCheckpointed() if self.checkpoints.busy and self.checkpoints.in_flight["version"] == msg.version:
+                self.checkpoints.abandon(f"writer={src} holds v{msg.holds}")
+                if self.steps_done >= self.cfg.train.max_steps:
+                    self.start_checkpoint()
+            case NotCheckpointed():
+                pass  # of a checkpoint already abandoned
             case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
                 self.stop.set()
             case Published() if not self.first_publish(msg, src):

@@ -73,6 +73,7 @@ from .messages import (
     LoadVersion,
     MigrateIn,
     MigrateOut,
+    NotCheckpointed,
     Park,
     Published,
     SendWeights,
@@ -184,6 +185,9 @@ class TrainerRank(RankClock):
                 self.send_shard(msg)
             case Train():
                 self.train(msg)
+            case Checkpoint() if self.replicated and msg.version != self.version:  # it recovered a later one
+                if msg.state is not None:  # the writer: rank 0 abandons this checkpoint
+                    self.comm.send(NotCheckpointed(msg.version, self.version), src)
             case Checkpoint():
                 if msg.version != self.version:
                     raise RuntimeError(f"trainer: checkpoint of v{msg.version} asked while holding v{self.version}")

@@ -30,8 +30,7 @@ from .dp import Reductions, StepAborted
 
 QUORUM_TIMEOUT_S = 120.0   # a step's quorum: how long replicas wait for each other to reach the step
 HEARTBEAT_MS = 100         # each replica's heartbeat to the lighthouse
-LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 5000  # a replica silent this long is out of the next quorum
-LIGHTHOUSE_JOIN_TIMEOUT_MS = 2000      # a quorum forms without a replica that has not asked within this
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 5000  # a replica silent this long (dead, or stopped) is out of the next quorum
 
 
 def quiet() -> None:
@@ -46,12 +45,14 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-def serve_lighthouse():
-    """torchft's lighthouse on this host (any port), for the run's replicas; returns it (``address()``)."""
+def serve_lighthouse(join_timeout_s: float):
+    """torchft's lighthouse on this host (any port), for the run's replicas; returns it (``address()``). A
+    quorum waits for every replica still heartbeating, at most ``join_timeout_s`` (train.replica_timeout_s:
+    a replica that slow is taken as hung); one that stopped heartbeating is left out after 5 s."""
     quiet()
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
                             heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
 
 
