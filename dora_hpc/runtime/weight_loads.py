@@ -9,8 +9,10 @@ Invariants:
 * version 0 taken from the model folder (FOLDER) is checked against the trainer's version 0 (its Initial):
   an instance whose folder differs stops the run, naming the instance;
 * fault-tolerant trainer replicas (``Roles.replicated``) each keep a version whole: a load from the trainers
-  comes from one live replica that holds it (``holders``, from their Initial, Published and Holds), spread
-  over them by instance, and from another when that one is lost.
+  comes from the lowest live replica that holds it (``holders``, from their Initial, Published and Holds),
+  and from the next when that one is lost. One source, not spread over the replicas: MPICH's OFI netmod
+  kills a rank that is receiving a large buffer from a process that dies (a completion-queue error is
+  fatal, slurm/NOTES.md), so only the source's death, not every replica's, can take a rollout rank along.
 """
 
 from __future__ import annotations
@@ -34,22 +36,22 @@ class WeightLoads:
         """Trainer replica ``rank`` holds ``version`` (it published or recovered it)."""
         self.holders.setdefault(version, set()).add(rank)
 
-    def trainer_source(self, i: int, v: int) -> int:
-        """Where instance ``i`` loads ``v`` from the trainers: every rank's shard (TRAINERS), or one live
-        replica that holds it, spread by instance."""
+    def trainer_source(self, v: int) -> int:
+        """Where an instance loads ``v`` from the trainers: every rank's shard (TRAINERS), or the lowest live
+        replica that holds it."""
         if not self.roles.replicated:
             return TRAINERS
         live = sorted(r for r in self.holders.get(v, ()) if r not in self.comm.fenced)
         if not live:
             raise RuntimeError(f"orchestrator: no live trainer replica holds v{v} (held by {self.holders.get(v)})")
-        return live[i % len(live)]
+        return live[0]
 
     def start(self, i: int, v: int, source: int, keep: bool, add: bool = False) -> None:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
         rank's shard, as deltas against the version the instance holds, or (FOLDER) what its engine loaded
         at start."""
         if source == TRAINERS:
-            source = self.trainer_source(i, v)
+            source = self.trainer_source(v)
         trainers = source == TRAINERS or source != FOLDER and self.roles.role(source) == "trainer"
         base = -1 if add else self.holds.pop(i, -1) if i not in self.under_way else -1
         dst = self.roles.rank_of_instance(i)
