@@ -11,6 +11,17 @@ def test_roles_and_gpu_needs():
     assert [r.gpus_needed(i, rollout_gpus=2) for i in range(6)] == [0, 1, 1, 2, 2, 2]
 
 
+def test_trainer_replicas_each_get_every_group_and_can_be_fenced():
+    """train.replicas: every trainer rank gets every group and keeps versions whole; a replica, like a rollout
+    rank, can be fenced while another lives. Data-parallel ranks own a group each and cannot."""
+    dp, ft = Roles(size=6, trainers=2), Roles(size=6, trainers=2, replicated=True)
+    assert [dp.trainers_of_group(g) for g in range(4)] == [[1], [2], [1], [2]]
+    assert all(ft.trainers_of_group(g) == [1, 2] for g in range(4))
+    assert (dp.publish_shards, ft.publish_shards) == (2, 1)
+    assert [dp.fenceable(r) for r in range(6)] == [False, False, False, True, True, True]
+    assert [ft.fenceable(r) for r in range(6)] == [False, True, True, True, True, True]
+
+
 @pytest.mark.parametrize("needs, count, want, shared", [
     ([0, 1, 1, 2, 2], 8, [[], [0], [1], [2, 3], [4, 5]], False),      # one 8-GPU node, room to spare
     ([0, 1, 1], 1, [[], [0], [0]], True),                             # one GPU: the ranks share it

@@ -1,9 +1,11 @@
-"""faults.png from faults.json (measure.py): trained tokens/s around the kill, fenced against requeued.
+"""faults.png from faults.json (measure.py): trained tokens/s around the kill, fenced against requeued;
+``plot.py trainer`` draws trainer.png from trainer.json (measure.py --trainer) likewise.
 
-    .venv/bin/python results/bench/faults/plot.py
+    .venv/bin/python results/bench/faults/plot.py [trainer]
 """
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -27,7 +29,10 @@ def rate(timeline: list[dict]) -> tuple[list[float], list[float]]:
 
 
 def main() -> None:
-    data = json.loads((HERE / "faults.json").read_text())
+    name = sys.argv[1] if len(sys.argv) > 1 else "faults"
+    data = json.loads((HERE / f"{name}.json").read_text())
+    rank = data["kill"]["rank"]
+    what = "one trainer replica of 2" if name == "trainer" else "one rollout instance of 3"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     colors = {"fenced": "tab:blue", "requeued": "tab:red"}
     for case, runs in data["runs"].items():
@@ -39,17 +44,17 @@ def main() -> None:
                          label=case if i == 0 else None)
     for ax in axes:
         ax.axvline(0, color="k", lw=0.8, ls="--")
-    axes[0].set(xlabel="seconds since rank 3 was killed", ylabel=f"trained tokens/s ({BIN_S:g} s bins)",
+    axes[0].set(xlabel=f"seconds since rank {rank} was killed", ylabel=f"trained tokens/s ({BIN_S:g} s bins)",
                 title="throughput around the kill")
-    axes[1].set(xlabel="seconds since rank 3 was killed", ylabel="steps kept",
+    axes[1].set(xlabel=f"seconds since rank {rank} was killed", ylabel="steps kept",
                 title="progress: steps the run kept, as they were trained")
     med = data["medians"]
-    fig.suptitle(f"one rollout instance of 3 lost (SIGKILL) at step {data['kill']['at_step']}: time lost "
+    fig.suptitle(f"{what} lost (SIGKILL) at step {data['kill']['at_step']}: time lost "
                  f"fenced {med['fenced']['lost_s']:.0f} s, requeued {med['requeued']['lost_s']:.0f} s (medians)")
     axes[0].legend()
     axes[1].legend()
     fig.tight_layout()
-    fig.savefig(HERE / "faults.png", dpi=110)
+    fig.savefig(HERE / f"{name}.png", dpi=110)
 
 
 if __name__ == "__main__":
