@@ -88,10 +88,10 @@ def resolve(target: str, step: int | None, config: str | None, overrides: list[s
 
 def policy_target(cfg: RunConfig, model_dir: Path, weights: dict, step: int, label: str) -> Target:
     """A checkpoint's policy: its weights, or under ``train.lora`` its adapter merged into the model folder's."""
-    from .train.lora import LoraError, LoraSpec, is_adapter_state, merged_model
+    from .train.lora import LoraError, LoraSpec, is_adapter, merged_model
 
     spec = LoraSpec.of(cfg)
-    if spec is None and not is_adapter_state(weights):
+    if spec is None and not is_adapter(weights):
         return Target(cfg, model_dir, weights, step, label)
     if spec is None:
         raise EvalError(f"{label}: the checkpoint is a LoRA adapter but the run's config has no train.lora")

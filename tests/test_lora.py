@@ -10,7 +10,7 @@ from dora_hpc.core.trajectory import Trajectory
 from dora_hpc.engine.engine import Engine
 from dora_hpc.engine.local_models import build_tiny_model
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
-from dora_hpc.train.lora import LoraError, LoraSpec, is_adapter_state
+from dora_hpc.train.lora import LoraError, LoraSpec, is_adapter
 
 SPEC = LoraSpec(rank=4, alpha=32.0, target_modules="all-linear")
 
@@ -56,7 +56,7 @@ def test_a_lora_checkpoint_is_the_adapter_and_resumes_exactly(tiny):
     a.train_step(batches[0])
     weights, rest = a.checkpoint_state()
     layers = a.backend.model.config.num_hidden_layers
-    assert is_adapter_state(weights) and len(weights) == 2 * 7 * layers  # A and B of 7 linears in each layer
+    assert is_adapter(weights) and len(weights) == 2 * 7 * layers  # A and B of 7 linears in each layer
     assert sum(v.numel() for v in weights.values()) < 0.05 * sum(v.numel() for v in a.backend.model.parameters())
     b = GRPOTrainer(tiny, GRPOConfig(lr=1e-2), seed=9, lora=SPEC)
     b.load_checkpoint(weights, rest)

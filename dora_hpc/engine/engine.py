@@ -39,8 +39,9 @@ from pathlib import Path
 
 import torch
 
+from ..train.lora import is_adapter
 from .kv import KVFull, KVPool, common_prefix, digest
-from .lora import Adapters, is_adapter
+from .lora import Adapters
 from .model import Batch, DecoderLM, check_state, load_model
 from .sampling import SamplingParams, sample_batch, uniform
 

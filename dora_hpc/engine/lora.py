@@ -23,15 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+from ..train.lora import SUFFIXES
 
 
 class AdapterError(ValueError):
     """An adapter that does not fit the engine's model."""
-
-
-def is_adapter(state: dict) -> bool:
-    return bool(state) and all(k.endswith(SUFFIXES) for k in state)
 
 
 class Adapters:

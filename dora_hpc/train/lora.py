@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # torch loads when a model does: a bad argument fails before 
     import torch
 
 ADAPTER = "default"  # peft's name for the one adapter a policy has
+SUFFIXES = (".lora_A.weight", ".lora_B.weight")  # how every LoRA weight's name ends, peft's and the engine's
 
 
 class LoraError(ValueError):
@@ -90,13 +91,15 @@ def check(model_dir, spec: LoraSpec) -> None:
                             f"decoder's linear layers only, not {odd[0]}")
 
 
-def is_adapter_state(state: dict) -> bool:
-    return any(".lora_A." in k or ".lora_B." in k for k in state)
+def is_adapter(state: dict) -> bool:
+    """Whether ``state`` is a LoRA adapter's weights: every name a lora_A or lora_B weight, under peft's saved
+    names (a checkpoint's) or the engine's (a published version's, engine/lora.py)."""
+    return bool(state) and all(k.endswith(SUFFIXES) for k in state)
 
 
 def refuse_adapter(state: dict) -> None:
     """Weights for a model without ``train.lora`` must not be an adapter's."""
-    if is_adapter_state(state):
+    if is_adapter(state):
         raise LoraError("the weights are a LoRA adapter's: a train.lora checkpoint does not resume or load without "
                         "train.lora (set it as the run had it)")
 
@@ -118,7 +121,7 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 
 def check_adapter(want: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor]) -> None:
     """``state`` is an adapter of exactly the shapes ``want`` (saved names), or LoraError says what it is."""
-    if not is_adapter_state(state):
+    if not is_adapter(state):
         raise LoraError("the weights are a whole model's, not a LoRA adapter: a full fine-tuning checkpoint does not "
                         "resume or load under train.lora")
     got = {k: tuple(v.shape) for k, v in state.items()}
