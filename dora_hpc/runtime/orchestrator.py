@@ -218,10 +218,13 @@ class Orchestrator(OpLog):
                 pass  # of a checkpoint already abandoned
             case StopRequest():  # a signal reached another rank (a job-wide one reaches this one too)
                 self.stop.set()
-            case Published() if not self.first_publish(msg, src):
-                pass  # another replica's report of the step (it holds the version too)
-            case Published() if self.stopping:  # the step under way when the stop came: it is in the
-                self.record_step(msg)            # checkpoint being taken, so its record is kept
+            case Published():  # every replica reports each step: the first report is acted on
+                if not self.first_publish(msg, src):
+                    pass
+                elif self.stopping:  # the step under way when the stop came: it is in the checkpoint being
+                    self.record_step(msg)  # taken, so its record is kept
+                else:
+                    self.on_published(msg)
             case Holds():  # a trainer replica recovered this version from a peer
                 self.holder(src, msg.version, msg.checksum)
             case _ if self.stopping:
@@ -237,8 +240,6 @@ class Orchestrator(OpLog):
                 self.feed(InstanceReady(msg.instance, msg.version))
             case Done():
                 self.on_done(msg, src)
-            case Published():
-                self.on_published(msg)
             case _:
                 raise RuntimeError(f"orchestrator: unexpected message {msg!r}")
 

@@ -129,6 +129,7 @@ class TrainerRank(RankClock):
         self.traits = traits_of(cfg.mode, cfg.dora.k)
         self.keep_versions = self.traits.keep_versions
         self.healed = False  # a replica that took a later version from a peer at a quorum (load_replica_state)
+        self.early_asks: list[SendWeights] = []  # a replica asked for a version before its step made it
         initial = self.publish(self.version, -1)
         if self.lead or self.replicated:  # rank 0 checks the instances that took v0 from the model folder against it
             self.comm.send(Initial(self.version, initial), 0)
@@ -178,6 +179,8 @@ class TrainerRank(RankClock):
             case Forget():  # dropped or filtered: its samples (some may still be on their way) are not kept
                 self.forgotten.add(msg.group_id)
                 self.queue.pop(msg.group_id, None)
+            case SendWeights() if self.replicated and msg.version > self.version:  # its step will make it
+                self.early_asks.append(msg)
             case SendWeights():
                 if msg.version not in self.versions:
                     raise RuntimeError(f"trainer rank {self.comm.rank}: asked for v{msg.version}, holds "
@@ -219,6 +222,9 @@ class TrainerRank(RankClock):
         self.versions[version] = (shard, checksum)
         for old in [v for v in self.versions if v <= version - self.keep_versions]:
             del self.versions[old]
+        asks, self.early_asks = self.early_asks, []
+        for ask in asks:  # a replica's asks for versions it now holds
+            self.handle(ask, 0)
         return checksum
 
     def send_shard(self, msg: SendWeights) -> None:

@@ -38,13 +38,12 @@ class WeightLoads:
 
     def trainer_source(self, v: int) -> int:
         """Where an instance loads ``v`` from the trainers: every rank's shard (TRAINERS), or the lowest live
-        replica that holds it."""
+        replica that holds it; where none has said so yet (the one that did was lost before the others'
+        reports arrived), the lowest live replica, which sends it once its step has made it."""
         if not self.roles.replicated:
             return TRAINERS
         live = sorted(r for r in self.holders.get(v, ()) if r not in self.comm.fenced)
-        if not live:
-            raise RuntimeError(f"orchestrator: no live trainer replica holds v{v} (held by {self.holders.get(v)})")
-        return live[0]
+        return live[0] if live else self.comm.live_trainers[0]
 
     def start(self, i: int, v: int, source: int, keep: bool, add: bool = False) -> None:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer
