@@ -36,7 +36,8 @@ def status(orch) -> dict:
             "instances": [[x.target, x.loading is not None, len(x.active)] for x in orch.policy.view.instances],
             "env_waiting": [orch.env_waiting.get(i, 0) for i in range(len(orch.policy.view.instances))]
             if orch.cfg.env.multi_turn else None,
-            "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced),
+            "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced if orch.roles.role(r) == "rollout"),
+            "trainers": [len(orch.live_replicas), orch.roles.trainers] if orch.roles.replicated else None,
             "live": [[round(t, 1), n] for t, n in orch.live_counts[-LIVE_SHOWN:]],
             "queued": {str(v): len(q) for v, q in sorted(orch.policy.view.queues.items()) if q},
             "stale": {str(s): n for s, n in sorted(orch.stale.items())}}
@@ -74,6 +75,7 @@ def line(s: dict) -> str:
     inst = " ".join(_label(*x) + _env(s, i) for i, x in enumerate(s["instances"]))
     counts = live(s)
     inst += f" | live {counts}" if counts else ""
+    inst += f" | trainer replicas {s['trainers'][0]}/{s['trainers'][1]}" if s.get("trainers") else ""
     reward = "nan" if s["reward"] is None else f"{s['reward']:.3f}"
     return (f"[{s['t']:7.1f}s] step {s['step']}/{s['max_steps']} latest v{s['latest']} | instances {inst} | "
             f"queued {s['queued'] or '-'} | {tok_s(s)} tok/s | staleness {s['stale']} mean {mean_staleness(s)} | "

@@ -193,6 +193,7 @@ class PrometheusSink:
         self.tokens = c("dora_staleness_tokens", "trained tokens (prompt + response), by their group's staleness",
                         ["staleness"])
         self.waits = c("dora_trainer_wait_seconds", "seconds the trainer waited, by what for", ["kind"])
+        self.replicas = g("dora_trainer_replicas_live", "trainer replicas live (train.replicas; not fenced)")
         self.fenced = c("dora_instances_fenced", "rollout instances fenced")
         self.joined = c("dora_instances_joined", "replacement instances joined")
         self.server, _ = pc.start_http_server(port, registry=self.registry)
@@ -220,6 +221,8 @@ class PrometheusSink:
         targets = [t for t, _, _ in state["instances"] if t is not None]
         self.versions.set(len(set(targets)))
         self.live_instances.set(len(state["instances"]) - len(state["fenced"]))
+        if state.get("trainers"):
+            self.replicas.set(state["trainers"][0])
         self.queued.clear()
         for version, n in state["queued"].items():
             self.queued.labels(version).set(n)
