@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
+from ..core.trajectory import Trajectory
 from .data_plane import make_plane
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
@@ -78,6 +79,7 @@ class Comm:
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
+        self.channel = None  # trainer replicas: trajectories to the trainers go over gloo (trajectory_channel.py)
         self._pending: list[tuple[MPI.Request, int]] = []  # control isends and their destination
         self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.route)
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
@@ -121,6 +123,10 @@ class Comm:
         return (link, 0) if link is not None else (self.world, rank)
 
     def send(self, obj, dst: int) -> None:
+        if self.channel is not None and self.rank != 0 and isinstance(obj, Trajectory) \
+                and self.roles.role(dst) == "trainer":
+            self.channel.send(obj, dst)  # not over MPI: a replica's death must not take this rank along
+            return
         if dst == 0:
             self._last_to_0 = time.monotonic()
         comm, at = self.route(dst)
@@ -250,7 +256,10 @@ class Comm:
         return sorted({*self.fenced, *self.gone})
 
     def poll_any(self) -> tuple[object, int] | None:
-        """The next control message from anyone (the world or a link), without this rank's keep-alive."""
+        """The next control message from anyone (the world, a link, or the trajectory channel), without this
+        rank's keep-alive."""
+        if self.channel is not None and (got := self.channel.poll()) is not None:
+            return got
         status = MPI.Status()
         while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
             src = status.Get_source()

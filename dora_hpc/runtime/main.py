@@ -212,6 +212,8 @@ def main(run_dir: str) -> int:
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                     heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic,
                     replicated=cfg.train.replicas > 1)
+        if comm.roles.replicated:
+            open_channel(MPI.COMM_WORLD, comm)
         outcome = play(comm, cfg, run, meta, start)
         comm.close()
         finish(MPI.COMM_WORLD, comm, run, outcome)
@@ -220,6 +222,16 @@ def main(run_dir: str) -> int:
         fail(Path(run_dir), rank, e)
         MPI.COMM_WORLD.Abort(1)
         return 1
+
+
+def open_channel(world, comm) -> None:
+    """Trainer replicas: trajectories reach them over gloo, not MPI (runtime/trajectory_channel.py)."""
+    from .trajectory_channel import TrajectoryChannel
+
+    if comm.rank == 0:
+        TrajectoryChannel.split_out(world)
+        return
+    comm.channel = TrajectoryChannel(world, comm.roles.trainer_ranks, comm.roles.rollout_ranks)
 
 
 LIGHTHOUSE: list = []  # rank 0's torchft lighthouse, kept for the process's life

@@ -403,8 +403,8 @@ class Orchestrator(OpLog):
         self.log.flush()
         self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
         why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
-        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; {len(self.live_replicas)} replicas left take "
-              "each step", file=sys.stderr, flush=True)
+        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; the replicas left ({len(self.live_replicas)}) "
+              "take each step", file=sys.stderr, flush=True)
         self.weights.source_lost(r)
         if self.checkpoints.trainer_lost(r) and self.steps_done >= self.cfg.train.max_steps:
             self.start_checkpoint()
