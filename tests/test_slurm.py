@@ -457,6 +457,50 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_not_
 
 
 @pytest.mark.slow
+def test_trainer_replicas_lose_a_rank_then_a_node_and_the_job_goes_on(tmp_path, slurm_cluster):
+    """Three fault-tolerant trainer replicas (``train.replicas``, issue 56) in a plain job over five nodes:
+    one replica is SIGKILLed (its task leaves the marker, rank 0 fences it), then a whole node with another
+    dies (every process in its namespace, its slurmd too: it goes silent and is fenced). The last replica
+    takes every step from then on; the run finishes in its first start, nothing lost or trained twice."""
+    if not _netns_nodes():
+        pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
+    run_dir = tmp_path / "replicas"
+    steps = 60
+    job = submit(run_dir, steps, "cluster.trainer_ranks=3", "train.replicas=3", "cluster.rollout_instances=2",
+                 "slurm.heterogeneous=false", "slurm.trainer.nodes=5", "runtime.hang_timeout_s=20",
+                 "train.replica_timeout_s=20", "slurm.time_min=30")
+    dead = None
+    try:
+        wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
+        hosts = rank_hosts(run_dir, job)
+        kill_rank(run_dir, 2)
+        wait_for(trainer_fenced(run_dir, job, 2), job, timeout=60, what="rank 2 to be fenced", run_dir=run_dir)
+        dead = hosts[3]
+        assert [r for r, h in hosts.items() if h == dead and r != 2] == [3], hosts  # the node holds rank 3 alone
+        for pid in subprocess.run(["ip", "netns", "pids", f"dora-{dead}"], capture_output=True,
+                                  text=True).stdout.split():
+            subprocess.run(["kill", "-9", pid], capture_output=True)  # a node: its slurmd, slurmstepd, rank
+        wait_for(trainer_fenced(run_dir, job, 3), job, timeout=90, what="rank 3 (its node dead) to be fenced",
+                 run_dir=run_dir)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=600,
+                 what="the run to complete", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        revive(dead)
+    log = slurm_log(run_dir, job)
+    assert attempts(run_dir) == 1 and "requeueing" not in since_attempt_0(log), log[-3000:]
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+
+
+def trainer_fenced(run_dir: Path, job: str, rank: int):
+    """Rank 0 has fenced trainer replica ``rank`` (its line in rank 0's log)."""
+    return lambda: re.search(rf"rank {rank} \(trainer replica\) .*: fenced", slurm_log(run_dir, job)) is not None
+
+
+@pytest.mark.slow
 def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
     """``slurm.replace_lost``: when rank 0 fences a rollout rank it submits a replacement job, which Slurm
     starts on a free node of its own and which joins the running job; the run ends with its three instances.

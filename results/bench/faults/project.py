@@ -43,9 +43,9 @@ ASSUME = {
     "trainer_replicas": 8,
     "replica_timeout_s": 60,              # train.replica_timeout_s's default: a dead node's collective
     "orchestrator_nodes": 1,              # rank 0 (and the lighthouse): its node's loss still requeues
-    # measured on the namespaced cluster (results/bench/faults/README.md): a replica's death took rollout
-    # ranks on other nodes along (MPICH OFI) and requeued the job in 4 of 9 kills; 0 once trajectories
-    # reach the replicas outside MPI
+    # measured on the namespaced cluster (results/bench/faults/README.md): with trajectories over MPI a
+    # replica's death took rollout ranks on other nodes along (MPICH OFI) and requeued the job in 4 of 9
+    # kills; over gloo (runtime/trajectory_channel.py) in 0 of 8
     "replica_death_requeues": {"as measured": 4 / 9, "trajectories outside MPI": 0.0},
 }
 
