@@ -66,8 +66,6 @@ def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int |
             continue
         line(step=trainer.step - 1, size=dp.size, rank=dp.rank, loss=m["loss"], grad_norm=m["grad_norm"],
              checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
-        if os.environ.get("FT_DUMP"):
-            torch.save(trainer.state_dict(), f"{os.environ['FT_DUMP']}-{rid}-{trainer.step}.pt")
         time.sleep(pace)
     dp.close()
 
@@ -78,8 +76,6 @@ def single(model_dir: str, steps: int) -> None:
         m = trainer.train_step(batch(step))
         line(step=step, size=1, rank=0, loss=m["loss"], grad_norm=m["grad_norm"],
              checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
-        if os.environ.get("FT_DUMP"):
-            torch.save(trainer.state_dict(), f"{os.environ['FT_DUMP']}-single-{trainer.step}.pt")
 
 
 def main(argv: list[str]) -> None:

@@ -133,3 +133,17 @@ def test_episode_rows_come_back_on_resume_with_their_environment_spans_and_older
     t = read_trajectories(scan(tmp_path, "traj"))
     assert t["turns"].tolist() == [2, 3, 1, 1] and t["env_s"].tolist() == [0.25, 0.25, 0.0, 0.0]
     assert t["env_error"].tolist() == [0, 0, 0, 0]
+
+
+def test_rows_several_replicas_logged_are_read_once_and_the_first_kept():
+    """store/shards.py first_of_each: the first row of each key tuple, in order, as a full comparison finds it;
+    None (nothing to drop) when the last key alone is unique."""
+    from dora_hpc.store.shards import first_of_each
+
+    keys = ("attempt", "consume_step", "traj_attempt", "traj_id")
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        rows = {k: rng.integers(0, 3, 400) for k in keys}
+        _, first = np.unique(np.stack([rows[k] for k in keys], axis=1), axis=0, return_index=True)
+        assert first_of_each(rows, keys).tolist() == sorted(first.tolist())
+    assert first_of_each({k: np.arange(10) for k in keys}, keys) is None

@@ -72,7 +72,7 @@ class Comm:
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
         self.links: dict[int, MPI.Intercomm] = {}  # ranks reached over a link of their own (route)
-        self.broken: set[int] = set()  # rollout ranks an MPI call to failed (their process is gone)
+        self.broken: set[int] = set()  # fenceable ranks an MPI call to failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
         self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
@@ -123,8 +123,7 @@ class Comm:
         return (link, 0) if link is not None else (self.world, rank)
 
     def send(self, obj, dst: int) -> None:
-        if self.channel is not None and self.rank != 0 and isinstance(obj, Trajectory) \
-                and self.roles.role(dst) == "trainer":
+        if self.channel is not None and isinstance(obj, Trajectory) and self.roles.role(dst) == "trainer":
             self.channel.send(obj, dst)  # not over MPI: a replica's death must not take this rank along
             return
         if dst == 0:

@@ -105,7 +105,8 @@ class TrainerRank(RankClock):
                                self.load_replica_state)
         else:
             self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
-        self.lead = comm.rank == comm.roles.lead_trainer  # replicated: the quorum's first replica (self.dp.lead)
+        self.lead = comm.rank == comm.roles.lead_trainer
+        self.reports = self.lead or self.replicated  # logs each step's row, reports Initial and Published
         lora = LoraSpec.of(cfg)
         self.adapter_versions = lora is not None and lora.adapter_versions  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
@@ -131,7 +132,7 @@ class TrainerRank(RankClock):
         self.healed = False  # a replica that took a later version from a peer at a quorum (load_replica_state)
         self.early_asks: list[SendWeights] = []  # a replica asked for a version before its step made it
         initial = self.publish(self.version, -1)
-        if self.lead or self.replicated:  # rank 0 checks the instances that took v0 from the model folder against it
+        if self.reports:  # rank 0 checks the instances that took version 0 from the model folder against it
             self.comm.send(Initial(self.version, initial), 0)
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
@@ -315,11 +316,12 @@ class TrainerRank(RankClock):
         dup = self.consumed.intersection(msg.group_ids)
         if dup:
             raise RuntimeError(f"trainer: step {msg.step} would consume groups {sorted(dup)} a second time")
-        self.await_groups(msg.group_ids if self.replicated else
-                          [g for g in msg.group_ids if self.comm.roles.trainers_of_group(g) == [self.comm.rank]])
+        self.await_groups(self.mine(msg.group_ids))
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
         msg, trajs, metrics = self.replica_step(msg) if self.replicated else self.owned_step(msg)
+        for g in msg.group_ids:
+            self.queue.pop(g, None)
         version = self.version = msg.step + 1
         checksum = self.publish(version, msg.step)
         self.consumed.update(msg.group_ids)
@@ -334,23 +336,28 @@ class TrainerRank(RankClock):
         row = {"step": msg.step, "t_start": t_start, "t_end": self.now(), "loss": metrics["loss"],
                "reward_mean": metrics["reward_mean"], "clip_frac": metrics["clip_frac"], "kl": metrics["kl"],
                "tokens": metrics["tokens"], "weights_checksum": checksum, **{k: metrics[k] for k in STEP_STATS}}
-        if self.lead or self.replicated:
+        if self.reports:
             self.log.append("steps", row)
         self.log.flush()
-        if self.lead or self.replicated:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table
+        if self.reports:  # the row as logged: rank 0's metric sinks show exactly the HDF5 table
             self.comm.send(Published(version, checksum, {k: v for k, v in row.items() if k != "weights_checksum"}),
                            0)
 
+    def mine(self, groups) -> list[int]:
+        """The groups of a step this rank holds: its own (data parallel), or all of them (a replica)."""
+        return list(groups) if self.replicated else [g for g in groups
+                                                     if self.comm.roles.trainers_of_group(g) == [self.comm.rank]]
+
     def samples(self, groups) -> tuple[list[Trajectory], list[Trajectory]]:
-        """The trajectories of ``groups`` (taken out of the queue) and the samples a step trains on: under
-        partial rollout a trajectory's tokens may span versions, so none counts as sampled under one."""
-        trajs = [t for g in groups for t in sorted(self.queue.pop(g).values(), key=lambda x: x.traj_id)]
+        """The trajectories of ``groups`` (left in the queue: a replica's step may be taken again) and the
+        samples a step trains on: under partial rollout a trajectory's tokens may span versions, so none
+        counts as sampled under one."""
+        trajs = [t for g in groups for t in sorted(self.queue[g].values(), key=lambda x: x.traj_id)]
         return trajs, trajs if self.traits.single_version else [replace(t, version=-1) for t in trajs]
 
     def owned_step(self, msg: Train) -> tuple[Train, list[Trajectory], dict]:
         """Data parallel: this rank's own groups; the gradient sums reach every rank."""
-        trajs, samples = self.samples([g for g in msg.group_ids if self.comm.roles.trainers_of_group(g) ==
-                                       [self.comm.rank]])
+        trajs, samples = self.samples(self.mine(msg.group_ids))
         with self.serving_weights():
             metrics = self.trainer.train_step(samples, msg.group_ids)
         return msg, trajs, metrics
@@ -372,7 +379,7 @@ class TrainerRank(RankClock):
             groups = list(msg.group_ids)
             share = set(groups[self.dp.rank::self.dp.size])
             before = self.trainer.checkpoint_state() if self.trainer.cfg.mini_batches > 1 else None
-            samples = self.samples_of(groups)
+            trajs, samples = self.samples(groups)
             try:
                 with self.serving_weights():
                     metrics = self.trainer.train_step([s for s in samples if s.group_id in share], groups)
@@ -381,13 +388,7 @@ class TrainerRank(RankClock):
                     self.trainer.load_checkpoint(*before)
                 self.op_abort(msg.step)
                 continue
-            trajs, _ = self.samples(groups)
             return msg, trajs, metrics
-
-    def samples_of(self, groups) -> list[Trajectory]:
-        """The samples of ``groups`` without taking them out of the queue (a step may be taken again)."""
-        trajs = [t for g in groups for t in sorted(self.queue[g].values(), key=lambda x: x.traj_id)]
-        return trajs if self.traits.single_version else [replace(t, version=-1) for t in trajs]
 
     def op_abort(self, step: int) -> None:
         print(f"dora-hpc: trainer rank {self.comm.rank}: a replica was lost in step {step}; taking it again with "

@@ -227,8 +227,30 @@ def scan(run_dir: Path, kind: str) -> ShardScan:
 
 
 # rows that fault-tolerant trainer replicas (train.replicas) each log for the step they all took: read once
-ONE_PER = {("train", "consumed"): ("attempt", "consume_step", "traj_id", "traj_attempt"),
+# (the last key column is the most distinct: only rows that share it are compared whole)
+ONE_PER = {("train", "consumed"): ("attempt", "consume_step", "traj_attempt", "traj_id"),
            ("train", "steps"): ("attempt", "step")}
+
+
+def first_of_each(out: dict[str, np.ndarray], keys: tuple[str, ...]) -> np.ndarray | None:
+    """The rows (in order) that keep the first of each ``keys`` tuple, or None when every row is unique. Only
+    rows sharing a value of the last key are compared whole: a run without replicas costs one sort."""
+    last = out[keys[-1]].astype(np.int64)
+    order = np.argsort(last, kind="stable")
+    same = last[order][1:] == last[order][:-1]
+    if not same.any():
+        return None
+    shared = np.zeros(len(last), bool)  # the rows whose last key another row has too
+    shared[order[1:][same]] = shared[order[:-1][same]] = True
+    cand = np.flatnonzero(shared)
+    cols = [out[k][cand].astype(np.int64) for k in keys]
+    o = np.lexsort([cand, *cols])  # by the key tuple, then by row: each tuple's first row leads its run
+    repeat = np.ones(len(cand), bool)
+    repeat[0] = False
+    repeat[1:] = np.all([c[o][1:] == c[o][:-1] for c in cols], axis=0)
+    keep = np.ones(len(last), bool)
+    keep[cand[o][repeat]] = False
+    return np.flatnonzero(keep)
 
 
 def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None = None,
@@ -239,9 +261,7 @@ def read_table(run_dir: Path, kind: str, table: str, columns: list[str] | None =
     keys = ONE_PER.get((kind, table), ())
     wanted = columns or list(FILE_KINDS[kind][table])
     out = _read_table(run_dir, kind, table, [*wanted, *(k for k in keys if k not in wanted)], scan_result, with_rank)
-    if keys and len(out[keys[0]]):
-        _, first = np.unique(np.stack([out[k].astype(np.int64) for k in keys], axis=1), axis=0, return_index=True)
-        keep = np.sort(first)
+    if keys and (keep := first_of_each(out, keys)) is not None:
         out = {c: v[keep] for c, v in out.items()}
     return {c: out[c] for c in [*wanted, *(["rank"] if with_rank else [])]}
 

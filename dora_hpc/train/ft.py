@@ -85,7 +85,6 @@ class Replicas(Reductions):
                                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_MS))
         self.rank, self.size = 0, 1
         self.initialised = True
-        self.aborted = 0  # steps abandoned (a replica lost in them): each was taken again
 
     # -- the step ----------------------------------------------------------------------------------
     def start_step(self) -> None:
@@ -100,9 +99,7 @@ class Replicas(Reductions):
     def commit(self) -> bool:
         """Whether every replica of the quorum finished the step's collectives (then the optimizer steps);
         False: a replica was lost in it, and the step is taken again by those left."""
-        ok = self.manager.should_commit()
-        self.aborted += not ok
-        return ok
+        return self.manager.should_commit()
 
     @property
     def lead(self) -> bool:
