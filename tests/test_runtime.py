@@ -403,6 +403,19 @@ def test_the_launcher_ends_the_job_only_after_the_dead_ranks_shell_recorded_its_
 
 
 @pytest.mark.slow
+def test_a_rollout_rank_lost_mid_weight_transfer_leaves_the_trainer_running(tmp_path):
+    """The torch data plane (the default): a rollout rank SIGKILLed after the trainer announced 64 MiB of
+    weights to it fails that transfer alone -- the trainer lives on and marks the rank broken, for rank 0
+    to fence. (Over MPI, MPICH's OFI netmod aborts such a sender: slurm/NOTES.md.)"""
+    out = tmp_path / "trainer.txt"
+    p = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", '"$0" "$@"; exit 0', sys.executable,
+                        "tests/lost_peer_driver.py", "torch", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    said = out.read_text() if out.exists() else "(nothing)"
+    assert said == "trainer alive, broken [2], unfinished 0", said + p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("plane", ["mpi", "torch"])
 def test_close_returns_when_a_run_ends_with_buffers_in_flight(plane):
     """A run that ends while a KV migration or a weight transfer is under way still ends: the receivers

@@ -331,8 +331,9 @@ class RuntimeConfig(Section):
     serve_weights_while_training: bool = Field(
         True, description="trainer ranks answer weight requests during a train step (a helper thread)")
     data_plane: Literal["mpi", "torch"] = Field(
-        "mpi", description="bulk weights and KV over MPI, or over a torch.distributed group beside the MPI world "
-        "(NCCL where CUDA is available, else gloo)")
+        "torch", description="bulk weights and KV over a torch.distributed group beside the MPI world (NCCL where "
+        "CUDA is available, else gloo: a peer that dies fails that transfer alone), or over MPI (MPICH aborts a "
+        "rank whose large send to a dead process was in flight); a replacement's go over MPI either way")
     weight_bucket_mb: float = Field(256, gt=0, description="weights travel in buckets of at most this many MiB "
                                     "(float32; a larger single tensor is a bucket of its own)")
     device: Literal["cpu", "cuda"] = Field(

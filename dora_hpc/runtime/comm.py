@@ -4,8 +4,8 @@ Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
   (rollout instance i is rank T+1+i; with cluster.elastic the trainers host instances too: roles.py);
 * control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
-* bulk data (weights, KV) goes as flat buffers over the data plane (data_plane.py: MPI ``Isend``/``Recv``
-  on its own tag, or a torch.distributed gloo/NCCL group beside the MPI world), never pickled tensors;
+* bulk data (weights, KV) goes as flat buffers over the data plane (data_plane.py: a torch.distributed
+  gloo/NCCL group beside the MPI world, or MPI ``Isend``/``Recv`` on its own tag), never pickled tensors;
   a buffer is always announced by a control message that carries its shape and dtype, and is sent
   right after it by the same sender, which keeps the buffer alive (and goes on generating or training)
   until the send completes;
@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.trajectory import Trajectory
-from .data_plane import make_plane
+from .data_plane import MPIPlane, PeerLost, make_plane
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
@@ -62,7 +62,7 @@ class SourceFenced(RuntimeError):
 
 
 class Comm:
-    def __init__(self, trainers: int, data_plane: str = "mpi", weight_bucket_mb: float = 256,
+    def __init__(self, trainers: int, data_plane: str = "torch", weight_bucket_mb: float = 256,
                  stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False,
                  identity: tuple[int, int] | None = None, replicated: bool = False) -> None:
         """``identity``: a replacement's (rank, world size) in the run's world, which it is not part of."""
@@ -81,7 +81,9 @@ class Comm:
         self.trainer_comm = split if is_trainer else None
         self.channel = None  # trainer replicas: trajectories to the trainers go over gloo (trajectory_channel.py)
         self._pending: list[tuple[MPI.Request, int]] = []  # control isends and their destination
-        self.plane = make_plane(data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.route)
+        # a replacement is in no torch group: it reaches every peer over MPI (its links), as they reach it
+        self.plane = make_plane("mpi" if identity else data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.route)
+        self.link_plane = MPIPlane(self.world, self.route)
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
         self._bulk: list[tuple[object, np.ndarray, int]] = []  # bulk sends (handles), their buffers, destinations
         # sends to a fenced rank never complete: their buffers are kept alive here, and never waited for
@@ -94,7 +96,7 @@ class Comm:
         for e in sends:
             try:
                 done = e[0].Test() if isinstance(e[0], MPI.Request) else e[0].test()
-            except MPI.Exception as err:
+            except (MPI.Exception, PeerLost) as err:
                 self.broke(e[-1], err)
                 continue
             if not done:
@@ -121,6 +123,10 @@ class Comm:
         """(communicator, rank in it) that reaches ``rank``: its link, or the world."""
         link = self.links.get(rank)
         return (link, 0) if link is not None else (self.world, rank)
+
+    def plane_to(self, rank: int):
+        """The data plane that reaches ``rank``: MPI over its link for a replacement, else the run's."""
+        return self.link_plane if rank in self.links else self.plane
 
     def send(self, obj, dst: int) -> None:
         if self.channel is not None and isinstance(obj, Trajectory) and self.roles.role(dst) == "trainer":
@@ -289,8 +295,8 @@ class Comm:
         """Non-blocking: the receiver may be mid-step; the sender does not wait for it to post its Recv."""
         buf = np.ascontiguousarray(arr)
         try:
-            self._bulk.append((self.plane.isend(buf, dst, tag), buf, dst))
-        except MPI.Exception as err:
+            self._bulk.append((self.plane_to(dst).isend(buf, dst, tag), buf, dst))
+        except (MPI.Exception, PeerLost) as err:
             self.broke(dst, err)
         self._bulk = self._unfinished(self._bulk)
 
@@ -312,16 +318,21 @@ class Comm:
 
     def recv_array(self, shape: tuple[int, ...], dtype, src: int, tag: int) -> np.ndarray:
         """A buffer ``src`` announced. The wait polls: it keeps sending heartbeats, and raises SourceFenced
-        when rank 0 gives up on ``src`` meanwhile (it died or hung mid-send)."""
-        handle = self.plane.irecv(shape, dtype, src, tag)
-        while not handle.test():
+        when rank 0 gives up on ``src`` meanwhile (it died or hung mid-send; a transfer that failed because
+        ``src`` died waits for that too)."""
+        handle = self.plane_to(src).irecv(shape, dtype, src, tag)
+        while True:
+            try:
+                if handle.test():
+                    return handle.result()
+            except PeerLost:
+                pass  # src died: rank 0 fences it
             self._keep_alive()
             if src in self.fenced:
                 handle.cancel()
                 self._abandoned.append((handle, None, src))
                 raise SourceFenced(src)
             time.sleep(0.0002)
-        return handle.result()
 
     # -- weights: byte buckets announced by a WeightsHeader -------------------------------------------
     def send_weights(self, pieces: dict[str, torch.Tensor | Delta], version: int, checksum: str, dst: int, *,

@@ -1,5 +1,10 @@
-"""The data plane: bulk buffers (weights, KV) between ranks, over MPI or over a torch.distributed process
-group spanning the same world (``runtime.data_plane``: mpi | torch).
+"""The data plane: bulk buffers (weights, KV) between ranks, over a torch.distributed process group
+spanning the MPI world (``runtime.data_plane: torch``, the default) or over MPI (``mpi``).
+
+Why torch by default: MPICH's OFI netmod aborts a process whose large message to a process that died was
+still in flight (a completion-queue error is fatal whatever the error handler, slurm/NOTES.md), so over MPI
+a rollout rank SIGKILLed while the trainer sent it weights, or a peer migrated KV to it, took the sender and
+then the job step along. Gloo reports a dead peer as an error on that transfer alone (``PeerLost``).
 
 Invariants:
 * a buffer is always announced by a control message (shape, dtype) on MPI and then sent by the same
@@ -12,7 +17,10 @@ Invariants:
 * the torch plane is its own process group, built over a TCPStore beside the MPI world (rank 0 picks the
   port and broadcasts it over MPI); it is independent of the trainers' default group, so FSDP2 and
   megatron-core keep torch.distributed's world to themselves. On GPUs it is NCCL (buffers pass through
-  device memory, as weights held on GPUs would); on CPU boxes gloo, which the tests run.
+  device memory, as weights held on GPUs would); on CPU boxes gloo, which the tests run. A replacement
+  (runtime/join.py) is outside that group: buffers to and from it go over MPI, on its link (Comm.plane_to);
+* a transfer whose peer died raises ``PeerLost`` from ``test``: the sender drops it (and its destination
+  is broken, Comm.broke), the receiver waits for rank 0 to fence the sender.
 """
 
 from __future__ import annotations
@@ -87,31 +95,55 @@ class TorchPlane:
         t = torch.from_numpy(buf)
         if self.cuda:
             t = t.cuda()
-        return _TorchHandle(self.pgs[tag].send([t], dst, 0), t)
+        try:
+            return _TorchHandle(self.pgs[tag].send([t], dst, 0), t)
+        except RuntimeError as err:  # gloo: the pair to dst is already closed
+            raise PeerLost(str(err)) from None
 
     def irecv(self, shape: tuple[int, ...], dtype, src: int, tag: int):
         import torch
 
         t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype,
                         device="cuda" if self.cuda else "cpu")
-        return _TorchHandle(self.pgs[tag].recv([t], src, 0), t)
+        try:
+            return _TorchHandle(self.pgs[tag].recv([t], src, 0), t)
+        except RuntimeError as err:
+            return _TorchHandle(None, t, PeerLost(str(err)))
+
+
+class PeerLost(RuntimeError):
+    """A torch-plane transfer failed: its peer's process is gone (gloo: the connection was reset)."""
 
 
 class _TorchHandle:
     """A send or receive in flight. Gloo reports completion only to ``wait()``, so a helper thread
     waits and ``test`` asks it; the tensor stays alive until the transfer completed. A receive from a
-    rank that died is abandoned (its thread stays blocked until the job ends)."""
+    rank that hung is abandoned (its thread stays blocked until the job ends)."""
 
-    def __init__(self, work, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.waiter = threading.Thread(target=work.wait, name="data-plane-send", daemon=True)
+    def __init__(self, work, tensor: torch.Tensor, error: Exception | None = None) -> None:
+        """``work`` None: a transfer that failed at once with ``error``."""
+        self.tensor, self.error = tensor, error
+        self.waiter = threading.Thread(target=self._wait, args=(work,), name="data-plane-transfer", daemon=True)
         self.waiter.start()
 
+    def _wait(self, work) -> None:
+        try:
+            if work is not None:
+                work.wait()
+        except RuntimeError as err:  # gloo: the peer reset the connection, or the transfer timed out
+            self.error = err
+
     def test(self) -> bool:
-        return not self.waiter.is_alive()
+        if self.waiter.is_alive():
+            return False
+        if self.error is not None:
+            raise PeerLost(str(self.error))
+        return True
 
     def wait(self) -> None:
         self.waiter.join()
+        if self.error is not None:
+            raise PeerLost(str(self.error))
 
     def result(self) -> np.ndarray:
         return self.tensor.cpu().numpy()

@@ -232,8 +232,6 @@ class JoinDesk:
             return None, "its config differs from the run's (launch.json)"
         if offer["model"] != self.mine["model"]:
             return None, f"its model folder differs from the run's ({self.model_dir})"
-        if orch.cfg.runtime.data_plane != "mpi":
-            return None, "runtime.data_plane is torch: its process group cannot take a new rank"
         lost = [r for r in orch.roles.rollout_ranks if r in orch.fenced and r not in self.pending]
         if not lost:
             return None, "no rollout instance is lost"
