@@ -156,6 +156,7 @@ def test_cli_writes_summary_and_timelines(tmp_path, capsys):
     assert (tmp_path / "timeline-dora.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # 31-43 s on this 2-core box: a scale check, too long for the quick tier's 5 minutes
 def test_512_instances_simulate_well_under_a_minute():
     cfg = load_config("configs/sim/scale-4096.yaml")
     t = time.perf_counter()
