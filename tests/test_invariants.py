@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from dora_hpc.analysis.basic import analyze
+from dora_hpc.analysis.basic import analyze, instance_timeline
 from dora_hpc.measure.invariants import groups_with_many, last_per_key
 from dora_hpc.store.shards import ShardWriter
 
@@ -131,3 +131,17 @@ def test_analyze_names_the_ranks_with_no_clean_exit_on_record(tmp_path):
     for r in (2, 3):
         (pids / f"rank-{r}.done").write_text("ok")
     assert not any("clean exit" in m for m in analyze(tmp_path)["missing"])
+
+
+def test_a_trainer_replicas_fence_is_no_instances_in_the_instance_timeline():
+    """analyze's instance timeline counts rollout instances: a fenced trainer replica (``role=trainer``) leaves
+    the count alone, a fenced rollout rank takes one away and its replacement gives it back."""
+    rows = [("start", 0, 0.0, ""), ("fence", 2, 5.0, "cause=dead silent=0s role=trainer"),
+            ("fence", 4, 6.0, "cause=dead silent=0s started_again=2"), ("join", 4, 9.0, "")]
+    ops = {"kind": np.array([r[0] for r in rows]), "peer": np.array([r[1] for r in rows]),
+           "attempt": np.zeros(len(rows), int), "t_end": np.array([r[2] for r in rows]),
+           "detail": np.array([r[3] for r in rows])}
+    got = instance_timeline(ops, 3)
+    assert [(e["event"], e["rank"], e["instances"]) for e in got["timeline"]] == [
+        ("start", None, 3), ("fence", 4, 2), ("join", 4, 3)]
+    assert got["fewest"] == 2

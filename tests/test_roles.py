@@ -1,6 +1,5 @@
 """Which role and which GPUs each world rank gets (runtime/roles.py, pure)."""
 
-import numpy as np
 import pytest
 
 from dora_hpc.runtime.roles import Roles, assign_gpus
@@ -120,18 +119,3 @@ def test_a_start_whose_mpi_init_never_completes_exits_instead_of_holding_its_nod
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr[-2000:]
 
-
-def test_a_trainer_replicas_fence_is_no_instances_in_the_instance_timeline():
-    """analyze's instance timeline counts rollout instances: a fenced trainer replica (``role=trainer``) leaves
-    the count alone, a fenced rollout rank takes one away and its replacement gives it back."""
-    from dora_hpc.analysis.basic import instance_timeline
-
-    rows = [("start", 0, 0.0, ""), ("fence", 2, 5.0, "cause=dead silent=0s role=trainer"),
-            ("fence", 4, 6.0, "cause=dead silent=0s started_again=2"), ("join", 4, 9.0, "")]
-    ops = {"kind": np.array([r[0] for r in rows]), "peer": np.array([r[1] for r in rows]),
-           "attempt": np.zeros(len(rows), int), "t_end": np.array([r[2] for r in rows]),
-           "detail": np.array([r[3] for r in rows])}
-    got = instance_timeline(ops, 3)
-    assert [(e["event"], e["rank"], e["instances"]) for e in got["timeline"]] == [
-        ("start", None, 3), ("fence", 4, 2), ("join", 4, 3)]
-    assert got["fewest"] == 2

@@ -254,7 +254,8 @@ def tokens_per_s_by_step(tsteps: dict) -> list[float]:
 
 
 def fenced(ops: dict) -> list[dict]:
-    """Each rollout rank rank 0 gave up on (runtime/orchestrator.py: fence), with what it left undone."""
+    """Each rank rank 0 gave up on (runtime/orchestrator.py: fence): a rollout rank, or a trainer replica
+    (``role``), with what it left undone."""
     return [{"rank": int(r), "attempt": int(a), "t": float(t), **fence_detail(d)}
             for kind, r, a, t, d in zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"],
                                         strict=True) if kind == "fence"]

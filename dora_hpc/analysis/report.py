@@ -27,9 +27,8 @@ def summary_rows(results: list[dict]) -> list[tuple[str, list[str]]]:
             ("environment errors: raised / timed out / worker died",
              lambda r: " / ".join(str(v) for v in r["env_errors_by_kind"].values())),
             ("episodes spanning versions (partial)", "multi_version_episodes"),
-            ("fenced rollout ranks (hung or dead; work started again elsewhere)",
-             lambda r: ", ".join(f"r{f['rank']} ({f['cause']}, {f['started_again']} trajectories)"
-                                 for f in r["fenced"]) or "-"),
+            ("fenced ranks (hung or dead; work started again elsewhere)",
+             lambda r: ", ".join(_fence(f) for f in r["fenced"]) or "-"),
             ("replacements joined (rank at seconds)",
              lambda r: ", ".join(f"r{j['rank']} at {j['t']:.0f} s" for j in r["instances"]["joined"]) or "-"),
             ("fewest rollout instances live", lambda r: str(r["instances"]["fewest"])),
@@ -88,3 +87,10 @@ def write_html(path: Path, results: list[dict]) -> Path:
             parts.append("<h3>offenders</h3><pre>" + html.escape(json.dumps(offenders, indent=1)) + "</pre>")
     path.write_text("".join(parts) + "</body></html>\n")
     return path
+
+
+def _fence(f: dict) -> str:
+    """One fenced rank as the report names it: a rollout rank with the trajectories started again elsewhere,
+    a trainer replica as such (its step was taken again by the replicas left)."""
+    lost = "trainer replica" if f["role"] == "trainer" else f"{f['started_again']} trajectories"
+    return f"r{f['rank']} ({f['cause']}, {lost})"

@@ -72,7 +72,7 @@ class Comm:
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
         self.links: dict[int, MPI.Intercomm] = {}  # ranks reached over a link of their own (route)
-        self.broken: set[int] = set()  # fenceable ranks an MPI call to failed (their process is gone)
+        self.broken: set[int] = set()  # fenceable ranks a send to failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
         self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
@@ -104,9 +104,9 @@ class Comm:
         return out
 
     def broke(self, rank: int, err: Exception) -> None:
-        """An MPI call to ``rank`` failed: its process is gone. Fatal unless the run can go on without it
-        (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died reads ``broken``);
-        other ranks let rank 0 find out."""
+        """An MPI call or a data-plane transfer to ``rank`` failed: its process is gone. Fatal unless the run
+        can go on without it (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died reads
+        ``broken``); other ranks let rank 0 find out."""
         if not self.roles.fenceable(rank):
             raise err
         self.broken.add(rank)
