@@ -1,7 +1,6 @@
 """A replacement joins a running job in a fenced rollout rank's place (runtime/join.py), under the local
-launcher: MPI's dynamic processes (MPI_Open_port / MPI_Comm_accept / MPI_Comm_connect) with MPICH's OFI
-netmod, which both the run and the replacement use here, as ``slurm.fence_rollout`` makes every Slurm job
-use it (UCX cannot link two processes of one host started apart: slurm/NOTES.md)."""
+launcher, over links (runtime/link.py: gloo pairs outside MPI), with MPICH's OFI netmod in the run, as
+``slurm.fence_rollout`` makes every Slurm job use it."""
 
 import os
 import re
@@ -20,10 +19,12 @@ CLI = [sys.executable, "-m", "dora_hpc.cli"]
 OFI = {**os.environ, "MPIR_CVAR_CH4_NETMOD": "ofi"}
 
 
-def wait_for(cond, what: str, timeout: float = 120) -> None:
+def wait_for(cond, what: str, timeout: float = 120, log=None) -> None:
+    """Poll ``cond``; on timeout fail naming ``what``, with the run's log's tail when given (``log()``)."""
     end = time.time() + timeout
     while not cond():
-        assert time.time() < end, f"timed out waiting for {what}"
+        assert time.time() < end, f"timed out waiting for {what}" + (f"; the run's log ends:\n{log()[-3000:]}"
+                                                                      if log else "")
         time.sleep(0.2)
 
 
@@ -56,23 +57,23 @@ def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
     PROCS.append(run)
     log = err.read_text
     try:
-        wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 2, "two train shards")
+        wait_for(lambda: len(list(run_dir.glob("train-*.h5"))) >= 2, "two train shards", log=log)
         p = join(run_dir)
         out = p.communicate(timeout=120)[1]
         assert p.returncode == 2 and "join refused: no rollout instance is lost" in out, out
         os.kill(int((run_dir / "pids" / "rank-3").read_text()), signal.SIGKILL)
-        wait_for(lambda: "rank 3 (rollout instance 1) died: fenced" in log(), "rank 3 to be fenced")
+        wait_for(lambda: "rank 3 (rollout instance 1) died: fenced" in log(), "rank 3 to be fenced", log=log)
         p = join(run_dir, "engine.kv_blocks=256")
         out = p.communicate(timeout=120)[1]
         assert p.returncode == 2 and "join refused: its config differs" in out, out
         first = join(run_dir)
-        wait_for(lambda: log().count("its replacement joined") == 1, "the first replacement to join")
+        wait_for(lambda: log().count("its replacement joined") == 1, "the first replacement to join", log=log)
         first.kill()  # dies while it loads the latest version
         first.communicate()
         wait_for(lambda: len(re.findall(r"rank 3 \(rollout instance 1\) [^\n]*: fenced", log())) == 2,
-                 "the first replacement to be fenced")
+                 "the first replacement to be fenced", log=log)
         second = join(run_dir)
-        wait_for(lambda: log().count("its replacement joined") == 2, "the second replacement to join")
+        wait_for(lambda: log().count("its replacement joined") == 2, "the second replacement to join", log=log)
         assert run.wait(timeout=400) == 0, log()[-3000:]
         out = second.communicate(timeout=60)[1]
         assert second.returncode == 0 and "joined as rank 3" in out, out
@@ -99,6 +100,65 @@ def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
     assert ((traj["rank"] == 3) & (traj["t_finish"] > joined_at)).sum() >= 4  # the last replacement generated
 
 
+LINK_PEER = """
+import os, signal, sys
+import numpy as np
+from dora_hpc.runtime.link import Link, store
+st = store("127.0.0.1", 0, master=True)
+print(st.port, flush=True)
+link = Link(st, "0", 1)
+for i in range(3):
+    link.send({"n": i}, tag=1)
+buf = np.empty(1 << 20, np.float32)
+req = link.Irecv(buf, tag=2)
+req.Wait()
+link.send(float(buf.sum()), tag=1)
+link.recv(tag=4)  # then dies, as a replacement SIGKILLed while it loads
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_link_keeps_order_per_tag_and_a_dead_peer_is_an_error_not_an_abort(tmp_path):
+    """A link (runtime/link.py) to a process outside MPI: control messages arrive in order, a buffer lands in
+    the receive posted for it, and once the other end is SIGKILLed a send of a megabyte to it -- which over an
+    MPI link aborted the sender (slurm/NOTES.md) -- and a probe raise PeerLost, and this process lives on."""
+    import numpy as np
+
+    from dora_hpc.runtime.data_plane import PeerLost
+    from dora_hpc.runtime.link import Link
+
+    peer = subprocess.Popen([sys.executable, "-c", LINK_PEER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    PROCS.append(peer)
+    try:
+        link = Link.connect(f"127.0.0.1:{peer.stdout.readline().strip()}", "0")
+        assert link is not None
+        big = np.full(1 << 20, 0.5, np.float32)
+        req = link.Isend(big, tag=2)
+        assert [link.recv(tag=1) for _ in range(3)] == [{"n": 0}, {"n": 1}, {"n": 2}]
+        assert link.recv(tag=1) == 0.5 * (1 << 20) and req.Test()
+        link.send("die", tag=4)
+        assert peer.wait(timeout=30) == -signal.SIGKILL
+        with pytest.raises(PeerLost):
+            end = time.time() + 30
+            while time.time() < end:  # the loss shows on the next transfer, or on a probe
+                link.Iprobe(tag=1)
+                link.Isend(big, tag=2).Test()
+                time.sleep(0.05)
+    finally:
+        peer.kill()
+    t = time.time()
+    assert Link.connect(f"127.0.0.1:{_free_port()}", "0", timeout_s=2) is None  # nobody there: None, no hang
+    assert time.time() - t < 30
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _Comm:  # rank 0's sends, recorded (the desk's bookkeeping is what this test checks; test above: the wire)
     def __init__(self) -> None:
         self.told: list[tuple[int, int]] = []
@@ -113,14 +173,14 @@ class _Comm:  # rank 0's sends, recorded (the desk's bookkeeping is what this te
 
 
 def test_rank_0_tells_one_peer_at_a_time_and_excuses_its_silence_while_it_links(tmp_path):
-    """MPICH's MPI_Comm_accept crashes when peers connect to one port at once (slurm/NOTES.md), so rank 0
-    tells the next peer only when the one before said Linked; the peer told is not hung while it connects;
-    a peer that could not link abandons the join (the rank stays fenced)."""
+    """The replacement builds its links one after another in its plan's order, so rank 0 tells the next peer
+    only when the one before said Linked; the peer told is not hung while it links; a peer that could not
+    link abandons the join (the rank stays fenced)."""
     from types import SimpleNamespace
 
     from dora_hpc.config import load_config
-    from dora_hpc.runtime.comm import CONNECT_TIMEOUT_S
     from dora_hpc.runtime.join import Join, JoinDesk
+    from dora_hpc.runtime.link import CONNECT_TIMEOUT_S
     from dora_hpc.runtime.messages import Linked
 
     model = tmp_path / "model"

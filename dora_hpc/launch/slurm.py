@@ -162,8 +162,7 @@ def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None
     (run_dir / "slurm").mkdir(exist_ok=True)
     join = shlex.join(["srun", "--mpi=pmi2", "--ntasks=1", sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
                        *[x for kv in sets for x in ("--set", kv)]])
-    # a node of its own (--exclusive): a replacement sharing a node with a rank of the run crashed in
-    # MPI_Comm_accept when that rank connected (slurm/NOTES.md); a replaced node is a whole node anyway
+    # a node of its own (--exclusive): a replaced node is a whole node
     args = [f"--{k}={v}" for k, v in flags.items() if v is not None]
     wrap = "\n".join([*s.setup, *FENCE_NETMOD, join])
     p = subprocess.run(["sbatch", "--parsable", "--exclusive", *args, "--wrap", wrap], capture_output=True, text=True)

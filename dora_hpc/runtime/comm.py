@@ -10,8 +10,9 @@ Invariants:
   right after it by the same sender, which keeps the buffer alive (and goes on generating or training)
   until the send completes;
 * a replacement (runtime/join.py) is not in the world: it takes a fenced rank's number and every live rank
-  reaches it over a *link* of its own (an intercommunicator from MPI_Comm_connect, the replacement its
-  remote rank 0), as it reaches every one of them; ``route`` hides which, so roles and rank numbers stay.
+  reaches it over a *link* of its own (runtime/link.py: a gloo pair outside MPI, with the MPI calls Comm
+  makes; its other end is its rank 0), as it reaches every one of them; ``route`` hides which, so roles and
+  rank numbers stay.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mpi4py import MPI
 
 from ..core.trajectory import Trajectory
 from .data_plane import MPIPlane, PeerLost, make_plane
+from .link import Link
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
@@ -35,22 +37,7 @@ if TYPE_CHECKING:
     from ..train.publish import Delta
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced/Joined notices, read even mid-send
-TAG_LINK = 5  # the first message on a link to a replacement: the connecting rank
-CONNECT_TIMEOUT_S = 60  # a replacement accepts its peers one after another, each within seconds
 
-
-# ---------------------------------------------------------------- transport
-def connect(port: str) -> MPI.Intercomm | None:
-    """A link to the process accepting at ``port`` (MPI_Comm_connect from this process alone), or None when
-    it cannot be reached within CONNECT_TIMEOUT_S (it died, or its port is stale)."""
-    info = MPI.Info.Create()
-    info.Set("timeout", str(CONNECT_TIMEOUT_S))
-    try:
-        return MPI.COMM_SELF.Connect(port, info)
-    except MPI.Exception:
-        return None
-    finally:
-        info.Free()
 
 
 class SourceFenced(RuntimeError):
@@ -71,9 +58,10 @@ class Comm:
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
-        self.links: dict[int, MPI.Intercomm] = {}  # ranks reached over a link of their own (route)
+        self.links: dict[int, Link] = {}  # ranks reached over a link of their own (route)
         self.broken: set[int] = set()  # fenceable ranks a send to failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
+        self.is_replacement = identity is not None
         self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
@@ -104,10 +92,12 @@ class Comm:
         return out
 
     def broke(self, rank: int, err: Exception) -> None:
-        """An MPI call or a data-plane transfer to ``rank`` failed: its process is gone. Fatal unless the run
-        can go on without it (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died reads
-        ``broken``); other ranks let rank 0 find out."""
-        if not self.roles.fenceable(rank):
+        """An MPI call, a data-plane transfer or a link to ``rank`` failed: its process is gone. Fatal unless the
+        run can go on without it (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died
+        reads ``broken``); other ranks let rank 0 find out. A replacement outlives any peer but rank 0: at the
+        run's end its peers may leave before it has read its Shutdown, and rank 0 waits for it
+        (main.replacements_left); a peer lost mid-run ends the job through rank 0 anyway."""
+        if not self.roles.fenceable(rank) and (rank == 0 or not self.is_replacement):
             raise err
         self.broken.add(rank)
 
@@ -125,10 +115,11 @@ class Comm:
         return (link, 0) if link is not None else (self.world, rank)
 
     def plane_to(self, rank: int):
-        """The data plane that reaches ``rank``: MPI over its link for a replacement, else the run's."""
+        """The data plane that reaches ``rank``: its link for a replacement (runtime/link.py), else the run's."""
         return self.link_plane if rank in self.links else self.plane
 
-    def send(self, obj, dst: int) -> None:
+    def send(self, obj, dst: int, tag: int = TAG_CTRL) -> None:
+        """Non-blocking. A destination whose process is gone (the send fails) is ``broken``."""
         if self.channel is not None and isinstance(obj, Trajectory) and self.roles.role(dst) == "trainer":
             self.channel.send(obj, dst)  # not over MPI: a replica's death must not take this rank along
             return
@@ -136,8 +127,8 @@ class Comm:
             self._last_to_0 = time.monotonic()
         comm, at = self.route(dst)
         try:
-            self._pending.append((comm.isend(obj, dest=at, tag=TAG_CTRL), dst))
-        except MPI.Exception as err:
+            self._pending.append((comm.isend(obj, dest=at, tag=tag), dst))
+        except (MPI.Exception, PeerLost) as err:
             self.broke(dst, err)
         self._pending = self._unfinished(self._pending)
 
@@ -150,7 +141,11 @@ class Comm:
         if src is None:
             return self.poll_any()
         comm, at = self.route(src)
-        return (comm.recv(source=at, tag=TAG_CTRL), src) if comm.Iprobe(source=at, tag=TAG_CTRL) else None
+        try:
+            return (comm.recv(source=at, tag=TAG_CTRL), src) if comm.Iprobe(source=at, tag=TAG_CTRL) else None
+        except (MPI.Exception, PeerLost) as err:
+            self.broke(src, err)
+            return None
 
     def _keep_alive(self) -> None:
         """Tell rank 0 what it must know from this rank (a stop request, a heartbeat when due) and take in
@@ -169,25 +164,20 @@ class Comm:
         while comm.Iprobe(source=at, tag=TAG_FENCE):
             notice = comm.recv(source=at, tag=TAG_FENCE)
             if isinstance(notice, Joined):
-                self.link(notice.rank, notice.port)
+                self.link(notice.rank, notice.addr)
             else:
                 self.abandon(notice.rank)
 
-    def link(self, rank: int, port: str) -> None:
-        """Reach fenced ``rank``'s replacement from now on: connect to its port, say who this is, and tell rank
-        0 (``Linked``: it tells the next peer). A replacement that died meanwhile is given up on after
+    def link(self, rank: int, addr: str) -> None:
+        """Reach fenced ``rank``'s replacement from now on, over a link through its store at ``addr``, and tell
+        rank 0 (``Linked``: it tells the next peer). A replacement that died meanwhile is given up on after
         CONNECT_TIMEOUT_S (``Linked(ok=False)``: rank 0 fences it again)."""
-        link = connect(port)
-        if link is not None:
-            try:
-                link.send(self.rank, dest=0, tag=TAG_LINK)
-            except MPI.Exception:
-                link = None
+        link = Link.connect(addr, str(self.rank))
         if link is not None:
             self.linked(rank, link)
         self.send(Linked(rank, ok=link is not None), 0)
 
-    def linked(self, rank: int, link: MPI.Intercomm) -> None:
+    def linked(self, rank: int, link: Link) -> None:
         """``rank`` is its replacement over ``link`` from now on: no longer fenced here; its world process is
         gone for good."""
         self.links[rank] = link
@@ -195,24 +185,22 @@ class Comm:
         self.broken.discard(rank)
         self.fenced = tuple(r for r in self.fenced if r != rank)
 
-    def accept(self, port: str, peers: tuple[int, ...]) -> None:
-        """A replacement: take a link from each of ``peers`` (each says who it is), one after another (rank 0
-        tells each peer to connect once the one before has linked)."""
-        for _ in peers:
-            link = MPI.COMM_SELF.Accept(port)
-            self.links[link.recv(source=0, tag=TAG_LINK)] = link
+    def accept(self, store, peers: tuple[int, ...]) -> None:
+        """A replacement: build the link to each of ``peers`` through its own ``store``, one after another (rank
+        0 tells each peer to connect once the one before has linked). Raises RuntimeError when one does not
+        come within CONNECT_TIMEOUT_S."""
+        for p in peers:
+            self.links[p] = Link(store, str(p), 1)
 
-    def announce(self, rank: int, port: str, others: list[int]) -> None:
-        """Rank 0: tell ``others`` that ``rank`` is replaced and its replacement accepts at ``port``."""
+    def announce(self, rank: int, addr: str, others: list[int]) -> None:
+        """Rank 0: tell ``others`` that ``rank`` is replaced and its replacement's store is at ``addr``."""
         for r in others:
-            comm, at = self.route(r)
-            self._pending.append((comm.isend(Joined(rank, port), dest=at, tag=TAG_FENCE), r))
+            self.send(Joined(rank, addr), r, TAG_FENCE)
 
     def fence(self, rank: int, others: list[int]) -> None:
         """Rank 0: tell ``others`` that ``rank`` is fenced, and stop waiting for sends to it here too."""
         for r in others:
-            comm, at = self.route(r)
-            self._pending.append((comm.isend(Fenced(rank), dest=at, tag=TAG_FENCE), r))
+            self.send(Fenced(rank), r, TAG_FENCE)
         self.abandon(rank)
 
     def abandon(self, rank: int) -> None:
@@ -277,7 +265,7 @@ class Comm:
             try:
                 if link.Iprobe(source=0, tag=TAG_CTRL):
                     return link.recv(source=0, tag=TAG_CTRL), r
-            except MPI.Exception as err:
+            except PeerLost as err:
                 self.broke(r, err)
         return None
 

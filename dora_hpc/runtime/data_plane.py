@@ -18,7 +18,8 @@ Invariants:
   port and broadcasts it over MPI); it is independent of the trainers' default group, so FSDP2 and
   megatron-core keep torch.distributed's world to themselves. On GPUs it is NCCL (buffers pass through
   device memory, as weights held on GPUs would); on CPU boxes gloo, which the tests run. A replacement
-  (runtime/join.py) is outside that group: buffers to and from it go over MPI, on its link (Comm.plane_to);
+  (runtime/join.py) is outside that group: buffers to and from it go over its link (runtime/link.py: gloo
+  outside MPI too; Comm.plane_to);
 * a transfer whose peer died raises ``PeerLost`` from ``test``: the sender drops it (and its destination
   is broken, Comm.broke), the receiver waits for rank 0 to fence the sender.
 """

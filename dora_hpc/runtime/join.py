@@ -2,16 +2,16 @@
 (``JoinDesk``) and what both sides compare (``identity``); the replacement's process is runtime/replacement.py
 (``dora-hpc join RUN_DIR``).
 
-The mechanism is MPI's dynamic processes (slurm/NOTES.md has the evidence): the replacement is a process
-of its own MPI world (a Slurm step or job of its own, or a plain process), which opens a port
-(MPI_Open_port) and leaves it in ``RUN_DIR/join/HOST-PID.offer``. Rank 0 reads offers when it watches
-(every ``runtime.tick_s``), vets each (the same config and model as the run, a fenced rollout rank to
-replace, the MPI data plane), connects (MPI_Comm_connect: a *link*) and sends a ``JoinPlan``: the rank it
-replaces, or why it is refused. Rank 0 then tells the live ranks one at a time (``Joined`` on TAG_FENCE)
-to connect, each once the one before has said ``Linked`` (MPICH's MPI_Comm_accept crashes when peers
-connect at once: slurm/NOTES.md); the replacement accepts them all, loads the model, and says ``Hello``. Only then does
-rank 0 take the rank off its fenced list and give the policy ``InstanceJoined``: the instance loads the
-latest version from a peer instance that holds it (else from a trainer) and takes work like any other.
+The replacement is a process of its own MPI world (a Slurm step or job of its own, or a plain process):
+it hosts a TCPStore and leaves its address in ``RUN_DIR/join/HOST-PID.offer``. Rank 0 reads offers when it
+watches (every ``runtime.tick_s``), vets each (the same config and model as the run, a fenced rollout rank
+to replace), puts a ``JoinPlan`` in its store (the rank it replaces, or why it is refused) and builds a
+*link* to it (runtime/link.py: a gloo pair, not MPI, so a replacement that dies takes no peer along).
+Rank 0 then tells the live ranks one at a time (``Joined`` on TAG_FENCE) to link to it, each once the one
+before has said ``Linked``, in the plan's order, which is the order the replacement builds its links in;
+the replacement loads the model and says ``Hello``. Only then does rank 0 take the rank off its fenced list
+and give the policy ``InstanceJoined``: the instance loads the latest version from a peer instance that
+holds it (else from a trainer) and takes work like any other.
 
 Invariants:
 * a replacement runs nothing before its ``Hello`` is taken: until then it is fenced, and rank 0 sends it
@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .comm import CONNECT_TIMEOUT_S, connect
+from .link import CONNECT_TIMEOUT_S, Link, store
 from .messages import JoinPlan, Linked
 
 ALIVE_CHECK_S = 10.0  # how often rank 0 asks Slurm whether the replacement jobs it waits for are alive
@@ -69,7 +70,7 @@ class Join:
     """A replacement taken but not yet live: where it listens, whom rank 0 has yet to tell to link to it,
     the peer told last (linking now), and until when its ``Hello`` is awaited."""
     host: str
-    port: str
+    addr: str  # its store: host:port
     deadline: float
     left: list[int]  # the live ranks yet to be told to connect, in order
     told: int | None = None  # the peer connecting now (its Linked awaited) ...
@@ -192,10 +193,10 @@ class JoinDesk:
             join.left.pop(0)                                   # in vain and its join times out, as with any lost peer
         if join.left:
             join.told, join.told_at = join.left.pop(0), time.monotonic()
-            self.orch.comm.announce(rank, join.port, [join.told])
+            self.orch.comm.announce(rank, join.addr, [join.told])
 
     def excused(self, peer: int, now: float) -> bool:
-        """``peer`` is silent because it is connecting to a replacement (MPI_Comm_connect blocks it for up to
+        """``peer`` is silent because it is linking to a replacement (building the link blocks it for up to
         CONNECT_TIMEOUT_S): not hung until that and the hang timeout have passed."""
         limit = CONNECT_TIMEOUT_S + self.orch.cfg.runtime.hang_timeout_s
         return any(j.told == peer and now - j.told_at <= limit for j in self.pending.values())
@@ -203,23 +204,25 @@ class JoinDesk:
     def take(self, offer: dict) -> None:
         orch = self.orch
         rank, why = self.vet(offer)
-        link = connect(offer["port"])
-        if link is None:  # the replacement is gone (an offer left by a process that died)
+        host, port = offer["addr"].rsplit(":", 1)
+        try:
+            st = store(host, int(port))
+            peers = self.peers(rank) if rank is not None else ()
+            st.set("plan", pickle.dumps(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why)))
+            link = Link(st, "0", 0) if rank is not None else None
+        except RuntimeError:  # the replacement is gone (an offer left by a process that died)
             orch.op("join_failed", detail=f"host={offer['host']} pid={offer['pid']} unreachable")
             print(f"dora-hpc: the replacement on {offer['host']} (pid {offer['pid']}) cannot be reached: its "
                   "offer is dropped", file=sys.stderr, flush=True)
             return
-        peers = self.peers(rank) if rank is not None else ()
-        link.send(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why), dest=0, tag=1)
-        if rank is None:
-            link.Disconnect()  # both sides: MPICH forgets the process (a later one may reuse its name)
+        if link is None:
             orch.op("join_refused", detail=f"host={offer['host']} {why}")
             print(f"dora-hpc: a replacement on {offer['host']} (pid {offer['pid']}) is refused: {why}",
                   file=sys.stderr, flush=True)
             return
         orch.comm.linked(rank, link)
         self.joined_jobs.add(str(offer.get("slurm_job_id")))
-        self.pending[rank] = Join(offer["host"], offer["port"], time.monotonic() + orch.cfg.runtime.join_timeout_s,
+        self.pending[rank] = Join(offer["host"], offer["addr"], time.monotonic() + orch.cfg.runtime.join_timeout_s,
                                   list(peers))
         self._tell_next(rank)
         print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} (rollout instance "

@@ -204,19 +204,19 @@ class Fenced:             # orchestrator -> every live rank, on TAG_FENCE: rank 
 
 
 @dataclass(frozen=True)
-class Joined:             # orchestrator -> every live rank, on TAG_FENCE: connect to fenced ``rank``'s replacement
-    rank: int             # (runtime/join.py), which accepts at ``port``; ``rank`` is live again from then on
-    port: str
+class Joined:             # orchestrator -> every live rank, on TAG_FENCE: link to fenced ``rank``'s replacement
+    rank: int             # (runtime/join.py), whose store is at ``addr`` (host:port); ``rank`` is live again
+    addr: str             # from then on
 
 
 @dataclass(frozen=True)
 class Linked:             # a live rank -> orchestrator, after a Joined: its link to ``rank``'s replacement is made
     rank: int             # (ok), or failed (the replacement is gone). Rank 0 tells the next peer only then:
-    ok: bool = True       # MPICH's MPI_Comm_accept crashes when peers connect at once (slurm/NOTES.md)
+    ok: bool = True       # the replacement builds its links one after another, in its JoinPlan's order
 
 
 @dataclass(frozen=True)
-class JoinPlan:           # orchestrator -> a replacement, first on its link: who it is and who else connects
+class JoinPlan:           # orchestrator -> a replacement, in its store: who it is and who else connects
     rank: int             # the fenced rank it replaces (its instance: roles.instance_of_rank)
     size: int             # the world's ranks
     peers: tuple[int, ...] = ()  # every other live rank, each connecting in turn, one at a time

@@ -1,19 +1,22 @@
 """The replacement's process (``dora-hpc join RUN_DIR``): it offers itself to the running job, is linked to
-every live rank (runtime/join.py has the protocol) and then is the rollout rank it replaces, to the run's end.
+every live rank (runtime/join.py has the protocol, runtime/link.py the links) and then is the rollout rank it
+replaces, to the run's end.
 
-Invariant: it leaves without MPI_Finalize (the caller ends the process with ``os._exit``): its peers are
-connected processes, and Finalize would wait for them; they end with the job.
+Invariant: it leaves without MPI_Finalize (the caller ends the process with ``os._exit``), as every rank of
+the job does once a rank is fenced.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
 from .join import identity
-from .messages import JoinPlan
+from .link import Link, store
 
 
 def main(run_dir: str, sets: list[str]) -> int:
@@ -33,20 +36,19 @@ def main(run_dir: str, sets: list[str]) -> int:
     cfg = with_overrides(validate(meta["config"], saved=True), dict(parse_overrides(sets)))
     attempts = (run / "attempts.jsonl").read_text().splitlines()
     attempt = json.loads(attempts[-1])["attempt"]
-    mpi = init_mpi()
+    init_mpi()  # its own world of one: Comm (the trainers' split, the data plane) stands on it
     import faulthandler
 
     faulthandler.enable()  # a crash in native code (MPI) prints the Python stack
-    link, plan, port = offer(mpi, run, cfg, Path(meta["model_dir"]))
+    st, plan = offer(run, cfg, Path(meta["model_dir"]))
     if plan.refused:
-        link.Disconnect()
         print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
         return 2
     comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                 heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size),
                 replicated=cfg.train.replicas > 1)
-    comm.links[0] = link
-    comm.accept(port, plan.peers)
+    comm.links[0] = Link(st, "0", 1)
+    comm.accept(st, plan.peers)
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
     install_signals(run, plan.rank)
     model_dir = Path(meta["model_dir"])
@@ -70,17 +72,22 @@ def main(run_dir: str, sets: list[str]) -> int:
     return 0
 
 
-def offer(mpi, run: Path, cfg, model_dir: Path):
-    """Open a port, leave the offer in RUN_DIR/join, and wait for rank 0: (its link, the JoinPlan, the port)."""
+def offer(run: Path, cfg, model_dir: Path):
+    """Host a store, leave its address in the offer in RUN_DIR/join, and wait for rank 0's plan: (the store,
+    the JoinPlan)."""
     host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-    port = mpi.Open_port()
+    st = store(host, 0, master=True)
     (run / "join").mkdir(exist_ok=True)
     tmp = run / "join" / f"{host}-{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), "host": host,
+    tmp.write_text(json.dumps({"addr": f"{host}:{st.port}", "pid": os.getpid(), "host": host,
                                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                                **identity(cfg.model_dump_json(), model_dir)}))
     tmp.rename(tmp.with_suffix(".offer"))
     print(f"dora-hpc: offered to join {run} from {host}; waiting for rank 0", file=sys.stderr, flush=True)
-    link = mpi.COMM_SELF.Accept(port)
-    plan: JoinPlan = link.recv(source=0, tag=1)
-    return link, plan, port
+    while True:  # as long as it takes rank 0 to read the offer
+        try:
+            st.wait(["plan"], datetime.timedelta(seconds=60))
+            break
+        except RuntimeError:
+            continue
+    return st, pickle.loads(st.get("plan"))
