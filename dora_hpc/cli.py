@@ -236,7 +236,7 @@ def cmd_join(args: argparse.Namespace, console: Console) -> int:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # MPI_Finalize would wait for the run's ranks: they are connected processes now
+    os._exit(code)  # no teardown: its links (gloo) may still have a receive pending (runtime/link.py)
 
 
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:

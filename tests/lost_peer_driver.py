@@ -7,6 +7,13 @@ Rank 1 writes "trainer alive, broken [2], unfinished 0" to OUT (a file: mpiexec 
 the ranks' output when one of them was killed).
 
     mpiexec -disable-auto-cleanup -n 3 sh -c '"$0" "$@"; exit 0' python tests/lost_peer_driver.py torch OUT
+
+With ``control`` instead of a data plane, rank 0 is the sender: the rollout rank is SIGKILLed after rank 0's
+first message, and from half a second later rank 0 sends it a 4 KB one every 50 ms -- as when rank 0 orders
+work from a rank that has just died, before it fenced it. Rank 0 writes "rank 0 alive, broken [2]". Run it
+with MPIR_CVAR_NOLOCAL=1 and MPIR_CVAR_CH4_NETMOD=ofi, each rank under ``sh -c 'trap "" USR1; ...'``: MPICH
+then talks OFI inside one host too, where a message to a dead process aborts the sender (slurm/NOTES.md),
+as across nodes.
 """
 
 import os
@@ -18,12 +25,32 @@ import torch
 from mpi4py import MPI
 
 from dora_hpc.runtime.comm import Comm
-from dora_hpc.runtime.messages import WeightsHeader
+from dora_hpc.runtime.messages import Heartbeat, Shutdown, WeightsHeader
 
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's notice that a rank ended (runtime/main.py does the same)
-comm = Comm(trainers=1, data_plane=sys.argv[1], weight_bucket_mb=1)
+control = sys.argv[1] == "control"
+comm = Comm(trainers=1, data_plane="torch" if control else sys.argv[1], weight_bucket_mb=1)
 MPI.COMM_WORLD.Barrier()  # every rank is past the plane's start-up (rank 0 holds its store) before rank 0 leaves
-if comm.rank == 1:
+if control:
+    if comm.rank == 0:
+        comm.send(Heartbeat(0), 2)
+        time.sleep(0.5)
+        end = time.monotonic() + 30
+        while 2 not in comm.broken and time.monotonic() < end:
+            comm.send(Shutdown("x" * 4096, ()), 2)  # any message over about 100 bytes, as work is ordered
+            comm.poll()
+            time.sleep(0.05)
+        with open(sys.argv[2], "w") as out:
+            out.write(f"rank 0 alive, broken {sorted(comm.broken)}")
+        comm.send(Heartbeat(0), 1)
+        comm.wait_bulk()
+        time.sleep(0.5)
+    elif comm.rank == 2:
+        comm.wait_for(Heartbeat, 0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        comm.wait_for(Heartbeat, 0)  # rank 0 is done: until then the trainer stays
+elif comm.rank == 1:
     comm.send_weights({"w": torch.ones(4096, 4096)}, 3, "sum", 2)
     end = time.monotonic() + 60
     while comm._bulk and time.monotonic() < end:  # noqa: SLF001 - what wait_bulk does, without rank 0's fence

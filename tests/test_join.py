@@ -106,7 +106,7 @@ import numpy as np
 from dora_hpc.runtime.link import Link, store
 st = store("127.0.0.1", 0, master=True)
 print(st.port, flush=True)
-link = Link(st, "0", 1)
+link = Link.pair(st, "0", 1)
 for i in range(3):
     link.send({"n": i}, tag=1)
 buf = np.empty(1 << 20, np.float32)

@@ -415,6 +415,22 @@ def test_a_rollout_rank_lost_mid_weight_transfer_leaves_the_trainer_running(tmp_
     assert said == "trainer alive, broken [2], unfinished 0", said + p.stdout[-2000:] + p.stderr[-2000:]
 
 
+def test_rank_0_ordering_work_from_a_rank_that_just_died_lives_on(tmp_path):
+    """Control messages go over gloo links (runtime/link.py): rank 0's 4 KB messages to a rollout rank
+    SIGKILLed half a second before fail alone -- rank 0 lives on and marks the rank broken, to fence it.
+    MPICH talks OFI inside this one host here (MPIR_CVAR_NOLOCAL), where over MPI those sends aborted rank 0
+    (3 of 3 with the control messages on MPI, 2026-12-06), as they do across nodes (slurm/NOTES.md)."""
+    out = tmp_path / "rank0.txt"
+    env = {**os.environ, "MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi"}
+    # each rank under a shell that ignores hydra's SIGUSR1 (a peer died): else the shell dies of it, and
+    # mpiexec ends, taking the rank along, before the rank has said anything
+    p = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", 'trap "" USR1; "$0" "$@"; exit 0',
+                        sys.executable, "tests/lost_peer_driver.py", "control", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=env)
+    said = out.read_text() if out.exists() else "(nothing)"
+    assert said == "rank 0 alive, broken [2]", said + p.stdout[-2000:] + p.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plane", ["mpi", "torch"])
 def test_close_returns_when_a_run_ends_with_buffers_in_flight(plane):

@@ -237,6 +237,7 @@ def test_a_time_limit_warning_a_requeue_and_a_killed_rank_then_complete(tmp_path
       commits within KillWait;
     * SIGKILL on a rollout rank with ``slurm.fence_rollout`` off: the step fails at once (no hang, no held
       allocation) and the job requeues itself (slurm.requeue_on_failure), resuming from the last checkpoint.
+      (Rank 0 sees the rank's link break at once and, fencing being off, ends the step naming it.)
     Each signal's start resumes from the step the run was at (there is no other checkpoint), and the run
     completes with nothing lost, nothing twice."""
     run_dir = tmp_path / "run"

@@ -183,10 +183,18 @@ def submit(cfg: RunConfig, run_dir: Path, resume: str = "no"):
 
     run_dir = run_dir.resolve()
     prepare(cfg, run_dir, resume)
+    ex = make_executor(cfg, run_dir)
+    return ex.submit(task if cfg.slurm.fence_rollout else rank_task, str(run_dir))
+
+
+def rank_task(run_dir: str) -> None:
+    """A task that is its rank (submitit runs it): it ends as every rank does, MPI_Finalize then ``os._exit``
+    with the rank's status (runtime/main.py exit_now), never through submitit's interpreter teardown, which
+    aborts a process whose gloo links still have a receive pending (runtime/link.py)."""
+    from ..runtime.main import exit_now
     from ..runtime.main import main as rank_main
 
-    ex = make_executor(cfg, run_dir)
-    return ex.submit(task if cfg.slurm.fence_rollout else rank_main, str(run_dir))
+    exit_now(rank_main(run_dir))
 
 
 # the rank's own to act on (SIGQUIT: print every thread's stack, runtime/main.py)
@@ -200,14 +208,13 @@ def task(run_dir: str) -> int:
     ``pids/rank-N.dead`` for rank 0 and exits 0: srun keeps the step, rank 0 fences the rank and the run
     goes on. A rank that raised
     exits with its status, which ends the step (--kill-on-bad-exit) as before."""
-    from ..runtime.main import main as rank_main
     from ..runtime.roles import Roles
 
     rank = int(os.environ.get("PMI_RANK") or os.environ.get("SLURM_PROCID") or 0)
     cfg = json.loads((Path(run_dir) / "launch.json").read_text())["config"]
     roles = Roles(rank + 1, cfg["cluster"]["trainer_ranks"], replicated=cfg["train"].get("replicas", 1) > 1)
     if not roles.fenceable(rank):  # the orchestrator, or a trainer whose loss ends the job
-        return rank_main(run_dir)
+        rank_task(run_dir)
     fd = os.environ.get("PMI_FD")
     for s in RANK_SIGNALS:  # Slurm signals the rank too
         signal.signal(s, signal.SIG_IGN)

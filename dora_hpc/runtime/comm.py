@@ -3,16 +3,18 @@
 Invariants:
 * roles come from the world rank only: 0 = orchestrator, 1..T = trainers, T+1.. = rollout ranks
   (rollout instance i is rank T+1+i; with cluster.elastic the trainers host instances too: roles.py);
-* control messages are small picklable dataclasses sent with ``isend``/``recv`` on TAG_CTRL;
+* control messages are small picklable dataclasses, sent over a *link* to their destination (runtime/link.py:
+  gloo, not MPI, so a rank that dies fails the sends to it and takes no sender along) with ``isend`` on
+  TAG_CTRL, and read with ``recv``; MPI itself carries only the start-up, the barriers of ``close`` and the
+  trainers' own communicator;
 * bulk data (weights, KV) goes as flat buffers over the data plane (data_plane.py: a torch.distributed
   gloo/NCCL group beside the MPI world, or MPI ``Isend``/``Recv`` on its own tag), never pickled tensors;
   a buffer is always announced by a control message that carries its shape and dtype, and is sent
   right after it by the same sender, which keeps the buffer alive (and goes on generating or training)
   until the send completes;
 * a replacement (runtime/join.py) is not in the world: it takes a fenced rank's number and every live rank
-  reaches it over a *link* of its own (runtime/link.py: a gloo pair outside MPI, with the MPI calls Comm
-  makes; its other end is its rank 0), as it reaches every one of them; ``route`` hides which, so roles and
-  rank numbers stay.
+  reaches it over a link of its own (a gloo pair; its buffers go over it too), as it reaches every one of
+  them; ``route`` hides which, so roles and rank numbers stay.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..core.trajectory import Trajectory
 from .data_plane import MPIPlane, PeerLost, make_plane
-from .link import Link
+from .link import Link, world_links
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
@@ -58,20 +59,20 @@ class Comm:
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
         self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
-        self.links: dict[int, Link] = {}  # ranks reached over a link of their own (route)
-        self.broken: set[int] = set()  # fenceable ranks a send to failed (their process is gone)
+        self.links: dict[int, Link] = {}  # replacements: ranks reached over a link of their own (route)
+        self.broken: set[int] = set()  # ranks a send to, or a link from, failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
-        self.is_replacement = identity is not None
         self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
-        self.channel = None  # trainer replicas: trajectories to the trainers go over gloo (trajectory_channel.py)
-        self._pending: list[tuple[MPI.Request, int]] = []  # control isends and their destination
-        # a replacement is in no torch group: it reaches every peer over MPI (its links), as they reach it
-        self.plane = make_plane("mpi" if identity else data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.route)
-        self.link_plane = MPIPlane(self.world, self.route)
+        # the world's links (a replacement has none: its links come when it joins)
+        self.peers: dict[int, Link] = world_links(self.world) if identity is None else {}
+        self._pending: list[tuple[object, int]] = []  # control sends (requests) and their destination
+        # a replacement is in no torch group: it reaches every peer over its links, as they reach it
+        self.plane = make_plane("mpi" if identity else data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.mpi_route)
+        self.link_plane = MPIPlane(self.world, self.mpi_route)
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
         self._bulk: list[tuple[object, np.ndarray, int]] = []  # bulk sends (handles), their buffers, destinations
         # sends to a fenced rank never complete: their buffers are kept alive here, and never waited for
@@ -79,11 +80,11 @@ class Comm:
 
     def _unfinished(self, sends: list) -> list:
         """The sends (request or handle first, destination last) not yet complete. One whose destination's
-        process is gone fails under MPICH's OFI netmod: it is dropped and its destination is ``broken``."""
+        process is gone fails: it is dropped and its destination is ``broken``."""
         out = []
         for e in sends:
             try:
-                done = e[0].Test() if isinstance(e[0], MPI.Request) else e[0].test()
+                done = e[0].test()
             except (MPI.Exception, PeerLost) as err:
                 self.broke(e[-1], err)
                 continue
@@ -92,12 +93,12 @@ class Comm:
         return out
 
     def broke(self, rank: int, err: Exception) -> None:
-        """An MPI call, a data-plane transfer or a link to ``rank`` failed: its process is gone. Fatal unless the
-        run can go on without it (a rollout rank or a trainer replica), which rank 0 fences (Orchestrator.died
-        reads ``broken``); other ranks let rank 0 find out. A replacement outlives any peer but rank 0: at the
-        run's end its peers may leave before it has read its Shutdown, and rank 0 waits for it
-        (main.replacements_left); a peer lost mid-run ends the job through rank 0 anyway."""
-        if not self.roles.fenceable(rank) and (rank == 0 or not self.is_replacement):
+        """A link, a data-plane transfer or an MPI call to ``rank`` failed: its process is gone. Rank 0 acts on
+        it: it fences a rollout rank or a trainer replica (Orchestrator.died reads ``broken``), and any other
+        rank's death ends the job (its launcher saw it die). Fatal here only when rank 0 is the one lost: the
+        job is over. (At the run's end a replacement's peers may leave before it has read its Shutdown; rank 0
+        waits for it, main.replacements_left.)"""
+        if rank == 0:
             raise err
         self.broken.add(rank)
 
@@ -109,8 +110,17 @@ class Comm:
     def live_trainers(self) -> list[int]:
         return [t for t in self.roles.trainer_ranks if t not in self.fenced]
 
-    def route(self, rank: int):
-        """(communicator, rank in it) that reaches ``rank``: its link, or the world."""
+    def route(self, rank: int) -> tuple[Link, int]:
+        """The link that reaches ``rank`` (a replacement's own, else the world's) and the rank at its other end
+        (always 0: the MPI calls' ``dest``/``source``). PeerLost where there is none: a replacement has no link
+        to a rank that was fenced before it joined."""
+        link = self.links.get(rank) or self.peers.get(rank)
+        if link is None:
+            raise PeerLost(f"no link to rank {rank}")
+        return link, 0
+
+    def mpi_route(self, rank: int):
+        """(communicator, rank in it) for the MPI data plane: a replacement's link, or the world."""
         link = self.links.get(rank)
         return (link, 0) if link is not None else (self.world, rank)
 
@@ -120,13 +130,10 @@ class Comm:
 
     def send(self, obj, dst: int, tag: int = TAG_CTRL) -> None:
         """Non-blocking. A destination whose process is gone (the send fails) is ``broken``."""
-        if self.channel is not None and isinstance(obj, Trajectory) and self.roles.role(dst) == "trainer":
-            self.channel.send(obj, dst)  # not over MPI: a replica's death must not take this rank along
-            return
         if dst == 0:
             self._last_to_0 = time.monotonic()
-        comm, at = self.route(dst)
         try:
+            comm, at = self.route(dst)
             self._pending.append((comm.isend(obj, dest=at, tag=tag), dst))
         except (MPI.Exception, PeerLost) as err:
             self.broke(dst, err)
@@ -140,8 +147,8 @@ class Comm:
         self._keep_alive()
         if src is None:
             return self.poll_any()
-        comm, at = self.route(src)
         try:
+            comm, at = self.route(src)
             return (comm.recv(source=at, tag=TAG_CTRL), src) if comm.Iprobe(source=at, tag=TAG_CTRL) else None
         except (MPI.Exception, PeerLost) as err:
             self.broke(src, err)
@@ -160,6 +167,8 @@ class Comm:
 
     def _notices(self) -> None:
         """Rank 0's notices on TAG_FENCE: a rank fenced (stop waiting for it) or replaced (link to it)."""
+        if self.rank == 0:
+            return
         comm, at = self.route(0)
         while comm.Iprobe(source=at, tag=TAG_FENCE):
             notice = comm.recv(source=at, tag=TAG_FENCE)
@@ -190,7 +199,7 @@ class Comm:
         0 tells each peer to connect once the one before has linked). Raises RuntimeError when one does not
         come within CONNECT_TIMEOUT_S."""
         for p in peers:
-            self.links[p] = Link(store, str(p), 1)
+            self.links[p] = Link.pair(store, str(p), 1)
 
     def announce(self, rank: int, addr: str, others: list[int]) -> None:
         """Rank 0: tell ``others`` that ``rank`` is replaced and its replacement's store is at ``addr``."""
@@ -216,7 +225,8 @@ class Comm:
         """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
         is addressed to it (with the buffers a message announces) until its own sends completed, so
         MPI_Finalize finds no message in flight. Fenced ranks are left out (the barriers span the others;
-        the caller then ends the job with MPI_Abort, which also ends the fenced ranks).
+        the caller then ends the job with MPI_Abort, which also ends the fenced ranks). Last, the links
+        among the ranks left are closed (Link.close), so none has a receive pending when its process ends.
         Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
         for r in self.links if self.rank != 0 else ():  # a replacement leaves without the barriers
             self.abandon(r)
@@ -225,6 +235,11 @@ class Comm:
         self.group.Barrier()
         dropped = self._drain(float("inf"), notices=True)
         self.group.Barrier()
+        ours = [link for r, link in self.peers.items() if r not in self.left_out]
+        for link in ours:
+            link.close()
+        for link in ours:
+            link.closed(timeout_s=30)
         return dropped
 
     def _drain(self, timeout_s: float, notices: bool) -> int:
@@ -249,24 +264,15 @@ class Comm:
         return sorted({*self.fenced, *self.gone})
 
     def poll_any(self) -> tuple[object, int] | None:
-        """The next control message from anyone (the world, a link, or the trajectory channel), without this
-        rank's keep-alive."""
-        if self.channel is not None and (got := self.channel.poll()) is not None:
-            return got
-        status = MPI.Status()
-        while self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CTRL, status=status):
-            src = status.Get_source()
-            msg = self.world.recv(source=src, tag=TAG_CTRL)
-            if src not in self.gone:  # else: from the replaced process (it hung, then woke): dropped
-                return msg, src
-        for r, link in self.links.items():
-            if r in self.broken:
-                continue
+        """The next control message from anyone, without this rank's keep-alive. A link that broke (its peer
+        is gone) marks the peer ``broken``."""
+        for r, link in {**self.peers, **self.links}.items():  # a replacement's link stands for the rank it took
             try:
-                if link.Iprobe(source=0, tag=TAG_CTRL):
+                if link.Iprobe(source=0, tag=TAG_CTRL):  # what a dead peer sent before it died is still read
                     return link.recv(source=0, tag=TAG_CTRL), r
             except PeerLost as err:
-                self.broke(r, err)
+                if r not in self.broken:
+                    self.broke(r, err)
         return None
 
     def discard(self, msg: object, src: int) -> None:

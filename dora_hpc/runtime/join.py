@@ -209,7 +209,7 @@ class JoinDesk:
             st = store(host, int(port))
             peers = self.peers(rank) if rank is not None else ()
             st.set("plan", pickle.dumps(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why)))
-            link = Link(st, "0", 0) if rank is not None else None
+            link = Link.pair(st, "0", 0) if rank is not None else None
         except RuntimeError:  # the replacement is gone (an offer left by a process that died)
             orch.op("join_failed", detail=f"host={offer['host']} pid={offer['pid']} unreachable")
             print(f"dora-hpc: the replacement on {offer['host']} (pid {offer['pid']}) cannot be reached: its "

@@ -1,23 +1,27 @@
-"""A link: what joins a replacement (runtime/join.py) to one rank of the job it takes a place in -- a
-two-rank gloo group outside MPI, with the few calls of an MPI communicator that Comm makes on a route
-(``isend``/``send``/``Iprobe``/``recv`` for control messages, ``Isend``/``Irecv`` for buffers).
+"""Links: how control messages travel between two ranks -- over gloo, outside MPI. Every pair of ranks of
+the job has one over a gloo group spanning the MPI world (``world_links``); a replacement (runtime/join.py)
+has one to each rank over a two-rank group of its own (``Link.pair``, ``Link.connect``). A link has the
+few calls of an MPI communicator that Comm makes on a route (``isend``/``send``/``Iprobe``/``recv`` for
+control messages, ``Isend``/``Irecv`` for a replacement's buffers).
 
-Why not MPI: the replacement is a process of another MPI world, and MPI's dynamic processes connect two
-worlds only over MPICH's OFI netmod, which aborts a process whose message to a process that died was in
-flight -- any message over about a hundred bytes, whatever the error handler (slurm/NOTES.md). A replacement
-killed while a peer sent it weights, or rank 0 a command, took that peer, or rank 0 and the job, along.
+Why not MPI: MPICH's OFI netmod aborts a process whose message to a process that died was in flight --
+any message over about a hundred bytes, posted at once or a second after the death, across nodes in one
+world as between two worlds, whatever the error handler (slurm/NOTES.md). So over MPI rank 0 ordering work
+from a rollout rank that had just died, or a trainer sending a replacement its weights, took the job down.
 Over gloo a dead peer is an exception: ``PeerLost``, as on the torch data plane.
 
 Invariants:
-* the replacement hosts the pair's TCPStore (its address is in its offer); the pair with rank ``r`` is
-  under the prefix ``str(r)``, ``r`` its rank 0 and the replacement its rank 1;
 * per direction one sender thread writes the messages in the order they were queued, each a header (tag,
   kind, length) and its bytes; one receiver thread reads them and files them by tag. So per tag messages
   arrive in the order they were sent (MPI's non-overtaking rule, which Comm relies on), and a buffer
   goes to the oldest ``Irecv`` posted for its tag;
 * a send completes when gloo has taken its bytes; once a transfer failed (the peer is gone) every request,
   probe and receive on the link raises ``PeerLost``, after the messages already filed are read;
-* both threads are daemons: a rank ends without waiting for them (a hung peer's send blocks its thread).
+* a replacement hosts its pairs' TCPStore (its address is in its offer); the pair with rank ``r`` is under
+  the prefix ``str(r)``, ``r`` its rank 0 and the replacement its rank 1;
+* the threads are daemons: a rank ends without waiting for them (a hung peer's send blocks its thread),
+  with ``os._exit`` after MPI_Finalize (runtime/main.py exit_now): Python's own teardown of a gloo group
+  whose receive is still pending aborts the process.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .data_plane import PeerLost
 CONNECT_TIMEOUT_S = 60  # a replacement links to its peers one after another, each within seconds
 FOREVER = datetime.timedelta(days=365)  # a wait on the link: gloo's own timeout would end a quiet one
 OBJECT, BUFFER = 0, 1  # what a message's bytes are: a pickled object, or a buffer's raw bytes
+CLOSE = -1  # the tag of the last message a side sends (``close``): the other's receiver thread ends on it
 
 
 def store(host: str, port: int, master: bool = False, timeout_s: float = CONNECT_TIMEOUT_S):
@@ -72,22 +77,43 @@ class Request:
         pass
 
 
-class Link:
-    def __init__(self, st, prefix: str, me: int) -> None:
-        """Blocks until the other side builds its end (``prefix`` alike, ``me`` 0 on the job's rank and 1 on
-        the replacement), for at most CONNECT_TIMEOUT_S; raises RuntimeError after that."""
-        import torch.distributed as dist
+def world_links(world) -> dict[int, Link]:
+    """A link to every other rank of the MPI world ``world`` (collective over it): one gloo group, built over a
+    TCPStore that the world's rank 0 hosts."""
+    import torch.distributed as dist
 
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, st), me, 2,
-                                        datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
-        self.peer = 1 - me
+    from ..train.dp import rendezvous
+
+    host, port = rendezvous(world)
+    rank, size = world.Get_rank(), world.Get_size()
+    st = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=600))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("control", st), rank, size, datetime.timedelta(seconds=600))
+    links = {r: Link(pg, r) if r != rank else Loopback() for r in range(size)}
+    world.Barrier()  # rank 0's store outlives every rank's start-up
+    return links
+
+
+class Link:
+    def __init__(self, pg, peer: int) -> None:
+        """The link to rank ``peer`` of the gloo group ``pg``."""
+        self.pg, self.peer = pg, peer
         self.error: str | None = None  # why the link broke: the peer is gone
         self.lock = threading.Lock()
         self.filed: dict[int, collections.deque] = collections.defaultdict(collections.deque)  # tag -> arrived
         self.posted: dict[int, collections.deque] = collections.defaultdict(collections.deque)  # tag -> Irecvs
-        self.outbox: queue.Queue = queue.Queue()
-        threading.Thread(target=self._send_loop, name="link-send", daemon=True).start()
-        threading.Thread(target=self._recv_loop, name="link-recv", daemon=True).start()
+        self.outbox: queue.Queue | None = None  # its sender thread starts with the first send
+        self.receiver = threading.Thread(target=self._recv_loop, name=f"link-recv-{peer}", daemon=True)
+        self.receiver.start()
+
+    @classmethod
+    def pair(cls, st, prefix: str, me: int) -> Link:
+        """A replacement's link to one rank of the job, over a two-rank group through the replacement's store
+        ``st``: blocks until the other side builds its end (``prefix`` alike, ``me`` 0 on the job's rank and 1
+        on the replacement), for at most CONNECT_TIMEOUT_S; raises RuntimeError after that."""
+        import torch.distributed as dist
+
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, st), me, 2, datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+        return cls(pg, 1 - me)
 
     @classmethod
     def connect(cls, addr: str, prefix: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Link | None:
@@ -95,7 +121,7 @@ class Link:
         the replacement cannot be reached within ``timeout_s`` (it died, or its offer is stale)."""
         host, port = addr.rsplit(":", 1)
         try:
-            return cls(store(host, int(port), timeout_s=timeout_s), prefix, 0)
+            return cls.pair(store(host, int(port), timeout_s=timeout_s), prefix, 0)
         except RuntimeError:
             return None
 
@@ -111,9 +137,8 @@ class Link:
         return self._queue(tag, BUFFER, buf.reshape(-1).view(np.uint8))
 
     def Iprobe(self, source: int = 0, tag: int = 0) -> bool:  # noqa: N802
-        with self.lock:
-            if self.filed[tag]:
-                return True
+        if self.filed[tag]:  # a deque's length is read atomically: no lock for the common "nothing yet"
+            return True
         if self.error is not None:
             raise PeerLost(self.error)
         return False
@@ -134,11 +159,26 @@ class Link:
     def Disconnect(self) -> None:  # noqa: N802 - nothing to release: the threads end with the process
         pass
 
+    def close(self) -> None:
+        """The last message on this link, once both sides are done with it (Comm.close): the other side's
+        receiver thread ends on it, as this side's does on the other's ``close``, so no receive is pending
+        in gloo when a process exits (Python's teardown with one pending can abort the process)."""
+        if self.error is None:
+            self._queue(CLOSE, OBJECT, np.zeros(0, np.uint8))
+
+    def closed(self, timeout_s: float) -> bool:
+        """Whether the receiver thread has ended (the other side closed, or the link broke) within ``timeout_s``."""
+        self.receiver.join(timeout_s)
+        return not self.receiver.is_alive()
+
     # -- the two threads ------------------------------------------------------------------------------
     def _queue(self, tag: int, kind: int, payload: np.ndarray) -> Request:
         if self.error is not None:
             raise PeerLost(self.error)
         req = Request(self)
+        if self.outbox is None:
+            self.outbox = queue.Queue()
+            threading.Thread(target=self._send_loop, name=f"link-send-{self.peer}", daemon=True).start()
         self.outbox.put((tag, kind, payload, req))
         return req
 
@@ -155,6 +195,8 @@ class Link:
                 self.error = f"link lost: {err}"
                 return
             req.done.set()
+            if tag == CLOSE:
+                return
 
     def _recv_loop(self) -> None:
         import torch
@@ -170,6 +212,8 @@ class Link:
             except RuntimeError as err:
                 self.error = f"link lost: {err}"
                 return
+            if tag == CLOSE:
+                return
             with self.lock:
                 self.filed[tag].append(body.numpy().tobytes() if kind == OBJECT else body.numpy())
                 if kind == BUFFER:
@@ -181,3 +225,29 @@ class Link:
             req, data = self.posted[tag].popleft(), self.filed[tag].popleft()
             req.buf.reshape(-1).view(np.uint8)[:] = data
             req.done.set()
+
+
+class Loopback(Link):
+    """A rank's link to itself (a trainer's borrowed instance sends its own trainer trajectories): what is
+    sent is filed at once, a copy, as MPI delivers a message to its own rank."""
+
+    def __init__(self) -> None:  # no group and no threads
+        self.peer, self.error = -1, None
+        self.lock = threading.Lock()
+        self.filed = collections.defaultdict(collections.deque)
+        self.posted = collections.defaultdict(collections.deque)
+
+    def _queue(self, tag: int, kind: int, payload: np.ndarray) -> Request:
+        req = Request(self)
+        with self.lock:
+            self.filed[tag].append(payload.tobytes() if kind == OBJECT else payload.copy())
+            if kind == BUFFER:
+                self._match(tag)
+        req.done.set()
+        return req
+
+    def close(self) -> None:
+        pass
+
+    def closed(self, timeout_s: float) -> bool:
+        return True

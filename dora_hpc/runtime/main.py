@@ -212,8 +212,6 @@ def main(run_dir: str) -> int:
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                     heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic,
                     replicated=cfg.train.replicas > 1)
-        if comm.roles.replicated:
-            open_channel(MPI.COMM_WORLD, comm)
         outcome = play(comm, cfg, run, meta, start)
         comm.close()
         finish(MPI.COMM_WORLD, comm, run, outcome)
@@ -222,16 +220,6 @@ def main(run_dir: str) -> int:
         fail(Path(run_dir), rank, e)
         MPI.COMM_WORLD.Abort(1)
         return 1
-
-
-def open_channel(world, comm) -> None:
-    """Trainer replicas: trajectories reach them over gloo, not MPI (runtime/trajectory_channel.py)."""
-    from .trajectory_channel import TrajectoryChannel
-
-    if comm.rank == 0:
-        TrajectoryChannel.split_out(world)
-        return
-    comm.channel = TrajectoryChannel(world, comm.roles.trainer_ranks, comm.roles.rollout_ranks)
 
 
 LIGHTHOUSE: list = []  # rank 0's torchft lighthouse, kept for the process's life
@@ -331,8 +319,9 @@ def finish(world, comm, run: Path, outcome: str) -> None:
         if world.Get_rank() == 0:
             replacements_left(run, [r for r in comm.links if r not in comm.broken and r not in comm.fenced],
                               timeout_s=comm.heartbeat_s * 10)
-            if os.environ.get("SLURM_JOB_ID"):  # srun fails a step ended by MPI_Abort: the job script's tail
-                # reads this start's marker as a complete run (launch/slurm.py: requeue_on_failure)
+            if outcome == "done" and os.environ.get("SLURM_JOB_ID"):  # srun fails a step ended by MPI_Abort:
+                # the job script's tail reads this start's marker as a complete run (launch/slurm.py:
+                # requeue_on_failure); a run stopped at a checkpoint leaves none, so the job is run again
                 (run / "pids" / "complete").write_text(
                     f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_RESTART_COUNT') or 0}")
             world.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks

@@ -318,7 +318,8 @@ class Orchestrator(OpLog):
             if self.others_live(r):
                 self.fence(r, now - self.last_heard.get(r, now), cause="died")
                 continue
-            last = "the last rollout instance" if self.roles.role(r) == "rollout" else "the last trainer replica"
+            last = ("the last trainer replica" if self.roles.role(r) != "rollout" else "the last rollout instance"
+                    if len(self.live_rollout) <= 1 else "a rollout instance (slurm.fence_rollout is off)")
             self.op("hung", peer=r, detail=f"died, {last}")
             self.log.flush()
             raise RankHung(f"rank {r}, {last}, died")
@@ -336,7 +337,7 @@ class Orchestrator(OpLog):
     def died(self, r: int) -> bool:
         """``pids/rank-N.dead`` names this start's process of rank ``r`` (a marker of an earlier start, under
         Slurm, where the directory persists across requeues, names another pid)."""
-        if r in self.comm.broken:  # a send to it failed (MPICH's OFI netmod: its process is gone)
+        if r in self.comm.broken:  # a send to it, or its link, failed: its process is gone
             return True
         pids = self.run_dir / "pids"
         try:
@@ -354,8 +355,13 @@ class Orchestrator(OpLog):
         return self.comm.live_trainers if self.roles.replicated else []
 
     def others_live(self, r: int) -> bool:
-        """Whether another rank of ``r``'s kind (rollout instance, trainer replica) is live."""
-        return len(self.live_rollout if self.roles.role(r) == "rollout" else self.live_replicas) > 1
+        """Whether the run can go on without ``r``: another rank of its kind (rollout instance, trainer
+        replica) is live, and, for a rollout rank under Slurm, ``slurm.fence_rollout`` is on (off, any lost
+        rollout rank is the job's: it ends, and the job requeues)."""
+        if self.roles.role(r) == "rollout":
+            fencing = self.cfg.slurm.fence_rollout or "SLURM_JOB_ID" not in os.environ
+            return fencing and len(self.live_rollout) > 1
+        return len(self.live_replicas) > 1
 
     @property
     def live_instance_ranks(self) -> list[int]:
