@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv/ and run the test suite (plus ruff).
-#   bash tools/test.sh            everything (pytest 38:07 here, 411 tests + 17 vLLM ones skipped, 2026-12-06, over its ~25 min budget, and one Slurm job fewer since; CI (2 cores) runs it within its 90 min with the vLLM tier after; Slurm tests start a local cluster as root)
+#   bash tools/test.sh            everything (about 44 min here, 419 tests + 17 vLLM ones skipped, 2026-12-06: quick 4:33, slow 29:03, Slurm 10:41 in three runs, a simulation running beside them at low priority; over its ~25 min budget; CI (2 cores) ran it in 42 min within its 90 with the vLLM tier after; Slurm tests start a local cluster as root)
 #   bash tools/test.sh --quick    the quick tier (under 5 min): core, config, engines, losses, analysis, docs,
 #                                 and one real DORA run; no test marked `slow` (multi-process runs, Slurm
 #                                 jobs, benchmarks) and no vLLM test

@@ -28,7 +28,7 @@ def one(tree: Path, run_dir: Path) -> dict:
     subprocess.run([PY, "-m", "dora_hpc.cli", "analyze", str(run_dir), "--json", str(out)], cwd=tree, env=env,
                    check=True, capture_output=True, timeout=300)
     a = json.loads(out.read_text())
-    return {"throughput_tokens_per_s": round(a["utilization"]["throughput_tokens_per_s"], 1),
+    return {"throughput_tokens_per_s": round(a["throughput_tokens_per_s"], 1),
             "mean_staleness": round(a["staleness"]["mean"], 3),
             "invariants_nonzero": sum(1 for k in INVARIANTS if a["invariants"][k])}
 
