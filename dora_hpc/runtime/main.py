@@ -294,9 +294,9 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
 
 def replacements_left(run: Path, ranks: list[int], timeout_s: float) -> None:
     """Before rank 0 ends the job with MPI_Abort: wait (at most ``timeout_s``) until each live replacement
-    (``dora-hpc join``, linked to rank 0 only by its own intercommunicator, not in the barriers) has read its
-    Shutdown, finished its sends and left (its ``pids/rank-N.done``, newer than its ``rank-N``): an abort that
-    reaches a replacement still polling its link makes MPICH's OFI netmod kill it with an error."""
+    (``dora-hpc join``, reached over links of its own, not in the barriers) has read its Shutdown, finished
+    its sends and left (its ``pids/rank-N.done``, newer than its ``rank-N``): a replacement whose link to rank
+    0 breaks before that fails (Comm.broke)."""
     end = time.monotonic() + timeout_s
     for r in ranks:
         started, done = run / "pids" / f"rank-{r}", run / "pids" / f"rank-{r}.done"
