@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from .data_plane import MPIPlane, PeerLost, make_plane
+from .data_plane import MPIPlane, PeerLost, make_plane, world_store
 from .link import Link, world_links
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
@@ -67,11 +67,13 @@ class Comm:
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)
         self.trainer_comm = split if is_trainer else None
-        # the world's links (a replacement has none: its links come when it joins)
-        self.peers: dict[int, Link] = world_links(self.world) if identity is None else {}
+        # the world's links and torch plane, through one store (a replacement has neither: it is in no torch
+        # group; its links come when it joins, and its buffers go over them)
+        store = world_store(self.world) if identity is None else None
+        self.peers: dict[int, Link] = world_links(self.world, store) if identity is None else {}
         self._pending: list[tuple[object, int]] = []  # control sends (requests) and their destination
-        # a replacement is in no torch group: it reaches every peer over its links, as they reach it
-        self.plane = make_plane("mpi" if identity else data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.mpi_route)
+        self.plane = make_plane("mpi" if identity else data_plane, self.world, (TAG_WEIGHTS, TAG_KV), self.mpi_route,
+                                store)
         self.link_plane = MPIPlane(self.world, self.mpi_route)
         self.weight_bucket_bytes = int(weight_bucket_mb * 2**20)
         self._bulk: list[tuple[object, np.ndarray, int]] = []  # bulk sends (handles), their buffers, destinations

@@ -70,17 +70,28 @@ class _MPIHandle:
         self.req.Cancel()
 
 
+WORLD_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+def world_store(world):
+    """The TCPStore the world's torch.distributed groups (the links' and this plane's) rendezvous through,
+    hosted by the world's rank 0 (collective over ``world``)."""
+    import torch.distributed as dist
+
+    from ..train.dp import rendezvous
+
+    host, port = rendezvous(world)
+    return dist.TCPStore(host, port, world.Get_size(), world.Get_rank() == 0, timeout=WORLD_TIMEOUT)
+
+
 class TorchPlane:
-    def __init__(self, world, tags: tuple[int, ...], timeout_s: float = 600.0) -> None:
+    def __init__(self, world, tags: tuple[int, ...], store) -> None:
+        """``store``: world_store's."""
         import torch
         import torch.distributed as dist
 
-        from ..train.dp import rendezvous
-
         rank, size = world.Get_rank(), world.Get_size()
-        host, port = rendezvous(world)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        timeout = WORLD_TIMEOUT
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -153,10 +164,11 @@ class _TorchHandle:
         pass  # gloo cannot cancel; the job's end takes the thread down
 
 
-def make_plane(kind: str, world=None, tags: tuple[int, ...] = (), route=None):
+def make_plane(kind: str, world=None, tags: tuple[int, ...] = (), route=None, store=None):
+    """``store``: world_store's, which the torch plane needs."""
     world = world or MPI.COMM_WORLD
     if kind == "mpi":
         return MPIPlane(world, route)
     if kind == "torch":
-        return TorchPlane(world, tags)
+        return TorchPlane(world, tags, store)
     raise ValueError(f"runtime.data_plane: unknown data plane {kind!r} (mpi or torch)")

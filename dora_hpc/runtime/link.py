@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from .data_plane import PeerLost
+from .data_plane import WORLD_TIMEOUT, PeerLost
 
 CONNECT_TIMEOUT_S = 60  # a replacement links to its peers one after another, each within seconds
 FOREVER = datetime.timedelta(days=365)  # a wait on the link: gloo's own timeout would end a quiet one
@@ -77,17 +77,13 @@ class Request:
         pass
 
 
-def world_links(world) -> dict[int, Link]:
-    """A link to every other rank of the MPI world ``world`` (collective over it): one gloo group, built over a
-    TCPStore that the world's rank 0 hosts."""
+def world_links(world, st) -> dict[int, Link]:
+    """A link to every rank of the MPI world ``world`` (collective over it; a Loopback to itself): one gloo
+    group, built through ``st`` (data_plane.world_store)."""
     import torch.distributed as dist
 
-    from ..train.dp import rendezvous
-
-    host, port = rendezvous(world)
     rank, size = world.Get_rank(), world.Get_size()
-    st = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=600))
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("control", st), rank, size, datetime.timedelta(seconds=600))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("control", st), rank, size, WORLD_TIMEOUT)
     links = {r: Link(pg, r) if r != rank else Loopback() for r in range(size)}
     world.Barrier()  # rank 0's store outlives every rank's start-up
     return links
@@ -156,9 +152,6 @@ class Link:
             self._match(tag)
         return req
 
-    def Disconnect(self) -> None:  # noqa: N802 - nothing to release: the threads end with the process
-        pass
-
     def close(self) -> None:
         """The last message on this link, once both sides are done with it (Comm.close): the other side's
         receiver thread ends on it, as this side's does on the other's ``close``, so no receive is pending
@@ -214,10 +207,15 @@ class Link:
                 return
             if tag == CLOSE:
                 return
-            with self.lock:
-                self.filed[tag].append(body.numpy().tobytes() if kind == OBJECT else body.numpy())
-                if kind == BUFFER:
-                    self._match(tag)
+            self._file(tag, kind, body.numpy())
+
+    def _file(self, tag: int, kind: int, data: np.ndarray) -> None:
+        """A message that arrived (its bytes, ``data``: this process's own) onto its tag's queue, a buffer into
+        the oldest receive posted for it."""
+        with self.lock:
+            self.filed[tag].append(data.tobytes() if kind == OBJECT else data)
+            if kind == BUFFER:
+                self._match(tag)
 
     def _match(self, tag: int) -> None:
         """Arrived buffers into posted receives, oldest first (under the lock)."""
@@ -238,11 +236,8 @@ class Loopback(Link):
         self.posted = collections.defaultdict(collections.deque)
 
     def _queue(self, tag: int, kind: int, payload: np.ndarray) -> Request:
+        self._file(tag, kind, payload.copy())
         req = Request(self)
-        with self.lock:
-            self.filed[tag].append(payload.tobytes() if kind == OBJECT else payload.copy())
-            if kind == BUFFER:
-                self._match(tag)
         req.done.set()
         return req
 
