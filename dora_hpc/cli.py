@@ -199,7 +199,7 @@ def cmd_prepare(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_join(args: argparse.Namespace, console: Console) -> int:
-    """Become a rollout rank of a running job in a fenced one's place (runtime/join.py), or (--submit) ask
+    """Become a rank of a running job in a fenced one's place (runtime/join.py), or (--submit) ask
     Slurm for a node to run one on."""
     import os
 
@@ -210,7 +210,7 @@ def cmd_join(args: argparse.Namespace, console: Console) -> int:
         from .launch.slurm import submit_replacement
 
         try:
-            job = submit_replacement(run_dir, args.overrides, args.nodelist)
+            job = submit_replacement(run_dir, args.overrides, args.nodelist, args.role)
         except LaunchError as e:
             return fail("cannot submit a replacement", e)
         console.print(f"submitted replacement job {job}: it joins {run_dir} once Slurm starts it", soft_wrap=True)
@@ -228,7 +228,7 @@ def cmd_join(args: argparse.Namespace, console: Console) -> int:
     from .runtime.replacement import main as join
 
     try:
-        code = join(str(run_dir), args.overrides)
+        code = join(str(run_dir), args.overrides, args.role)
     except ConfigError:
         raise
     except BaseException as e:  # noqa: BLE001 - after MPI_Init: leave without MPI_Finalize (below)
@@ -292,13 +292,17 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
 
 
 def _add_join_parser(sub) -> None:
-    j = sub.add_parser("join", help="a replacement: this process takes a fenced rollout rank's place in a running job")
+    j = sub.add_parser("join", help="a replacement: this process takes a fenced rollout rank's or trainer "
+                                    "replica's place in a running job")
     j.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
     j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key as this replacement has it (rank 0 refuses one whose config differs)")
     j.add_argument("--submit", action="store_true",
                    help="ask Slurm for a node and run the replacement there (a one-task job: it joins once it starts)")
     j.add_argument("--nodelist", help="--submit: the node(s) to ask for (sbatch --nodelist)")
+    j.add_argument("--role", choices=("trainer", "rollout"),
+                   help="take a lost rank of this role only (a trainer replica, train.replicas; or a rollout rank); "
+                        "--submit asks for that component's resources (slurm.trainer or slurm.rollout)")
     j.set_defaults(func=cmd_join)
 
 

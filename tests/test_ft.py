@@ -148,3 +148,64 @@ def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_pat
     ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail"])
     assert any(k == "fence" and p == victim and "role=trainer" in d
                for k, p, d in zip(ops["kind"], ops["peer"], ops["detail"], strict=True))
+
+
+@pytest.mark.slow
+def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
+    """Two trainer replicas (tiny-cpu); rank 1 is SIGKILLed after two steps and fenced, and ``dora-hpc join
+    --role trainer`` takes its place: linked to every live rank, it takes the next Train and joins that
+    step's quorum, where it recovers the weights, optimizer, version and the untrained trajectories from the
+    survivor (no checkpoint read). From then on both replicas take each step, with bit-identical weights,
+    and the run ends in its first attempt with every invariant 0."""
+    from test_join import CLI, PROCS, wait_for
+
+    from dora_hpc.analysis.basic import analyze
+    from dora_hpc.store.shards import _read_table, read_table
+
+    run_dir, err = tmp_path / "ft", tmp_path / "run.err"
+    steps = 30
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), *REPLICAS,
+                 "--set", f"train.max_steps={steps}", "--set", "train.checkpoint_every=4",
+                 "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8",
+                 "--set", "runtime.heartbeat_s=1"]
+    with err.open("w") as f:
+        run = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
+    PROCS.append(run)
+    log = err.read_text
+    try:
+        wait_for(lambda: run_dir_steps(run_dir) >= 2, "two steps", timeout=180, log=log)
+        import os
+
+        os.kill(int((run_dir / "pids" / "rank-1").read_text()), signal.SIGKILL)
+        wait_for(lambda: "rank 1 (trainer replica) died: fenced" in log(), "rank 1 to be fenced", log=log)
+        with (tmp_path / "join.err").open("w") as f:
+            p = subprocess.Popen(CLI + ["join", str(run_dir), "--role", "trainer"], cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=f)
+        PROCS.append(p)
+        both = lambda: log() + "\n--- the replacement's log ---\n" + (tmp_path / "join.err").read_text()  # noqa: E731
+        wait_for(lambda: "rank 1 (trainer replica) is back" in log(), "the replacement to join", log=both)
+        assert run.wait(timeout=400) == 0, both()[-5000:]
+        assert p.wait(timeout=60) == 0, both()[-5000:]
+        out = (tmp_path / "join.err").read_text()
+        assert "joined as rank 1 (trainer replica)" in out and "recovered v" in out, out[-3000:]
+    finally:
+        for proc in PROCS:
+            if proc.poll() is None:
+                proc.kill()
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 32
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+    assert [e["event"] for e in a["instances"]["timeline"]] == ["start"]  # a replica is no rollout instance
+    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail", "t_end"])
+    joined_at = [float(t) for k, p_, d, t in zip(ops["kind"], ops["peer"], ops["detail"], ops["t_end"], strict=True)
+                 if k == "join" and p_ == 1 and d == "role=trainer"]
+    assert len(joined_at) == 1
+    rows = _read_table(run_dir, "train", "steps", ["step", "t_start", "weights_checksum"], None, True)
+    logged = list(zip(rows["step"].tolist(), rows["t_start"].tolist(), rows["weights_checksum"].tolist(),
+                      rows["rank"].tolist(), strict=True))
+    late = {s: c for s, t, c, r in logged if r == 1 and t > joined_at[0]}  # the replacement's steps
+    survivor = {s: c for s, _, c, r in logged if r == 2}
+    assert len(late) >= 3 and max(late) == steps - 1, sorted(late)  # it trained, to the last step
+    assert all(survivor[s] == c for s, c in late.items())  # with the survivor's weights, bit for bit

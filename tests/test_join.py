@@ -31,8 +31,9 @@ def wait_for(cond, what: str, timeout: float = 120, log=None) -> None:
 PROCS: list[subprocess.Popen] = []  # every process a test started: none outlives it
 
 
-def join(run_dir: Path, *sets: str) -> subprocess.Popen:
-    PROCS.append(subprocess.Popen(CLI + ["join", str(run_dir), *[x for kv in sets for x in ("--set", kv)]],
+def join(run_dir: Path, *sets: str, role: str | None = None) -> subprocess.Popen:
+    PROCS.append(subprocess.Popen(CLI + ["join", str(run_dir), *[x for kv in sets for x in ("--set", kv)],
+                                         *(["--role", role] if role else [])],
                                   cwd=REPO, env=OFI, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return PROCS[-1]
 
@@ -216,6 +217,7 @@ def test_a_replacement_with_another_model_or_config_is_refused(tmp_path):
 
     from dora_hpc.config import load_config
     from dora_hpc.runtime.join import JoinDesk, identity
+    from dora_hpc.runtime.roles import Roles
 
     model, other = tmp_path / "model", tmp_path / "other"
     for d, size in ((model, 10), (other, 11)):
@@ -224,10 +226,17 @@ def test_a_replacement_with_another_model_or_config_is_refused(tmp_path):
         (d / "config.json").write_text("{}")
     (tmp_path / "launch.json").write_text(f'{{"model_dir": "{model}"}}')
     cfg = load_config("configs/tiny-cpu.yaml")
-    orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, fenced={3}, roles=SimpleNamespace(size=4, rollout_ranks=[2, 3]))
+    orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, fenced={3}, roles=Roles(4, 1))
     desk = JoinDesk(orch)
     mine = identity(cfg.model_dump_json(), model)
     assert desk.vet(mine) == (3, "")
+    assert desk.vet(mine | {"role": "trainer"}) == (None, "no trainer replica is lost")
+    # trainer replicas (train.replicas): a lost one is given first, and an offer's role picks its kind
+    orch.roles, orch.fenced = Roles(6, 2, 0, True), {2, 4}
+    assert desk.vet(mine) == (2, "") and desk.vet(mine | {"role": "rollout"}) == (4, "")
+    orch.fenced = set()
+    assert desk.vet(mine) == (None, "no rollout instance or trainer replica is lost")
+    orch.roles, orch.fenced = Roles(4, 1), {3}
     rank, why = desk.vet(identity(cfg.model_dump_json(), other))
     assert rank is None and why == f"its model folder differs from the run's ({model})"
     (other / "model.safetensors").write_bytes(b"x" * 10)

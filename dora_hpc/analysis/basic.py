@@ -264,10 +264,10 @@ def fenced(ops: dict) -> list[dict]:
 def instance_timeline(ops: dict, dedicated: int) -> dict:
     """The rollout instances live over the run: each launch starts with all ``dedicated`` of them, a fence
     takes one away, a replacement joining (runtime/join.py) gives it back; the count after each, in time.
-    A trainer replica's fence (``role=trainer``) is no instance's and is left out."""
+    A trainer replica's fence or join (``role=trainer``) is no instance's and is left out."""
     events = sorted((float(t), int(a), str(kind), int(r)) for kind, r, a, t, d in
                     zip(ops["kind"], ops["peer"], ops["attempt"], ops["t_end"], ops["detail"], strict=True)
-                    if kind in ("start", "join") or kind == "fence" and fence_detail(d)["role"] != "trainer")
+                    if kind == "start" or kind in ("join", "fence") and fence_detail(d)["role"] != "trainer")
     count, timeline = dedicated, []
     for t, a, kind, r in events:
         count = dedicated if kind == "start" else count + (1 if kind == "join" else -1)

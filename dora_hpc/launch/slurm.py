@@ -144,16 +144,18 @@ def requeue_on_failure(run_dir: Path, limit: int) -> list[str]:
             "fi"]
 
 
-def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None = None) -> str:
-    """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/replacement.py), with the rollout
-    component's resources and a node of its own: Slurm starts it when a node is free (a dead node back in
-    service, a spare), and it joins the
-    running job in a fenced rollout rank's place. Returns the job id."""
+def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None = None,
+                       role: str | None = None) -> str:
+    """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/replacement.py), with the resources of
+    ``role``'s component (the trainer's for a trainer replica, else the rollout's) and a node of its own:
+    Slurm starts it when a node is free (a dead node back in service, a spare), and it joins the running
+    job in a fenced rank's place (of ``role`` only, where given). Returns the job id."""
     from ..config import validate
     from .local import LaunchError
 
     cfg = validate(json.loads((run_dir / "launch.json").read_text())["config"], saved=True)
-    s, c = cfg.slurm, cfg.slurm.rollout
+    s = cfg.slurm
+    c = s.trainer if role == "trainer" else s.rollout
     flags = {"job-name": f"{s.job_name}-join", "nodes": 1, "ntasks": 1, "cpus-per-task": c.cpus_per_task,
              "time": s.time_min, "output": run_dir / "slurm" / "join-%j.out", "partition": c.partition or s.partition,
              "constraint": c.constraint or s.constraint, "account": s.account, "qos": s.qos,
@@ -161,7 +163,7 @@ def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None
              "nodelist": nodelist}
     (run_dir / "slurm").mkdir(exist_ok=True)
     join = shlex.join(["srun", "--mpi=pmi2", "--ntasks=1", sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
-                       *[x for kv in sets for x in ("--set", kv)]])
+                       *[x for kv in sets for x in ("--set", kv)], *(["--role", role] if role else [])])
     # a node of its own (--exclusive): a replaced node is a whole node
     args = [f"--{k}={v}" for k, v in flags.items() if v is not None]
     wrap = "\n".join([*s.setup, *FENCE_NETMOD, join])

@@ -188,12 +188,16 @@ class Comm:
             self.linked(rank, link)
         self.send(Linked(rank, ok=link is not None), 0)
 
-    def linked(self, rank: int, link: Link) -> None:
-        """``rank`` is its replacement over ``link`` from now on: no longer fenced here; its world process is
-        gone for good."""
+    def linked(self, rank: int, link: Link, live: bool = True) -> None:
+        """``rank`` is its replacement over ``link`` from now on; its world process is gone for good. ``live``:
+        no longer fenced here (rank 0 keeps it fenced until its Hello, then calls ``unfence``)."""
         self.links[rank] = link
         self.gone.add(rank)
         self.broken.discard(rank)
+        if live:
+            self.unfence(rank)
+
+    def unfence(self, rank: int) -> None:
         self.fenced = tuple(r for r in self.fenced if r != rank)
 
     def accept(self, store, peers: tuple[int, ...]) -> None:

@@ -1,17 +1,20 @@
-"""Joins: a replacement takes a fenced rollout rank's place in the running job. This module is rank 0's side
-(``JoinDesk``) and what both sides compare (``identity``); the replacement's process is runtime/replacement.py
-(``dora-hpc join RUN_DIR``).
+"""Joins: a replacement takes a fenced rollout rank's or trainer replica's place in the running job. This
+module is rank 0's side (``JoinDesk``) and what both sides compare (``identity``); the replacement's process
+is runtime/replacement.py (``dora-hpc join RUN_DIR``).
 
 The replacement is a process of its own MPI world (a Slurm step or job of its own, or a plain process):
 it hosts a TCPStore and leaves its address in ``RUN_DIR/join/HOST-PID.offer``. Rank 0 reads offers when it
-watches (every ``runtime.tick_s``), vets each (the same config and model as the run, a fenced rollout rank
-to replace), puts a ``JoinPlan`` in its store (the rank it replaces, or why it is refused) and builds a
+watches (every ``runtime.tick_s``), vets each (the same config and model as the run, a fenced rank to
+replace: a trainer replica first, then a rollout rank), puts a ``JoinPlan`` in its store (the rank it
+replaces and, for a replica, torchft's lighthouse; or why it is refused) and builds a
 *link* to it (runtime/link.py: a gloo pair, not MPI, so a replacement that dies takes no peer along).
 Rank 0 then tells the live ranks one at a time (``Joined`` on TAG_FENCE) to link to it, each once the one
 before has said ``Linked``, in the plan's order, which is the order the replacement builds its links in;
 the replacement loads the model and says ``Hello``. Only then does rank 0 take the rank off its fenced list
 and give the policy ``InstanceJoined``: the instance loads the latest version from a peer instance that
-holds it (else from a trainer) and takes work like any other.
+holds it (else from a trainer) and takes work like any other. A replica's replacement instead takes the next
+Train, and joins that step's quorum (train/ft.py): it takes the weights, optimizer state and untrained
+trajectories from a live replica there, and trains its share of the step with the others.
 
 Invariants:
 * a replacement runs nothing before its ``Hello`` is taken: until then it is fenced, and rank 0 sends it
@@ -89,15 +92,15 @@ class JoinDesk:
         self.pending: dict[int, Join] = {}  # the rank a replacement takes -> its join, until its Hello
         s = orch.cfg.slurm
         self.auto = s.replace_lost and s.fence_rollout and "SLURM_JOB_ID" in os.environ  # slurm.replace_lost
-        self.submitting: list[subprocess.Popen] = []  # dora-hpc join --submit under way
-        self.requested: list[str] = []   # replacement jobs rank 0 submitted
+        self.submitting: dict[subprocess.Popen, str] = {}  # dora-hpc join --submit under way -> its role
+        self.requested: dict[str, str] = {}   # replacement jobs rank 0 submitted -> the role each replaces
         self.joined_jobs: set[str] = set()  # ... those whose replacement was taken
         self.ended_jobs: set[str] = set()   # ... and those that ended without offering (a failed start)
         self.failures = 0  # replacements that came to nothing: not submitted, ended without offering, abandoned
         self.checked_at = 0.0  # when Slurm was last asked which requested jobs are alive
 
     def ask(self) -> None:
-        """``slurm.replace_lost``: keep one replacement job asked for per lost rollout rank (a one-task job
+        """``slurm.replace_lost``: keep one replacement job asked for per lost rank (a one-task job
         of its own, ``dora-hpc join --submit``, in the background: rank 0 goes on); each joins once Slurm
         starts it. A job that ends without offering (its MPI start failed, its node died) is asked for
         again, at most ``slurm.replace_retries`` times per run."""
@@ -111,14 +114,16 @@ class JoinDesk:
                 waiting.remove(job)
                 self.orch.op("join_failed", detail=f"slurm_job={job} ended without joining")
                 self._failed(f"replacement job {job} ended without joining (its log: slurm/join-{job}.out)")
-        lost = [r for r in self.orch.roles.rollout_ranks if r in self.orch.fenced and r not in self.pending]
-        if len(lost) <= len(waiting) + len(self.submitting):
+        asked = [self.requested[j] for j in waiting] + list(self.submitting.values())
+        lost = [self.orch.roles.role(r) for r in self.lost()]
+        role = next((x for x in ("trainer", "rollout") if lost.count(x) > asked.count(x)), None)
+        if role is None:
             return
         if self.failures > self.orch.cfg.slurm.replace_retries:
             return  # given up (said when the last one failed)
-        self.submitting.append(subprocess.Popen(
-            [sys.executable, "-m", "dora_hpc.cli", "join", str(self.orch.run_dir), "--submit"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        self.submitting[subprocess.Popen(
+            [sys.executable, "-m", "dora_hpc.cli", "join", str(self.orch.run_dir), "--submit", "--role", role],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)] = role
 
     def _waiting(self) -> list[str]:
         """Requested replacement jobs neither taken nor seen to end: pending, starting, or loading."""
@@ -132,15 +137,15 @@ class JoinDesk:
 
     def _submitted(self) -> None:
         for proc in [p for p in self.submitting if p.poll() is not None]:
-            self.submitting.remove(proc)
+            role = self.submitting.pop(proc)
             out = proc.stdout.read()
             job = re.search(r"submitted replacement job (\d+)", out)
             if job is None:
                 self._failed(f"could not submit a replacement: {out.strip()}")
                 continue
-            self.requested.append(job.group(1))
-            self.orch.op("join_requested", detail=f"slurm_job={job.group(1)}")
-            print(f"dora-hpc: submitted replacement job {job.group(1)}", file=sys.stderr, flush=True)
+            self.requested[job.group(1)] = role
+            self.orch.op("join_requested", detail=f"slurm_job={job.group(1)} role={role}")
+            print(f"dora-hpc: submitted replacement job {job.group(1)} ({role})", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """The run's end: cancel the replacement jobs that have not joined (pending, or still loading)."""
@@ -161,6 +166,13 @@ class JoinDesk:
             taken = offer.with_suffix(".taken")
             offer.rename(taken)
             self.take(json.loads(taken.read_text()))
+
+    def lost(self) -> list[int]:
+        """The fenced ranks a replacement may take, in the order they are given: trainer replicas first (the
+        last one lost ends the job), then rollout ranks."""
+        roles = self.orch.roles
+        ranks = [*(roles.trainer_ranks if roles.replicated else ()), *roles.rollout_ranks]
+        return [r for r in ranks if r in self.orch.fenced and r not in self.pending]
 
     def peers(self, rank: int) -> tuple[int, ...]:
         """Every live rank but rank 0 and ``rank``: each links to the replacement."""
@@ -208,7 +220,8 @@ class JoinDesk:
         try:
             st = store(host, int(port))
             peers = self.peers(rank) if rank is not None else ()
-            st.set("plan", pickle.dumps(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why)))
+            st.set("plan", pickle.dumps(JoinPlan(rank if rank is not None else -1, orch.roles.size, peers, why,
+                                                 orch.lighthouse)))
             link = Link.pair(st, "0", 0) if rank is not None else None
         except RuntimeError:  # the replacement is gone (an offer left by a process that died)
             orch.op("join_failed", detail=f"host={offer['host']} pid={offer['pid']} unreachable")
@@ -220,24 +233,33 @@ class JoinDesk:
             print(f"dora-hpc: a replacement on {offer['host']} (pid {offer['pid']}) is refused: {why}",
                   file=sys.stderr, flush=True)
             return
-        orch.comm.linked(rank, link)
+        orch.comm.linked(rank, link, live=False)  # nothing is sent to it (no Train, no checkpoint) until its Hello
         self.joined_jobs.add(str(offer.get("slurm_job_id")))
         self.pending[rank] = Join(offer["host"], offer["addr"], time.monotonic() + orch.cfg.runtime.join_timeout_s,
                                   list(peers))
         self._tell_next(rank)
-        print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} (rollout instance "
-              f"{orch.roles.instance_of_rank(rank)}): linking it to {len(peers)} ranks", file=sys.stderr, flush=True)
+        print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} ({self.what(rank)}): linking it "
+              f"to {len(peers)} ranks", file=sys.stderr, flush=True)
+
+    def what(self, rank: int) -> str:
+        roles = self.orch.roles
+        return "trainer replica" if roles.role(rank) == "trainer" else \
+            f"rollout instance {roles.instance_of_rank(rank)}"
 
     def vet(self, offer: dict) -> tuple[int | None, str]:
-        """(the rank it replaces, "") or (None, why it is refused)."""
+        """(the rank it replaces, "") or (None, why it is refused). An offer naming a ``role`` (a job submitted
+        with that component's resources) takes a lost rank of that role only."""
         orch = self.orch
         if offer["config"] != self.mine["config"]:
             return None, "its config differs from the run's (launch.json)"
         if offer["model"] != self.mine["model"]:
             return None, f"its model folder differs from the run's ({self.model_dir})"
-        lost = [r for r in orch.roles.rollout_ranks if r in orch.fenced and r not in self.pending]
+        role = offer.get("role")
+        lost = [r for r in self.lost() if role is None or orch.roles.role(r) == role]
         if not lost:
-            return None, "no rollout instance is lost"
+            what = {"trainer": "trainer replica", "rollout": "rollout instance"}.get(role) or \
+                "rollout instance" + (" or trainer replica" if orch.roles.replicated else "")
+            return None, f"no {what} is lost"
         return lost[0], ""
 
     def hello(self, rank: int) -> bool:

@@ -273,7 +273,8 @@ def play(comm, cfg, run: Path, meta: dict, start: dict) -> str:
         from .orchestrator import Orchestrator
 
         task = make_task(cfg, meta["vocab_size"], model_dir)
-        orch = Orchestrator(comm, cfg, run, task, meta["run_id"], t0, attempt, resume, stop=STOP)
+        orch = Orchestrator(comm, cfg, run, task, meta["run_id"], t0, attempt, resume, stop=STOP,
+                            lighthouse=start["lighthouse"])
         outcome = orch.run()
         if outcome == "preempted":
             (run / "preempted.json").write_text(json.dumps(

@@ -221,6 +221,7 @@ class JoinPlan:           # orchestrator -> a replacement, in its store: who it 
     size: int             # the world's ranks
     peers: tuple[int, ...] = ()  # every other live rank, each connecting in turn, one at a time
     refused: str = ""     # why it may not join (a wrong model or config, nothing to replace): it exits
+    lighthouse: str | None = None  # a trainer replica's replacement: torchft's lighthouse, where it joins the quorum
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,11 @@ class RankHung(RuntimeError):
 
 class Orchestrator(OpLog):
     def __init__(self, comm: Comm, cfg, run_dir: Path, task, run_id: str, t0: float, attempt: int = 0,
-                 resume: StoredCheckpoint | None = None, stop: threading.Event | None = None) -> None:
+                 resume: StoredCheckpoint | None = None, stop: threading.Event | None = None,
+                 lighthouse: str | None = None) -> None:
+        """``lighthouse``: torchft's lighthouse the trainer replicas meet at (train.replicas; a replacement
+        replica is told it)."""
+        self.lighthouse = lighthouse
         self.comm, self.cfg, self.task, self.t0, self.attempt, self.run_dir = comm, cfg, task, t0, attempt, run_dir
         self.roles = comm.roles
         self.policy = make_policy(cfg, self.roles.dedicated, borrowed=self.roles.borrowed)
@@ -126,7 +130,7 @@ class Orchestrator(OpLog):
         self.epoch: dict[int, int] = {}         # traj -> its current dispatch (a Done of another is stale)
         self.moved_from: dict[int, int] = {}    # traj -> instance it last migrated away from, until Done
         self.weights = WeightLoads(comm)
-        self.joins = JoinDesk(self)  # replacements of fenced rollout ranks (runtime/join.py)
+        self.joins = JoinDesk(self)  # replacements of fenced rollout ranks and replicas (runtime/join.py)
         if resume is not None:
             self.restore(resume)
         else:  # analysis reads each launch's start step from this op (a fresh restart starts at 0)
@@ -417,12 +421,22 @@ class Orchestrator(OpLog):
 
     def rejoin(self, r: int) -> None:
         """A replacement took fenced rank ``r``'s place (runtime/join.py), linked to every live rank and
-        loaded: it is live again, empty, and the policy gives it a version."""
-        i = self.roles.instance_of_rank(r)
+        loaded: it is live again, empty, and the policy gives it a version. A trainer replica's: it takes the
+        next Train, and the state it trains from comes from a live replica at that step's quorum (train/ft.py);
+        no load comes from it until it says it holds a version (``Holds``)."""
         self.fenced.discard(r)
-        self.figures.joined += 1
+        self.comm.unfence(r)
         self.comm.broken.discard(r)
         self.last_heard[r] = time.monotonic()
+        if self.roles.role(r) == "trainer":
+            self.weights.forget_holder(r)  # what the rank it replaces held is gone with it
+            self.op("join", peer=r, detail="role=trainer")
+            self.log.flush()
+            print(f"dora-hpc: rank {r} (trainer replica) is back: its replacement joined; it takes the next step "
+                  f"with the others ({len(self.live_replicas)} replicas)", file=sys.stderr, flush=True)
+            return
+        i = self.roles.instance_of_rank(r)
+        self.figures.joined += 1
         self.op("join", peer=r, detail=f"instance={i}")
         self.log.flush()
         print(f"dora-hpc: rank {r} (rollout instance {i}) is back: its replacement joined; "

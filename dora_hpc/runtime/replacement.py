@@ -1,6 +1,7 @@
 """The replacement's process (``dora-hpc join RUN_DIR``): it offers itself to the running job, is linked to
-every live rank (runtime/join.py has the protocol, runtime/link.py the links) and then is the rollout rank it
-replaces, to the run's end.
+every live rank (runtime/join.py has the protocol, runtime/link.py the links) and then is the rank it
+replaces, to the run's end: a rollout rank, or a trainer replica (which joins the next step's quorum and
+takes a live replica's state there, train/ft.py).
 
 Invariant: it leaves without MPI_Finalize (the caller ends the process with ``os._exit``), as every rank of
 the job does once a rank is fenced.
@@ -19,14 +20,16 @@ from .join import identity
 from .link import Link, store
 
 
-def main(run_dir: str, sets: list[str]) -> int:
-    """``dora-hpc join``: this process becomes a rollout rank of the running job in a fenced one's place."""
+def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
+    """``dora-hpc join``: this process becomes a rank of the running job in a fenced one's place (``role``:
+    only a lost rank of that role, "trainer" or "rollout")."""
     from ..config import ConfigError, parse_overrides, validate, with_overrides
     from ..data.tasks import make_task
     from .comm import Comm
     from .main import STOP, init_mpi, install_signals
     from .messages import Hello
     from .rollout import RolloutRank
+    from .trainer import TrainerRank
 
     run = Path(run_dir)
     if not (run / "launch.json").is_file():
@@ -40,7 +43,7 @@ def main(run_dir: str, sets: list[str]) -> int:
     import faulthandler
 
     faulthandler.enable()  # a crash in native code (MPI) prints the Python stack
-    st, plan = offer(run, cfg, Path(meta["model_dir"]))
+    st, plan = offer(run, cfg, Path(meta["model_dir"]), role)
     if plan.refused:
         print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
         return 2
@@ -53,13 +56,21 @@ def main(run_dir: str, sets: list[str]) -> int:
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
     install_signals(run, plan.rank)
     model_dir = Path(meta["model_dir"])
-    rollout = RolloutRank(comm, cfg, run, model_dir, make_task(cfg, meta["vocab_size"], model_dir), meta["run_id"],
-                          meta["t0"], attempt)
+    task = make_task(cfg, meta["vocab_size"], model_dir)
+    if comm.roles.role(plan.rank) == "trainer":  # a replica: its state comes from a live one at its first step
+        import torch
+
+        torch.set_num_threads(1)
+        rank = TrainerRank(comm, cfg, run, model_dir, meta["run_id"], meta["t0"], attempt, None, task,
+                           plan.lighthouse, joining=True)
+        what = "trainer replica"
+    else:
+        rank = RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt)
+        what = f"rollout instance {comm.roles.instance_of_rank(plan.rank)}"
     comm.send(Hello(plan.rank), 0)
-    print(f"dora-hpc: joined as rank {plan.rank} (rollout instance {comm.roles.instance_of_rank(plan.rank)})",
-          file=sys.stderr, flush=True)
+    print(f"dora-hpc: joined as rank {plan.rank} ({what})", file=sys.stderr, flush=True)
     try:
-        rollout.run()
+        rank.run()
         comm.finish_sends(timeout_s=cfg.runtime.hang_timeout_s)
     except Exception:
         if not (run / "pids" / "complete").exists():
@@ -73,7 +84,7 @@ def main(run_dir: str, sets: list[str]) -> int:
     return 0
 
 
-def offer(run: Path, cfg, model_dir: Path):
+def offer(run: Path, cfg, model_dir: Path, role: str | None = None):
     """Host a store, leave its address in the offer in RUN_DIR/join, and wait for rank 0's plan: (the store,
     the JoinPlan)."""
     host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
@@ -81,7 +92,7 @@ def offer(run: Path, cfg, model_dir: Path):
     (run / "join").mkdir(exist_ok=True)
     tmp = run / "join" / f"{host}-{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"addr": f"{host}:{st.port}", "pid": os.getpid(), "host": host,
-                               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                               "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "role": role,
                                **identity(cfg.model_dump_json(), model_dir)}))
     tmp.rename(tmp.with_suffix(".offer"))
     print(f"dora-hpc: offered to join {run} from {host}; waiting for rank 0", file=sys.stderr, flush=True)

@@ -10,11 +10,14 @@ Invariants:
 * fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps
   each version whole; each step's quorum splits the batch over the replicas alive then, a step a replica
   was lost in is taken again by the others, and a replica that recovered a later version from a peer
-  skips the Trains it missed. Every replica logs the step and all it consumed (readers keep one of each
-  row) and reports Published (rank 0 takes the first and learns who holds the version). The weights
-  live in a trainer backend (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of
-  a sharded backend (a step, gathering the weights to publish, gathering the optimizer for a
-  checkpoint) is reached by every trainer rank in the same message order;
+  takes the step its peer was taking (from the recovered state: its Train and the trajectories its peer
+  held untrained, merged by id with what arrives) and skips the Trains before it. A replacement replica
+  (``dora-hpc join``, ``joining``) is such a replica from its first Train on. Every replica logs the step
+  and all it consumed (readers keep one of each row) and reports Published (rank 0 takes the first and
+  learns who holds the version). The weights live in a trainer backend (``train.backend``: replicated
+  torch, FSDP2 or megatron-core); every collective of a sharded backend (a step, gathering the weights to
+  publish, gathering the optimizer for a checkpoint) is reached by every trainer rank in the same message
+  order;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
   answers SendWeights for versions already held, queues arriving trajectories (the step has taken its
   own out of the queue) and sets every other message aside, in arrival order, for after the step; it
@@ -43,12 +46,15 @@ Invariants:
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from ..core.policies import traits_of
 from ..core.trajectory import Trajectory
@@ -93,8 +99,10 @@ STEP_STATS = ("logprob_gap", "gap_tokens", "clip_frac_low", "clip_frac_high", "c
 
 class TrainerRank(RankClock):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, run_id: str, t0: float, attempt: int = 0,
-                 resume: ckpt_store.Checkpoint | None = None, task=None, lighthouse: str | None = None) -> None:
-        """``lighthouse``: torchft's lighthouse (rank 0 serves it) where ``train.replicas`` > 1."""
+                 resume: ckpt_store.Checkpoint | None = None, task=None, lighthouse: str | None = None,
+                 joining: bool = False) -> None:
+        """``lighthouse``: torchft's lighthouse (rank 0 serves it) where ``train.replicas`` > 1; ``joining``: a
+        replacement replica (runtime/replacement.py), whose first Train recovers a live replica's state."""
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.replicated = comm.roles.replicated
@@ -130,9 +138,12 @@ class TrainerRank(RankClock):
         self.traits = traits_of(cfg.mode, cfg.dora.k)
         self.keep_versions = self.traits.keep_versions
         self.healed = False  # a replica that took a later version from a peer at a quorum (load_replica_state)
+        self.recovered: Train | None = None  # ... and the Train its peer was taking then
+        self.taking: Train | None = None  # the Train this replica's quorum is taking (a peer recovering takes it)
+        self.joining = joining
         self.early_asks: list[SendWeights] = []  # a replica asked for a version before its step made it
         initial = self.publish(self.version, -1)
-        if self.reports:  # rank 0 checks the instances that took version 0 from the model folder against it
+        if self.reports and not joining:  # rank 0 checks the instances that took v0 from the model folder against it
             self.comm.send(Initial(self.version, initial), 0)
         self.queue: dict[int, dict[int, Trajectory]] = {}  # group -> traj_id -> trajectory
         self.deferred: list[tuple[object, int]] = []
@@ -145,6 +156,8 @@ class TrainerRank(RankClock):
             self.rollout = RolloutRank(comm, cfg, run_dir, model_dir, task, run_id, t0, attempt)
 
     def run(self) -> None:
+        if self.joining:
+            self.join()
         while self.running:
             got = self.next_message()
             if got is None:
@@ -294,9 +307,17 @@ class TrainerRank(RankClock):
     def _complete(self, g: int) -> bool:
         return len(self.queue.get(g, {})) == self.cfg.batch.group_size
 
-    def await_groups(self, groups) -> None:
-        """Until every one of ``groups`` is complete here (stragglers' messages are in flight)."""
+    def await_groups(self, groups, limit_s: float | None = None) -> None:
+        """Until every one of ``groups`` is complete here (stragglers' messages are in flight). ``limit_s``: a
+        replica that recovered a step from a peer gives up after that long (a trajectory the peer had not
+        yet received when it gave its state, and sent before this replica was linked, never comes here):
+        it fails, and rank 0 fences it like any lost replica."""
+        end = None if limit_s is None else time.monotonic() + limit_s
         while not all(self._complete(g) for g in groups):
+            if end is not None and time.monotonic() > end:
+                missing = sorted(g for g in groups if not self._complete(g))
+                raise RuntimeError(f"trainer rank {self.comm.rank}: groups {missing[:8]} of the step it recovered "
+                                   f"did not arrive within {limit_s:g} s")
             got = self.comm.poll()
             if got is None:
                 time.sleep(0.001)
@@ -307,7 +328,8 @@ class TrainerRank(RankClock):
             else:  # e.g. a Checkpoint of the version this step makes: after the step
                 self.deferred.append(got)
 
-    def train(self, msg: Train) -> None:
+    def train(self, msg: Train, joined: bool = False) -> None:
+        """``joined``: a replacement replica's first step, whose quorum it is already in (``join``)."""
         if self.replicated and msg.step < self.version:  # taken by the others while this replica was away
             self.skip(msg)
             return
@@ -319,7 +341,7 @@ class TrainerRank(RankClock):
         self.await_groups(self.mine(msg.group_ids))
         self.comm.wait_bulk()  # weights sent to rollout ranks must not stall behind this step
         t_start = self.now()
-        msg, trajs, metrics = self.replica_step(msg) if self.replicated else self.owned_step(msg)
+        msg, trajs, metrics = self.replica_step(msg, joined) if self.replicated else self.owned_step(msg)
         for g in msg.group_ids:
             self.queue.pop(g, None)
         version = self.version = msg.step + 1
@@ -362,20 +384,24 @@ class TrainerRank(RankClock):
             metrics = self.trainer.train_step(samples, msg.group_ids)
         return msg, trajs, metrics
 
-    def replica_step(self, msg: Train) -> tuple[Train, list[Trajectory], dict]:
+    def replica_step(self, msg: Train, joined: bool = False) -> tuple[Train, list[Trajectory], dict]:
         """A fault-tolerant replica: the step's quorum, then this replica's share of the batch (the quorum's
         ``rank``-th of every ``size`` groups); a step a replica was lost in is taken again in a new quorum,
         from the weights of its start. Returns the Train it took (a later one where this replica recovered a
-        later version at the quorum) and the whole batch's trajectories."""
+        later version at the quorum) and the whole batch's trajectories. ``joined``: its quorum is formed
+        (a replacement's first step, ``join``)."""
         from ..train.dp import StepAborted
 
         while True:
-            with self.serving_weights():
-                self.dp.start_step()  # a replica new to the quorum recovers the others' state here
-            if self.healed:  # it took version self.version from a peer: Trains before it are the others' past
-                self.healed = False
-                self.comm.send(Holds(self.version, self.publish(self.version, self.version - 1)), 0)
-                msg = self.catch_up(msg)
+            if joined:
+                joined = False
+            else:
+                self.take_arrived()  # what has arrived is in the queue when a peer recovering takes it
+                self.taking = msg
+                with self.serving_weights():
+                    self.dp.start_step()  # a replica new to the quorum recovers the others' state here
+                if self.healed:  # it took version self.version from a peer: Trains before it are the others' past
+                    msg = self.resume_at(msg)
             groups = list(msg.group_ids)
             share = set(groups[self.dp.rank::self.dp.size])
             before = self.trainer.checkpoint_state() if self.trainer.cfg.mini_batches > 1 else None
@@ -402,40 +428,70 @@ class TrainerRank(RankClock):
         self.consumed.update(msg.group_ids)
         self.forgotten.update(msg.group_ids)
 
-    def catch_up(self, msg: Train) -> Train:
-        """After recovering version v from a peer: skip the Trains before step v (this one, those deferred
-        and those still in MPI) and return Train(v) once its groups are complete."""
-        self.skip(msg)
-        while True:
-            got = next((d for d in self.deferred if isinstance(d[0], Train)), None)
-            if got is not None:
-                self.deferred.remove(got)
+    def join(self) -> None:
+        """A replacement replica (``joining``), once rank 0 took its Hello: into the quorum of the others'
+        next step at once, not at its first Train (a replica that heartbeats to the lighthouse but asks for
+        no quorum keeps a lone survivor from forming one: torchft's majority rule), waiting for it up to
+        ``runtime.join_timeout_s``. There it recovers a live replica's state and takes that step with them."""
+        self.joining = False
+        self.taking = None
+        with self.serving_weights():
+            self.dp.start_step(timeout_s=self.cfg.runtime.join_timeout_s)
+        if not self.healed:  # the others had committed no step: nothing to take (it cannot happen after a fence)
+            raise RuntimeError(f"trainer rank {self.comm.rank}: joined a quorum with nothing to recover")
+        self.train(self.resumed(), joined=True)
+
+    def resume_at(self, msg: Train) -> Train:
+        """After recovering version v from a peer at ``msg``'s quorum: the Train the peer was taking (step v);
+        ``msg`` is skipped (it is older)."""
+        train = self.resumed()
+        if msg.step < self.version:
+            self.skip(msg)
+        return train
+
+    def resumed(self) -> Train:
+        """Right after recovering version v from a peer: say so to rank 0 (the version's holders) and return
+        the Train the peer was taking (step v), once its groups are complete here."""
+        self.healed = False
+        self.comm.send(Holds(self.version, self.publish(self.version, self.version - 1)), 0)
+        train, self.recovered = self.recovered, None
+        if train is None or train.step != self.version:
+            raise RuntimeError(f"trainer rank {self.comm.rank}: recovered v{self.version} without its step")
+        print(f"dora-hpc: trainer rank {self.comm.rank}: recovered v{self.version} from a live replica at step "
+              f"{train.step}'s quorum", file=sys.stderr, flush=True)
+        self.await_groups(train.group_ids, limit_s=self.cfg.train.replica_timeout_s)
+        return train
+
+    def take_arrived(self) -> None:
+        """Take in every message that has arrived: trajectories into the queue, the rest set aside in order."""
+        while (got := self.comm.poll()) is not None:
+            if isinstance(got[0], Trajectory | Forget | SendWeights):
+                self.handle(*got)
             else:
-                got = self.comm.poll()
-                if got is None:
-                    time.sleep(0.001)
-                    continue
-                if not isinstance(got[0], Train):
-                    if isinstance(got[0], Trajectory | SendWeights | Forget):
-                        self.handle(*got)
-                    else:
-                        self.deferred.append(got)
-                    continue
-            if got[0].step < self.version:
-                self.skip(got[0])
-                continue
-            if got[0].step != self.version:
-                raise RuntimeError(f"trainer: step {got[0].step} asked after recovering v{self.version}")
-            self.await_groups(got[0].group_ids)
-            return got[0]
+                self.deferred.append(got)
 
     def replica_state(self) -> dict:
-        """What a replica joining the quorum takes from this one (torchft's live recovery)."""
+        """What a replica joining the quorum takes from this one (torchft's live recovery): the weights and
+        optimizer at this step's start, the version, the groups consumed, and (pickled: torchft moves tensors
+        and plain containers) the step being taken, the trajectories held untrained and the groups forgotten.
+        Read while the weight-serving thread may add trajectories: each dict is copied whole first."""
         weights, rest = self.trainer.checkpoint_state()
-        return {"weights": weights, "rest": rest, "version": self.version, "consumed": sorted(self.consumed)}
+        queue = {g: dict(ts) for g, ts in list(self.queue.items())}
+        pending = pickle.dumps({"train": self.taking, "queue": queue, "forgotten": set(self.forgotten)})
+        return {"weights": weights, "rest": rest, "version": self.version, "consumed": sorted(self.consumed),
+                "pending": torch.frombuffer(bytearray(pending), dtype=torch.uint8)}
 
     def load_replica_state(self, state: dict) -> None:
         self.trainer.load_checkpoint(state["weights"], state["rest"])
         self.healed = state["version"] != self.version
         self.version = state["version"]
         self.consumed = set(state["consumed"])
+        pending = pickle.loads(state["pending"].numpy().tobytes())
+        self.recovered = pending["train"]
+        self.forgotten |= pending["forgotten"]
+        for g, trajs in pending["queue"].items():  # merged by trajectory id with what arrived here
+            if g not in self.consumed and g not in self.forgotten:
+                self.queue.setdefault(g, {}).update({i: t for i, t in trajs.items()
+                                                     if i not in self.queue.get(g, {})})
+        for g in [g for g in self.queue if g in self.consumed or g in self.forgotten]:
+            del self.queue[g]

@@ -36,14 +36,23 @@ class WeightLoads:
         """Trainer replica ``rank`` holds ``version`` (it published or recovered it)."""
         self.holders.setdefault(version, set()).add(rank)
 
+    def forget_holder(self, rank: int) -> None:
+        """Trainer replica ``rank``'s process was replaced: it holds nothing until it says so again."""
+        for ranks in self.holders.values():
+            ranks.discard(rank)
+
     def trainer_source(self, v: int) -> int:
         """Where an instance loads ``v`` from the trainers: every rank's shard (TRAINERS), or the lowest live
         replica that holds it; where none has said so yet (the one that did was lost before the others'
-        reports arrived), the lowest live replica, which sends it once its step has made it."""
+        reports arrived), the lowest live replica holding any version, which sends it once its step has made
+        it."""
         if not self.roles.replicated:
             return TRAINERS
         live = sorted(r for r in self.holders.get(v, ()) if r not in self.comm.fenced)
-        return live[0] if live else self.comm.live_trainers[0]
+        if live:
+            return live[0]
+        holding = {r for ranks in self.holders.values() for r in ranks}  # not a replacement yet to recover
+        return next((r for r in self.comm.live_trainers if r in holding), self.comm.live_trainers[0])
 
     def start(self, i: int, v: int, source: int, keep: bool, add: bool = False) -> None:
         """Instance ``i`` loads ``v`` from ``source``: a rollout peer's whole weights, (TRAINERS) every trainer

@@ -87,9 +87,10 @@ class Replicas(Reductions):
         self.initialised = True
 
     # -- the step ----------------------------------------------------------------------------------
-    def start_step(self) -> None:
-        """The quorum of this step (a replica new to it recovers here); sets ``rank`` and ``size``."""
-        self.manager.start_quorum()
+    def start_step(self, timeout_s: float | None = None) -> None:
+        """The quorum of this step (a replica new to it recovers here); sets ``rank`` and ``size``. ``timeout_s``:
+        how long to wait for it (else QUORUM_TIMEOUT_S)."""
+        self.manager.start_quorum(timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
         self.size = self.manager.num_participants()
         rank = self.manager.participating_rank()
         if rank is None:
