@@ -22,6 +22,7 @@ import pytest
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.core.events import FOLDER
 from dora_hpc.launch.local import DeathWatch
+from dora_hpc.store.shards import _read_table, read_table
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
@@ -403,9 +404,11 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_and_
     SIGKILLed, then a rollout rank; then the node the replica was on dies (every process in its namespace,
     its slurmd too) with the rollout rank it held; then a rollout rank hangs (SIGSTOP). Each is fenced and
     the run goes on on the replica and the instance left. Then the dead node is revived and a replacement
-    submitted there (``dora-hpc join --submit``) joins the running job in the lowest lost rollout rank's
-    place. The run finishes in its first start (no requeue), nothing lost or trained twice, staleness <= K,
-    every episode on one version; analyze shows the instance count fall to 1 and rise again."""
+    replica submitted there (``dora-hpc join --submit --role trainer``) joins the running job in the lost
+    replica's place: it recovers the survivor's state across nodes at a step's quorum and trains beside it.
+    The run finishes in its first start (no requeue), nothing lost or trained twice, staleness <= K, every
+    episode on one version, the two replicas' weights bit-identical; analyze shows the instance count fall
+    to 1."""
     if not _netns_nodes():
         pytest.skip("the cluster's nodes share one host (start it with NETNS=1 for nodes of their own)")
     run_dir = tmp_path / "chaos"
@@ -440,12 +443,12 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_and_
         # step missing, and srun then aborts the step on the dead I/O connection (slurm/NOTES.md)
         wait_for(lambda: node_down(dead), job, timeout=120, what=f"Slurm to declare {dead} down", run_dir=run_dir)
         subprocess.run(["bash", "slurm/start_node.sh", dead[1:]], cwd=REPO, capture_output=True, timeout=60)
-        p = subprocess.run(CLI + ["join", str(run_dir), "--submit", "--nodelist", dead], cwd=REPO,
-                           capture_output=True, text=True, timeout=60)  # a replacement on the revived node
+        p = subprocess.run(CLI + ["join", str(run_dir), "--submit", "--nodelist", dead, "--role", "trainer"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)  # a replica on the revived node
         assert p.returncode == 0, p.stderr
         replacement = re.search(r"submitted replacement job (\d+)", p.stdout).group(1)
-        wait_for(lambda: "its replacement joined" in slurm_log(run_dir, job), job, timeout=300,
-                 what="the replacement to join", run_dir=run_dir)
+        wait_for(lambda: "rank 2 (trainer replica) is back" in slurm_log(run_dir, job), job, timeout=300,
+                 what="the replacement replica to join", run_dir=run_dir)
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=600,
                  what="the run to complete", run_dir=run_dir)
     finally:
@@ -459,12 +462,21 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_and_
     assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
                                                 "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
     assert a["staleness"]["max"] <= 2 and a["weights"]["mismatched_loads"] == 0
-    first = min(killed, on_dead[0])  # the replacement takes the lowest lost rollout rank
     events = [(e["event"], e["rank"], e["instances"]) for e in a["instances"]["timeline"]]
-    assert events == [("start", None, 4), ("fence", killed, 3), ("fence", on_dead[0], 2), ("fence", stopped, 1),
-                      ("join", first, 2)], events
+    assert events == [("start", None, 4), ("fence", killed, 3), ("fence", on_dead[0], 2), ("fence", stopped, 1)]
     out = (run_dir / "slurm" / f"join-{replacement}.out").read_text()
-    assert f"joined as rank {first}" in out and f"from {dead}" in out, out[-2000:]
+    assert "joined as rank 2 (trainer replica)" in out and f"from {dead}" in out and "recovered v" in out, \
+        out[-2000:]
+    rows = _read_table(run_dir, "train", "steps", ["step", "t_start", "weights_checksum"], None, True)
+    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail", "t_end"])
+    joined_at = [t for k, r, d, t in zip(ops["kind"].tolist(), ops["peer"].tolist(), ops["detail"].tolist(),
+                                         ops["t_end"].tolist(), strict=True) if k == "join" and r == 2]
+    assert len(joined_at) == 1, joined_at
+    logged = list(zip(rows["step"].tolist(), rows["t_start"].tolist(), rows["weights_checksum"].tolist(),
+                      rows["rank"].tolist(), strict=True))
+    late = {s: c for s, t, c, r in logged if r == 2 and t > joined_at[0]}  # the replacement replica's steps
+    survivor = {s: c for s, _, c, r in logged if r == 1}
+    assert late and max(late) == steps - 1 and all(survivor[s] == c for s, c in late.items()), sorted(late)
     assert job_state(replacement).get("JobState") == "COMPLETED", out[-2000:]  # it left at the run's end
 
 
