@@ -7,17 +7,17 @@ Invariants:
   (``Roles.trainers_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
   alone logs the step, reports Published, writes checkpoints; every replica serves weights;
-* fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps
-  each version whole; each step's quorum splits the batch over the replicas alive then, a step a replica
-  was lost in is taken again by the others, and a replica that recovered a later version from a peer
-  takes the step its peer was taking (from the recovered state: its Train and the trajectories its peer
-  held untrained, merged by id with what arrives) and skips the Trains before it. A replacement replica
-  (``dora-hpc join``, ``joining``) is such a replica from its first Train on. Every replica logs the step
-  and all it consumed (readers keep one of each row) and reports Published (rank 0 takes the first and
-  learns who holds the version). The weights live in a trainer backend (``train.backend``: replicated
-  torch, FSDP2 or megatron-core); every collective of a sharded backend (a step, gathering the weights to
-  publish, gathering the optimizer for a checkpoint) is reached by every trainer rank in the same message
-  order;
+* fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps each
+  version whole; each step's quorum splits the batch over the replicas alive then, a step a replica was
+  lost in is taken again by the others, and a replica that recovered a later version from a peer takes the
+  step its peer was taking (from the recovered state: its Train and the trajectories its peer held
+  untrained, merged by id with what arrives) and skips the Trains before it. A replacement replica
+  (``dora-hpc join``, ``joining``) asks for a quorum as soon as it joins and is such a replica there.
+  Every replica logs the step and all it consumed (readers keep one of each row) and reports Published
+  (rank 0 takes the first and learns who holds the version). The weights live in a trainer backend
+  (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of a sharded backend (a
+  step, gathering the weights to publish, gathering the optimizer for a checkpoint) is reached by every
+  trainer rank in the same message order;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
   answers SendWeights for versions already held, queues arriving trajectories (the step has taken its
   own out of the queue) and sets every other message aside, in arrival order, for after the step; it
@@ -102,7 +102,8 @@ class TrainerRank(RankClock):
                  resume: ckpt_store.Checkpoint | None = None, task=None, lighthouse: str | None = None,
                  joining: bool = False) -> None:
         """``lighthouse``: torchft's lighthouse (rank 0 serves it) where ``train.replicas`` > 1; ``joining``: a
-        replacement replica (runtime/replacement.py), whose first Train recovers a live replica's state."""
+        replacement replica (runtime/replacement.py), which recovers a live replica's state at the quorum it
+        asks for first (``join``)."""
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.replicated = comm.roles.replicated
@@ -443,10 +444,12 @@ class TrainerRank(RankClock):
 
     def resume_at(self, msg: Train) -> Train:
         """After recovering version v from a peer at ``msg``'s quorum: the Train the peer was taking (step v);
-        ``msg`` is skipped (it is older)."""
+        ``msg`` is skipped where it is older, and kept for after where it is newer."""
         train = self.resumed()
         if msg.step < self.version:
             self.skip(msg)
+        elif msg.step > self.version:
+            self.deferred.insert(0, (msg, 0))
         return train
 
     def resumed(self) -> Train:

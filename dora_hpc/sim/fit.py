@@ -297,6 +297,7 @@ def plan(run_dir: Path, accelerators: int | None = None, progress=None, vary_k: 
                                                    "relative_error": error, "within": bool(abs(error) <= FIT_TOLERANCE),
                                                    "replayed_lengths": fit.logged is not None,
                                                    "tolerance": FIT_TOLERANCE,
+                                                   "simulated_tokens_per_s": again["throughput_tokens_per_s"],
                                                    "simulated_trainer_wait": again["trainer_wait_fraction"],
                                                    "measured_trainer_wait": fit.measured_waits},
             "measured_tokens_per_s": fit.measured_tokens_per_s, "fitted": fit.fitted, "accelerators": total,
