@@ -24,12 +24,9 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
     """``dora-hpc join``: this process becomes a rank of the running job in a fenced one's place (``role``:
     only a lost rank of that role, "trainer" or "rollout")."""
     from ..config import ConfigError, parse_overrides, validate, with_overrides
-    from ..data.tasks import make_task
     from .comm import Comm
     from .main import STOP, init_mpi, install_signals
     from .messages import Hello
-    from .rollout import RolloutRank
-    from .trainer import TrainerRank
 
     run = Path(run_dir)
     if not (run / "launch.json").is_file():
@@ -55,18 +52,7 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
     comm.accept(st, plan.peers)
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
     install_signals(run, plan.rank)
-    model_dir = Path(meta["model_dir"])
-    task = make_task(cfg, meta["vocab_size"], model_dir)
-    if comm.roles.role(plan.rank) == "trainer":  # a replica: its state comes from a live one at its first step
-        import torch
-
-        torch.set_num_threads(1)
-        rank = TrainerRank(comm, cfg, run, model_dir, meta["run_id"], meta["t0"], attempt, None, task,
-                           plan.lighthouse, joining=True)
-        what = "trainer replica"
-    else:
-        rank = RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt)
-        what = f"rollout instance {comm.roles.instance_of_rank(plan.rank)}"
+    rank, what = become(comm, cfg, run, meta, attempt, plan)
     comm.send(Hello(plan.rank), 0)
     print(f"dora-hpc: joined as rank {plan.rank} ({what})", file=sys.stderr, flush=True)
     try:
@@ -82,6 +68,25 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
         return 0
     (run / "pids" / f"rank-{plan.rank}.done").write_text("ok")
     return 0
+
+
+def become(comm, cfg, run: Path, meta: dict, attempt: int, plan):
+    """The rank this replacement is from now on, built (its model loaded), and what it is, in words: a trainer
+    replica (its state comes from a live one at the quorum it asks for first) or a rollout instance."""
+    from ..data.tasks import make_task
+    from .rollout import RolloutRank
+    from .trainer import TrainerRank
+
+    model_dir = Path(meta["model_dir"])
+    task = make_task(cfg, meta["vocab_size"], model_dir)
+    if comm.roles.role(plan.rank) == "trainer":
+        import torch
+
+        torch.set_num_threads(1)
+        return TrainerRank(comm, cfg, run, model_dir, meta["run_id"], meta["t0"], attempt, None, task,
+                           plan.lighthouse, joining=True), "trainer replica"
+    return (RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt),
+            f"rollout instance {comm.roles.instance_of_rank(plan.rank)}")
 
 
 def offer(run: Path, cfg, model_dir: Path, role: str | None = None):
