@@ -160,8 +160,6 @@ def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
     from test_join import CLI, PROCS, wait_for
 
     from dora_hpc.analysis.basic import analyze
-    from dora_hpc.store.shards import _read_table, read_table
-
     run_dir, err = tmp_path / "ft", tmp_path / "run.err"
     steps = 30
     cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), *REPLICAS,
@@ -198,14 +196,23 @@ def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
     assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
                                                 "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
     assert [e["event"] for e in a["instances"]["timeline"]] == ["start"]  # a replica is no rollout instance
+    late, survivor = replacement_steps(run_dir, 1, 2)
+    assert len(late) >= 3 and max(late) == steps - 1, sorted(late)  # it trained, to the last step
+    assert all(survivor[s] == c for s, c in late.items())  # with the survivor's weights, bit for bit
+
+
+def replacement_steps(run_dir: Path, rank: int, survivor: int) -> tuple[dict[int, str], dict[int, str]]:
+    """Step -> weights checksum, from every replica's rows (not one of each): the steps trainer replica
+    ``rank``'s replacement took after it joined (its one ``join`` op), and every step ``survivor`` took."""
+    from dora_hpc.store.shards import _read_table, read_table
+
     ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail", "t_end"])
-    joined_at = [float(t) for k, p_, d, t in zip(ops["kind"], ops["peer"], ops["detail"], ops["t_end"], strict=True)
-                 if k == "join" and p_ == 1 and d == "role=trainer"]
-    assert len(joined_at) == 1
+    joined_at = [t for k, p, d, t in zip(ops["kind"].tolist(), ops["peer"].tolist(), ops["detail"].tolist(),
+                                         ops["t_end"].tolist(), strict=True)
+                 if k == "join" and p == rank and d == "role=trainer"]
+    assert len(joined_at) == 1, joined_at
     rows = _read_table(run_dir, "train", "steps", ["step", "t_start", "weights_checksum"], None, True)
     logged = list(zip(rows["step"].tolist(), rows["t_start"].tolist(), rows["weights_checksum"].tolist(),
                       rows["rank"].tolist(), strict=True))
-    late = {s: c for s, t, c, r in logged if r == 1 and t > joined_at[0]}  # the replacement's steps
-    survivor = {s: c for s, _, c, r in logged if r == 2}
-    assert len(late) >= 3 and max(late) == steps - 1, sorted(late)  # it trained, to the last step
-    assert all(survivor[s] == c for s, c in late.items())  # with the survivor's weights, bit for bit
+    return ({s: c for s, t, c, r in logged if r == rank and t > joined_at[0]},
+            {s: c for s, _, c, r in logged if r == survivor})

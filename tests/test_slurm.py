@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_ft import replacement_steps
 
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.core.events import FOLDER
 from dora_hpc.launch.local import DeathWatch
-from dora_hpc.store.shards import _read_table, read_table
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
@@ -467,15 +467,7 @@ def test_chaos_a_lost_rank_a_lost_node_and_a_hung_rank_cost_their_instances_and_
     out = (run_dir / "slurm" / f"join-{replacement}.out").read_text()
     assert "joined as rank 2 (trainer replica)" in out and f"from {dead}" in out and "recovered v" in out, \
         out[-2000:]
-    rows = _read_table(run_dir, "train", "steps", ["step", "t_start", "weights_checksum"], None, True)
-    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail", "t_end"])
-    joined_at = [t for k, r, d, t in zip(ops["kind"].tolist(), ops["peer"].tolist(), ops["detail"].tolist(),
-                                         ops["t_end"].tolist(), strict=True) if k == "join" and r == 2]
-    assert len(joined_at) == 1, joined_at
-    logged = list(zip(rows["step"].tolist(), rows["t_start"].tolist(), rows["weights_checksum"].tolist(),
-                      rows["rank"].tolist(), strict=True))
-    late = {s: c for s, t, c, r in logged if r == 2 and t > joined_at[0]}  # the replacement replica's steps
-    survivor = {s: c for s, _, c, r in logged if r == 1}
+    late, survivor = replacement_steps(run_dir, 2, 1)  # the replacement replica's steps, the survivor's
     assert late and max(late) == steps - 1 and all(survivor[s] == c for s, c in late.items()), sorted(late)
     assert job_state(replacement).get("JobState") == "COMPLETED", out[-2000:]  # it left at the run's end
 

@@ -12,9 +12,9 @@ Rank 0 then tells the live ranks one at a time (``Joined`` on TAG_FENCE) to link
 before has said ``Linked``, in the plan's order, which is the order the replacement builds its links in;
 the replacement loads the model and says ``Hello``. Only then does rank 0 take the rank off its fenced list
 and give the policy ``InstanceJoined``: the instance loads the latest version from a peer instance that
-holds it (else from a trainer) and takes work like any other. A replica's replacement instead takes the next
-Train, and joins that step's quorum (train/ft.py): it takes the weights, optimizer state and untrained
-trajectories from a live replica there, and trains its share of the step with the others.
+holds it (else from a trainer) and takes work like any other. A replica's replacement instead asks for a quorum
+at once and gets into the others' next step's (train/ft.py): it takes the weights, optimizer state, the step
+and its untrained trajectories from a live replica there, and trains its share of the step with them.
 
 Invariants:
 * a replacement runs nothing before its ``Hello`` is taken: until then it is fenced, and rank 0 sends it
@@ -238,13 +238,8 @@ class JoinDesk:
         self.pending[rank] = Join(offer["host"], offer["addr"], time.monotonic() + orch.cfg.runtime.join_timeout_s,
                                   list(peers))
         self._tell_next(rank)
-        print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} ({self.what(rank)}): linking it "
-              f"to {len(peers)} ranks", file=sys.stderr, flush=True)
-
-    def what(self, rank: int) -> str:
-        roles = self.orch.roles
-        return "trainer replica" if roles.role(rank) == "trainer" else \
-            f"rollout instance {roles.instance_of_rank(rank)}"
+        print(f"dora-hpc: a replacement on {offer['host']} joins as rank {rank} ({orch.roles.describe(rank)}): "
+              f"linking it to {len(peers)} ranks", file=sys.stderr, flush=True)
 
     def vet(self, offer: dict) -> tuple[int | None, str]:
         """(the rank it replaces, "") or (None, why it is refused). An offer naming a ``role`` (a job submitted

@@ -52,9 +52,9 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
     comm.accept(st, plan.peers)
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
     install_signals(run, plan.rank)
-    rank, what = become(comm, cfg, run, meta, attempt, plan)
+    rank = become(comm, cfg, run, meta, attempt, plan)
     comm.send(Hello(plan.rank), 0)
-    print(f"dora-hpc: joined as rank {plan.rank} ({what})", file=sys.stderr, flush=True)
+    print(f"dora-hpc: joined as rank {plan.rank} ({comm.roles.describe(plan.rank)})", file=sys.stderr, flush=True)
     try:
         rank.run()
         comm.finish_sends(timeout_s=cfg.runtime.hang_timeout_s)
@@ -71,8 +71,8 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
 
 
 def become(comm, cfg, run: Path, meta: dict, attempt: int, plan):
-    """The rank this replacement is from now on, built (its model loaded), and what it is, in words: a trainer
-    replica (its state comes from a live one at the quorum it asks for first) or a rollout instance."""
+    """The rank this replacement is from now on, built (its model loaded): a trainer replica (its state comes
+    from a live one at the quorum it asks for first) or a rollout rank."""
     from ..data.tasks import make_task
     from .rollout import RolloutRank
     from .trainer import TrainerRank
@@ -84,9 +84,8 @@ def become(comm, cfg, run: Path, meta: dict, attempt: int, plan):
 
         torch.set_num_threads(1)
         return TrainerRank(comm, cfg, run, model_dir, meta["run_id"], meta["t0"], attempt, None, task,
-                           plan.lighthouse, joining=True), "trainer replica"
-    return (RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt),
-            f"rollout instance {comm.roles.instance_of_rank(plan.rank)}")
+                           plan.lighthouse, joining=True)
+    return RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt)
 
 
 def offer(run: Path, cfg, model_dir: Path, role: str | None = None):

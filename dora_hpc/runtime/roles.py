@@ -37,6 +37,10 @@ class Roles:
     def role(self, rank: int) -> str:
         return "orchestrator" if rank == 0 else "trainer" if rank <= self.trainers else "rollout"
 
+    def describe(self, rank: int) -> str:
+        """A trainer or rollout rank in an operator's words: "trainer replica" or "rollout instance i"."""
+        return "trainer replica" if self.role(rank) == "trainer" else f"rollout instance {self.instance_of_rank(rank)}"
+
     def rank_of_instance(self, i: int) -> int:
         return 1 + self.trainers + i if i < self.dedicated else 1 + i - self.dedicated
 
