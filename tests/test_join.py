@@ -245,3 +245,41 @@ def test_a_replacement_with_another_model_or_config_is_refused(tmp_path):
     changed = load_config("configs/tiny-cpu.yaml", ["engine.kv_blocks=256"])
     assert desk.vet(identity(changed.model_dump_json(), model)) == (None, "its config differs from the run's "
                                                                           "(launch.json)")
+
+
+class _Sends:  # rank 0's checkpoint sends, recorded
+    def __init__(self, roles) -> None:
+        self.roles, self.sent = roles, []
+        self.live_trainers = [1]
+
+    def send(self, msg, dst: int) -> None:
+        self.sent.append((type(msg).__name__, dst))
+
+
+def test_a_checkpoint_in_flight_waits_for_the_ranks_asked_to_flush_only():
+    """A checkpoint started while rank 3 was fenced commits once the ranks asked to flush have, though rank
+    3's replacement joined meanwhile (it holds nothing the snapshot calls complete); a rank fenced before it
+    flushed is not waited for, even once its replacement is back. Seen in CI: the first case hung the run's
+    final step for ever."""
+    from dora_hpc.runtime.checkpoints import Checkpointer
+    from dora_hpc.runtime.messages import Checkpointed, Flushed
+    from dora_hpc.runtime.roles import Roles
+
+    roles = Roles(5, 1)  # rank 1 the trainer; ranks 2, 3, 4 instances 0, 1, 2
+    comm = _Sends(roles)
+    ckpt = Checkpointer(comm, lambda *a, **k: None, lambda: None)
+    ckpt.start(10, {}, [2, 4], 0.0)  # rank 3 fenced at the start
+    assert sorted(d for m, d in comm.sent if m == "Flush") == [2, 4]
+    ckpt.on_progress(Flushed(roles.instance_of_rank(2), 10))
+    ckpt.maybe_commit()  # rank 3's replacement joined here: nothing changes
+    assert ("Commit", 1) not in comm.sent
+    ckpt.on_progress(Flushed(roles.instance_of_rank(4), 10))
+    assert ("Commit", 1) in comm.sent
+    ckpt.on_progress(Checkpointed(10, "ckpt/10"))
+    assert ckpt.last == 10 and not ckpt.busy
+
+    ckpt.start(20, {}, [2, 3, 4], 1.0)
+    ckpt.on_progress(Flushed(roles.instance_of_rank(2), 20))
+    assert ckpt.forget(3) == [] and ("Commit", 1) not in comm.sent[-2:]  # fenced before it flushed
+    ckpt.on_progress(Flushed(roles.instance_of_rank(4), 20))  # its replacement may be back by now
+    assert comm.sent[-1] == ("Commit", 1)

@@ -2,9 +2,10 @@
 
 Phase one sends the policy's snapshot to the trainers (the lead writes its weights of the same version
 beside it) and asks every live rank hosting an instance to flush its trajectory shard; phase two commits
-once every live one has. Invariant: every group a committed checkpoint calls complete is on disk
-(store/resume.py), and at most one checkpoint is in flight. One live trainer writes it (the lead; with
-fault-tolerant replicas the lowest live one); a writer lost before its Checkpointed abandons it.
+once each of those has, or was fenced meanwhile. A replacement that joins while one is in flight is not
+waited for: it holds nothing the snapshot calls complete. Invariant: every group a committed checkpoint calls
+complete is on disk (store/resume.py), and at most one checkpoint is in flight. One live trainer writes it
+(the lead; with fault-tolerant replicas the lowest live one); a writer lost before its Checkpointed abandons it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Checkpointer:
 
     def __init__(self, comm: Comm, op: Callable[..., None], flush_log: Callable[[], None]) -> None:
         self.comm, self.roles, self.op, self.flush_log = comm, comm.roles, op, flush_log
-        self.in_flight: dict | None = None  # version, instances flushed, start time, committing
+        self.in_flight: dict | None = None  # version, ranks still to flush, start time, writer, committing
         self.last = -1                      # version of the last committed checkpoint
         self.unflushed: dict[int, list[int]] = {}  # rank -> trajectories done since its last Flushed
         self.abandoned: set[int] = set()  # versions whose checkpoint was abandoned
@@ -36,14 +37,17 @@ class Checkpointer:
         self.unflushed.setdefault(rank, []).append(traj_id)
 
     def forget(self, rank: int) -> list[int]:
-        """The trajectories a fenced ``rank`` finished since its last flush: their rows are lost with it."""
+        """The trajectories a fenced ``rank`` finished since its last flush: their rows are lost with it (and
+        the checkpoint in flight no longer waits for it)."""
+        if self.in_flight is not None:
+            self.in_flight["waits"].discard(rank)
         return self.unflushed.pop(rank, [])
 
     def start(self, version: int, state: dict, live_ranks: list[int], t: float) -> None:
         """Phase one for ``version``: ``state`` (the orchestrator's snapshot) goes to the writer."""
         trainers = self.comm.live_trainers
         writer = trainers[0]  # the lead (a replica: the lowest live one)
-        self.in_flight = {"version": version, "flushed": set(), "t": t, "writer": writer}
+        self.in_flight = {"version": version, "waits": set(live_ranks), "t": t, "writer": writer}
         for r in live_ranks:
             self.comm.send(Flush(version), r)
         for t_rank in trainers:  # all join (a sharded trainer gathers its optimizer); the writer writes
@@ -65,7 +69,7 @@ class Checkpointer:
         self.abandoned.add(self.in_flight["version"])
         self.in_flight = None
 
-    def on_progress(self, msg: Flushed | Checkpointed, live_ranks: list[int]) -> None:
+    def on_progress(self, msg: Flushed | Checkpointed) -> None:
         ckpt = self.in_flight
         if msg.version in self.abandoned and (ckpt is None or msg.version != ckpt["version"]):
             if isinstance(msg, Flushed):
@@ -74,18 +78,19 @@ class Checkpointer:
         if ckpt is None or msg.version != ckpt["version"]:
             raise RuntimeError(f"orchestrator: {msg!r} for no checkpoint in flight ({ckpt})")
         if isinstance(msg, Flushed):
-            ckpt["flushed"].add(msg.instance)
-            self.unflushed.pop(self.roles.rank_of_instance(msg.instance), None)
-            self.maybe_commit(live_ranks)
+            rank = self.roles.rank_of_instance(msg.instance)
+            ckpt["waits"].discard(rank)
+            self.unflushed.pop(rank, None)
+            self.maybe_commit()
             return
         self.op("checkpoint", version=msg.version, detail=msg.path, t_start=ckpt["t"])
         self.last, self.in_flight = msg.version, None
 
-    def maybe_commit(self, live_ranks: list[int]) -> None:
-        """Phase two once every live instance rank has flushed (a rank fenced meanwhile is not waited for)."""
+    def maybe_commit(self) -> None:
+        """Phase two once every rank asked to flush has, or was fenced (``forget``)."""
         ckpt = self.in_flight
         if ckpt is None or ckpt.get("committing"):
             return
-        if {self.roles.instance_of_rank(r) for r in live_ranks} <= ckpt["flushed"]:
+        if not ckpt["waits"]:
             ckpt["committing"] = True
             self.comm.send(Commit(ckpt["version"]), ckpt["writer"])

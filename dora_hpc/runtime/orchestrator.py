@@ -213,7 +213,7 @@ class Orchestrator(OpLog):
             case EnvWaiting():
                 self.env_waiting[msg.instance] = msg.waiting
             case Flushed() | Checkpointed():
-                self.checkpoints.on_progress(msg, self.live_instance_ranks)
+                self.checkpoints.on_progress(msg)
             case NotCheckpointed() if self.checkpoints.busy and self.checkpoints.in_flight["version"] == msg.version:
                 self.checkpoints.abandon(f"writer={src} holds v{msg.holds}")
                 if self.steps_done >= self.cfg.train.max_steps:
@@ -401,7 +401,7 @@ class Orchestrator(OpLog):
         self.weights.source_lost(r)
         self.live_counts.append((self.now(), len(self.live_instance_ranks)))
         self.feed(InstanceLost(i, in_transit))
-        self.checkpoints.maybe_commit(self.live_instance_ranks)
+        self.checkpoints.maybe_commit()
 
     def fence_trainer(self, r: int, silent_s: float, cause: str) -> None:
         """Give up on trainer replica ``r``: the others take each step from now on (a step it was lost in
