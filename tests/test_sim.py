@@ -156,15 +156,18 @@ def test_cli_writes_summary_and_timelines(tmp_path, capsys):
     assert (tmp_path / "timeline-dora.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow  # 31-43 s on this 2-core box: a scale check, too long for the quick tier's 5 minutes
+@pytest.mark.slow  # a scale check, too long for the quick tier's 5 minutes
 def test_512_instances_simulate_well_under_a_minute():
+    """512 instances of a 4,096-accelerator config in under a minute of one core: 40 s on 2026-12-06's 2-core
+    box (50 s before ClusterView kept its live instances as a set; the same code measured 31-43 s on an
+    earlier box, so the bound is the minute the name promises, not a measurement)."""
     cfg = load_config("configs/sim/scale-4096.yaml")
     t = time.perf_counter()
     sim = Simulator(cfg, "dora", timeline=False).run()
     elapsed = time.perf_counter() - t
     s = summarize(sim)
     assert len(sim.inst) == 512 and s["lost_groups"] == 0
-    assert elapsed < 45, f"{elapsed:.1f}s"
+    assert elapsed < 60, f"{elapsed:.1f}s"
 
 
 def test_elastic_borrows_the_trainers_accelerators_and_drains_them_before_each_step():

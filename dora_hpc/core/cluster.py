@@ -84,12 +84,17 @@ class ClusterView:
         self._free: dict[int, int] = {}            # version -> free slots on its ready instances
         self._contrib: list[tuple[tuple[int, ...], int]] = [((), 0)] * n_instances  # (versions, free)
         self._by_load: dict[int, list[tuple[int, int]]] = {}  # version -> lazy heap of (_load_key, instance)
+        self._live = set(range(n_instances))  # not lost, not asleep (kept by _refresh)
 
     # -- queries -----------------------------------------------------------------------------------
     @property
     def live(self) -> list[int]:
         """Instances that can take work now or once loaded: not lost, not asleep."""
-        return [i for i, inst in enumerate(self.instances) if not inst.lost and not inst.asleep]
+        return sorted(self._live)
+
+    @property
+    def n_live(self) -> int:
+        return len(self._live)
 
     @property
     def borrowed(self) -> list[int]:
@@ -319,6 +324,10 @@ class ClusterView:
             self._free[v] -= old_free
             self._has_free.get(v, set()).discard(i)
         inst = self.instances[i]
+        if inst.lost or inst.asleep:
+            self._live.discard(i)
+        else:
+            self._live.add(i)
         vs = (tuple(sorted(inst.resident | {inst.version})) if self.shared else (inst.version,)) if inst.ready else ()
         free = inst.free if inst.ready else 0
         self._contrib[i] = (vs, free)

@@ -87,7 +87,7 @@ def plan(view: ClusterView, latest: int, carry_kv: bool = True, oldest_first: bo
     instances go to starved versions latest first, or (``oldest_first``) oldest first; ``work``: weigh
     versions by their decode tokens left instead of their requests."""
     loads = version_loads(view, latest, work)
-    target = target_counts(len(view.live), view.instances[0].slots, loads, latest, oldest_first)
+    target = target_counts(view.n_live, view.instances[0].slots, loads, latest, oldest_first)
     current = {v: len(view.hosts(v)) for v in target}
     starved = {v: target[v] - current[v] for v in target
                if target[v] > current[v] and loads[v].queued > view.free_slots(v)}

@@ -249,7 +249,7 @@ class Policy:
         """Groups to admit so that every rollout slot of the live instances has a trajectory, counting every
         trajectory already in flight (queued, running or migrating): what ``rbs: auto`` admits. The last
         group may overfill by less than a group, so a group larger than the free slots still starts."""
-        free = len(self.view.live) * self.cfg.slots - len(self.view.trajs)
+        free = self.view.n_live * self.cfg.slots - len(self.view.trajs)
         return max(0, -(-free // self.cfg.group_size))
 
     def admission_cap(self) -> int | None:
