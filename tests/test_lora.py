@@ -141,6 +141,7 @@ def test_a_lora_run_resumes_from_its_adapter_and_exports_an_adapter_and_a_merged
 def test_lora_bad_input_is_one_line_naming_the_key(tmp_path):
     for sets, key in ((["train.lora={target_modules: [qkv]}"], "train.lora.target_modules"),
                       (["train.lora={rank: 4096}"], "train.lora.rank"),
+                      (["train.lora={rank: 1024}", "engine.backend=vllm"], "train.lora.rank=1024: engine.backend=vllm"),
                       (["train.lora={rank: 4}", "train.backend=megatron"], "train.lora is for the torch and fsdp"),
                       (["train.lora={rank: 0}"], "train.lora.rank")):
         p = cli("run", "configs/tiny-cpu.yaml", *[x for s in sets for x in ("--set", s)], "--run-dir",

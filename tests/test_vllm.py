@@ -449,3 +449,72 @@ def test_a_prompt_vllm_holds_is_not_prefilled_again(engines):
     assert st["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 3 * whole
     assert st["prefill_tokens"] - before["prefill_tokens"] == 4 * len(prompt) - 3 * whole
     assert len({tuple(out[i].response) for i in range(500, 504)}) == 1
+
+
+def test_a_lora_run_on_vllm_batches_versions_together_and_keeps_every_invariant(tmp_path):
+    """train.lora on the vLLM backend: versions are adapters every instance holds side by side, so engine
+    steps hold requests of several versions (analyze's multi_version_batches; measured 203 in a 6-step run),
+    and the sampled logprobs are the trainer's (measured 1.6e-7)."""
+    a = vllm_run(tmp_path / "lora", "train.lora={rank: 8}")
+    inv = {k: v for k, v in a["invariants"].items() if k != "offenders"}
+    assert a["steps"] == 4 and a["consumed"] == 4 * 4 * 4 and not any(inv.values()), inv
+    assert a["weights"]["mismatched_loads"] == 0 and a["multi_version_batches"] > 0
+    assert a["logprob_gap"]["tokens"] > 0 and a["logprob_gap"]["max"] <= 1e-5, a["logprob_gap"]
+
+
+def test_lora_versions_share_a_batch_each_with_its_adapters_logprobs(tiny_dir):
+    """train.lora on vLLM: the trainer's published adapters of v1 and v2 are registered as LoRARequests beside
+    the base (v0); requests of the three versions share engine steps, and each request's logprobs are the
+    trainer's forward under its own version's adapter (float noise). A prompt's cached blocks are matched only
+    under the adapter that computed them; a retired version is refused and its adapter leaves."""
+    from test_grpo import rollout
+
+    from dora_hpc.core.trajectory import Trajectory
+    from dora_hpc.engine.engine import Engine
+    from dora_hpc.engine.vllm import VllmEngine
+    from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
+    from dora_hpc.train.lora import LoraSpec
+
+    spec = LoraSpec(8, 16.0, "all-linear", adapter_versions=True)
+    trainer = GRPOTrainer(tiny_dir, GRPOConfig(lr=5e-2), lora=spec)
+    eng = VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=16, seed=0, version=0, prefix_caching=True,
+                     lora=(spec.rank, spec.alpha, 4))
+    copies = {}
+    for v in (1, 2):
+        trainer.train_step(rollout(Engine(tiny_dir, kv_blocks=128, seed=v), 0, n_groups=2, g=4, step=v))
+        adapter = trainer.backend.shard_state_dict(0, 1, torch.float32)
+        assert adapter and all(".lora_" in k for k in adapter)
+        eng.load_weights(adapter, version=v, add=True)
+        assert all(torch.equal(eng.weights(v)[k], t) for k, t in adapter.items())
+        copies[v] = {k: t.clone() for k, t in trainer.backend.model.state_dict().items() if ".lora_" in k}
+    assert eng.versions == {0, 1, 2} and eng.version == 2
+    prompt = prompts(3, seed=5)[2]
+    for i in range(9):
+        eng.add(i, prompt, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), version=i % 3)
+    done, mixed = [], []
+    while eng.has_work():
+        done += eng.step()
+        mixed.append(eng.stats()["batch_versions"])
+    assert max(mixed) == 3 and {f.version for f in done} == {0, 1, 2}
+    model = trainer.backend.model
+    for v in (0, 1, 2):
+        state = copies[v] if v else {k: (torch.zeros_like(t) if ".lora_B." in k else t) for k, t in copies[1].items()}
+        model.load_state_dict(state, strict=False)
+        samples = [Trajectory(f.req_id, 0, v, f.prompt, f.response, f.logprobs, 0.0) for f in done if f.version == v]
+        gap = max(abs(a - b) for s, lp in zip(samples, trainer._logprobs_no_grad(samples), strict=True)
+                  for a, b in zip(s.logprobs, lp, strict=True))
+        assert gap <= 1e-5, (v, gap)  # measured 5e-7 to 1e-6
+    assert len({tuple(f.response) for f in done}) > 3  # the versions really differ
+
+    hits = eng.stats()["prefix_hit_tokens"]
+    fresh = prompts(3, seed=6)[2]
+    for req, v in ((20, 1), (21, 2), (22, 1)):  # v2 finds none of v1's blocks; v1 again finds its own
+        eng.add(req, fresh, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), version=v)
+        run_all(eng)
+        hits, before = eng.stats()["prefix_hit_tokens"], hits
+        assert (hits > before) == (req == 22), req
+    eng.retire(1)
+    assert eng.versions == {0, 2} and 1 not in eng.adapters and eng.llm.list_loras() == {3}
+    with pytest.raises(RequestError, match="hosts"):
+        eng.add(30, prompt, SamplingParams(max_tokens=2), version=1)
+    eng.close()

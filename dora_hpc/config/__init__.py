@@ -21,6 +21,8 @@ from .env import EnvConfig
 from .sim import HardwareSpec, LengthDist, ModelSpec, SimConfig, WorkloadConfig
 from .slurm import SlurmComponent, SlurmConfig
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+
 __all__ = ["DEPRECATED", "ConfigError", "EnvConfig", "HardwareSpec", "LengthDist", "ModelSpec", "RunConfig", "Section",
            "SimConfig", "SlurmComponent", "SlurmConfig", "WorkloadConfig", "load_config", "parse_overrides", "validate",
            "with_overrides"]
@@ -399,9 +401,13 @@ class RunConfig(Section):
         if self.train.publish_dtype == "float32" and self.engine.dtype != "float32":
             raise ValueError(f"train.publish_dtype=float32 needs engine.dtype=float32: an engine in "
                              f"{self.engine.dtype} cannot hold float32 weights, so their checksum cannot hold")
-        if self.train.lora is not None and self.cluster.elastic and self.engine.backend == "builtin":
+        if self.train.lora is not None and self.cluster.elastic:
             raise ValueError("train.lora with cluster.elastic: borrowed instances do not host versions as adapters "
                              "yet; set one of them")
+        if self.train.lora is not None and self.engine.backend == "vllm" and \
+                self.train.lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"train.lora.rank={self.train.lora.rank}: engine.backend=vllm serves adapters of rank "
+                             f"up to {VLLM_LORA_RANKS[-1]}")
         if self.train.replicas > 1:
             self._replicas_fit()
         tp = self.train.tensor_parallel

@@ -235,9 +235,9 @@ def make_policy(run_config, instances: int, mode: str | None = None, borrowed: i
 
 
 def shares_instances(run_config) -> bool:
-    """Whether a RunConfig's versions are adapters an instance can hold side by side: train.lora with the
-    built-in engine (vLLM's backend gets whole merged weights)."""
-    return run_config.train.lora is not None and run_config.engine.backend == "builtin"
+    """Whether a RunConfig's versions are adapters an instance can hold side by side: train.lora (the built-in
+    engine and vLLM's backend both serve several adapters in one batch)."""
+    return run_config.train.lora is not None
 
 
 def policy_for(mode: str, cfg: PolicyConfig) -> Policy:

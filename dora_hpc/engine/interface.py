@@ -86,9 +86,10 @@ def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
     if e.backend == "vllm":
         from .vllm import VllmEngine
 
+        lo = cfg.train.lora  # every live version's adapter resident: the window's K + 1, and one being added
         return VllmEngine(model_dir, **kw, tensor_parallel=e.tensor_parallel, dtype=e.dtype,
                           gpu_memory_utilization=e.gpu_memory_utilization, sleepable=borrowed,
-                          prefix_caching=e.prefix_caching)
+                          prefix_caching=e.prefix_caching, lora=lo and (lo.rank, lo.alpha, cfg.dora.k + 2))
     from .engine import Engine
     from .model import load_model
 

