@@ -1,12 +1,14 @@
-"""Run under ``mpiexec -disable-auto-cleanup -n 3``, each rank under a shell (mpiexec ends every rank when
-one is killed by a signal, as launch/local.py's RANK_SHELL knows): orchestrator, trainer, rollout. The
+"""Run under ``mpiexec -disable-auto-cleanup -n 3``, each rank under a shell that ignores SIGUSR1 (mpiexec ends
+every rank when one is killed by a signal, and tells the others with SIGUSR1, which would end their shell and
+with it the rank: launch/local.py's RANK_SHELL traps it too): orchestrator, trainer, rollout. The
 trainer sends the rollout rank a version's weights (64 MiB, one bucket) over the data plane, and the rollout
 rank, having read the announcement, is SIGKILLed before it reads a byte -- as when a rollout node is lost while it
 loads weights. The trainer must live on: its sends to the dead rank fail (``Comm.broken``), nothing raises.
 Rank 1 writes "trainer alive, broken [2], unfinished 0" to OUT (a file: mpiexec may end before it forwards
 the ranks' output when one of them was killed).
 
-    mpiexec -disable-auto-cleanup -n 3 sh -c '"$0" "$@"; exit 0' python tests/lost_peer_driver.py torch OUT
+    mpiexec -disable-auto-cleanup -n 3 sh -c 'trap "" USR1; "$0" "$@"; exit 0' \
+        python tests/lost_peer_driver.py torch OUT
 
 With ``control`` instead of a data plane, rank 0 is the sender: the rollout rank is SIGKILLed after rank 0's
 first message, and from half a second later rank 0 sends it a 4 KB one every 50 ms -- as when rank 0 orders
@@ -62,5 +64,9 @@ elif comm.rank == 1:
 elif comm.rank == 2:
     comm.wait_for(WeightsHeader, 1)
     os.kill(os.getpid(), signal.SIGKILL)
+else:  # rank 0 outlives the trainer's verdict: a rank whose link to rank 0 closes raises PeerLost at its next
+    end = time.monotonic() + 90  # poll (rank 0 gone is the job gone), so the rollout rank must see the header first
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < end:
+        time.sleep(0.05)
 
 os._exit(0)  # no MPI_Finalize: a rank of the world is dead

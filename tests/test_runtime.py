@@ -408,9 +408,9 @@ def test_a_rollout_rank_lost_mid_weight_transfer_leaves_the_trainer_running(tmp_
     weights to it fails that transfer alone -- the trainer lives on and marks the rank broken, for rank 0
     to fence. (Over MPI, MPICH's OFI netmod aborts such a sender: slurm/NOTES.md.)"""
     out = tmp_path / "trainer.txt"
-    p = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", '"$0" "$@"; exit 0', sys.executable,
-                        "tests/lost_peer_driver.py", "torch", str(out)], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", 'trap "" USR1; "$0" "$@"; exit 0',
+                        sys.executable, "tests/lost_peer_driver.py", "torch", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
     said = out.read_text() if out.exists() else "(nothing)"
     assert said == "trainer alive, broken [2], unfinished 0", said + p.stdout[-2000:] + p.stderr[-2000:]
 
