@@ -36,7 +36,6 @@ Invariants (those of the built-in engine, where vLLM allows them):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -343,9 +342,11 @@ class VllmEngine:
         """Swap in the weights of ``version`` (none live unless ``keep_requests``: partial rollout re-prefills
         them). Under LoRA an adapter (or, with ``add``, the base's own v0) joins the versions hosted, the others'
         requests untouched; without ``add`` it replaces them."""
-        adapter = self.lora is not None and (is_adapter(state) or not state or (add and self._is_base(state, version)))
-        if adapter:
-            return self._load_adapter(state if is_adapter(state) else {}, version, add)
+        if self.lora is not None and (add or not state or is_adapter(state)):
+            if state and not is_adapter(state):  # v0's whole weights beside the adapters: the base, unchanged
+                self._check_base(state, version)
+                state = {}
+            return self._load_adapter(state, version, add)
         if self.reqs and not keep_requests:
             raise RequestError(f"cannot load v{version}: {len(self.reqs)} live requests of v{self.version}")
         for k, v in state.items():  # names the folder lacks (a tied lm_head) go through: vLLM knows them
@@ -439,13 +440,12 @@ class VllmEngine:
             self.hosted.discard(version)
 
     # -- adapters (train.lora) ---------------------------------------------------------------------
-    def _is_base(self, state: dict[str, torch.Tensor], version: int) -> bool:
-        """Whether whole weights sent with ``add`` are the base this engine holds (v0's): under LoRA the base
-        never changes, so anything else is refused."""
+    def _check_base(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Whole weights sent with ``add`` must be the base this engine holds (v0's): under LoRA the base never
+        changes."""
         if any(k in self.state and not torch.equal(t, self.state[k].to(t)) for k, t in state.items()):
             raise RequestError(f"v{version}'s weights are not the base this engine holds: under LoRA the base "
                                "never changes")
-        return True
 
     def _load_adapter(self, state: dict[str, torch.Tensor], version: int, add: bool) -> None:
         """Register ``version``'s adapter with vLLM (none: the base's own version) beside those hosted, or in
@@ -510,10 +510,11 @@ def lora_args(lora: tuple[int, float, int] | None) -> dict:
 
 
 def write_adapter(folder: Path, state: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
-    """A version's adapter (the engine's names, ``<HF module>.lora_A.weight``) as the peft folder vLLM loads."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """A version's adapter (the engine's names, ``<HF module>.lora_A.weight``) as the peft folder vLLM loads:
+    peft's own adapter_config.json, and the tensors under peft's saved names."""
+    from peft import LoraConfig
+
     modules = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in state})
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules, "bias": "none"}))
+    LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, bias="none").save_pretrained(str(folder))
     save_file({f"base_model.model.{k}": t.detach().float().contiguous() for k, t in state.items()},
               str(folder / "adapter_model.safetensors"))
