@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dora_hpc.cli import main
-from dora_hpc.config import load_config
+from dora_hpc.config import load_config, with_overrides
 from dora_hpc.core.policies import MODES
 from dora_hpc.sim.cluster import Simulator
 from dora_hpc.sim.costs import CostModel
@@ -463,3 +463,22 @@ def test_a_chunked_reprefill_stalls_the_batch_only_beyond_its_chunks_decode_step
     before = inst.offset
     inst.admit(req)
     assert before - inst.offset == pytest.approx(chunked.reprefill_stall(300, chunked.prefill_time(300)))
+
+
+def test_a_frontier_keeps_each_simulation_and_a_second_run_takes_them_from_there(tmp_path, monkeypatch):
+    from dora_hpc.sim import frontier as fr
+
+    cfg = load_config("configs/sim/small.yaml", ["sim.steps=4", "sim.warmup_steps=1", "batch.tbs=16",
+                                                 "batch.rbs=24"])
+    monkeypatch.setattr(fr, "DEPTHS", (1.5,))
+    first = fr.frontier(cfg, ks=(2,), workers=1, cache=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == len(first) == len(fr.points(cfg, (2,)))
+
+    def never(*_):
+        raise AssertionError("a kept simulation was run again")
+
+    monkeypatch.setattr(fr, "run_point", never)
+    assert fr.frontier(cfg, ks=(2,), workers=1, cache=tmp_path) == first
+    # another config is another simulation: nothing kept is taken for it
+    other = fr.run_file(tmp_path, with_overrides(cfg, {"seed": 1}), fr.points(cfg, (2,))[0], 0)
+    assert not other.exists()

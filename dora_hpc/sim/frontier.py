@@ -6,10 +6,14 @@ seed's figures and their median). Admission levels: ``eager`` (the window fills)
 learned from the run, and ``lean`` at a fixed ``dora.depth`` (the pipeline's depth: groups whose update
 is not yet published -- the batch in training plus those admitted -- in units of TBS). Legacy top-up is run on and
 off for eager and for learned lean at the config's K.
+
+A run resumes: each finished simulation is kept under the output folder's ``points/`` (named by a digest of
+the config, the point and the seed), and a later run with the same config, point and seed takes it from there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -63,18 +67,36 @@ def _histogram(sim: Simulator) -> dict[str, int]:
     return {str(k): counts[k] for k in sorted(counts)}
 
 
+def run_file(cache: Path, cfg: RunConfig, point: dict, seed: int) -> Path:
+    """Where one simulation of the frontier is kept: named by a digest of the config, the point and the seed."""
+    key = json.dumps([cfg.model_dump(mode="json"), point, seed], sort_keys=True)
+    return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def frontier(cfg: RunConfig, seeds: tuple[int, ...] = (0,), ks: tuple[int, ...] = (1, 2, 3), workers: int = 2,
-             console: Console | None = None) -> list[dict]:
-    """Every point of the frontier, each with its runs (one a seed) and their medians."""
+             console: Console | None = None, cache: Path | None = None) -> list[dict]:
+    """Every point of the frontier, each with its runs (one a seed) and their medians. ``cache``: a folder where
+    each finished simulation is kept, and from which one already run is taken."""
     pts = points(cfg, ks)
-    jobs = [(p, s) for p in pts for s in seeds]
+    jobs = [(i, p, s) for i, p in enumerate(pts) for s in seeds]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(pts))}
+    todo = []
+    for i, p, s in jobs:
+        kept = run_file(cache, cfg, p, s) if cache is not None else None
+        if kept is not None and kept.exists():
+            runs[i].append(json.loads(kept.read_text()))
+        else:
+            todo.append((i, p, s, kept))
     with ProcessPoolExecutor(max_workers=workers) as pool, \
             Progress(console=console or Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("frontier", total=len(jobs))
-        futures = {pool.submit(run_point, cfg, p, s): pts.index(p) for p, s in jobs}
+        task = progress.add_task("frontier", total=len(jobs), completed=len(jobs) - len(todo))
+        futures = {pool.submit(run_point, cfg, p, s): (i, kept) for i, p, s, kept in todo}
         for fut in as_completed(futures):
-            runs[futures[fut]].append(fut.result())
+            i, kept = futures[fut]
+            runs[i].append(fut.result())
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(json.dumps(runs[i][-1]) + "\n")
             progress.advance(task)
     out = []
     for i, p in enumerate(pts):
@@ -136,8 +158,9 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 def write_frontier(cfg: RunConfig, out: Path, seeds: tuple[int, ...], ks: tuple[int, ...], title: str,
                    console: Console, workers: int = 2) -> list[dict]:
-    """Run the frontier and write frontier.json, .md and .png under ``out``."""
-    rows = frontier(cfg, seeds, ks, workers=workers, console=console)
+    """Run the frontier (taking the simulations kept under ``out/points`` from an earlier run) and write
+    frontier.json, .md and .png under ``out``."""
+    rows = frontier(cfg, seeds, ks, workers=workers, console=console, cache=out / "points")
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps({"config": title, "seeds": list(seeds), "points": rows},
                                                   indent=2) + "\n")
