@@ -11,7 +11,7 @@ turns on activation checkpointing in the distributed trainer (the one-rank refer
 ``DORA_MP=bf16`` its bf16 mixed precision; ``DORA_MINI=N`` gives both N mini-batches (optimizer steps)
 per train step, the replicas cutting the batch where the one rank does; ``DORA_LOSS=policy_loss,is_correction``
 (e.g. ``decoupled,truncate``) their objective; ``DORA_LORA=R`` trains a rank-R LoRA adapter on both (checkpoints
-are then the adapter's), and reports how far the lead's published rows (the merged policy) are from the one rank's.
+are then the adapter's), and reports how far the lead's published rows (the adapter's) are from the one rank's.
 """
 
 import json

@@ -230,10 +230,10 @@ def _distributed_against_single(tiny, backend: str, tp: int | None, env: dict[st
 def test_lora_on_two_ranks_takes_the_steps_of_one_rank(tiny, backend):
     """train.lora on 2 ranks (replicated, or FSDP2 with the adapter sharded beside the frozen base) against one
     rank: the same losses and adapter within the bounds above, a checkpoint that is the adapter and resumes, and
-    the rows each rank publishes (the merged policy, W + (alpha / r) B A) those of the one rank."""
+    the adapter rows each rank publishes (a version is the adapter) those of the one rank."""
     out = _distributed_against_single(tiny, backend, None, {"DORA_LORA": "4"})
     assert out["lora"] == 4 and out["adapter"]
-    assert out["published_max_abs_diff"] < 1e-4  # measured: torch 1.9e-6, fsdp 1.3e-6 (adapters 1.6e-5, 1.1e-5)
+    assert out["published_max_abs_diff"] < 1e-4  # measured: torch 1.6e-5, fsdp 1.1e-5
 
 
 @pytest.mark.slow

@@ -31,22 +31,26 @@ def test_only_the_adapter_trains_and_the_engine_serves_the_adapted_policy(tiny):
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert {id(p) for g in trainer.opt.param_groups for p in g["params"]} == \
         {id(p) for n, p in model.named_parameters() if p.requires_grad}
-    base = {k: v.clone() for k, v in published(trainer).items()}
-    engine = Engine(tiny, kv_blocks=128, seed=1)
-    assert all(torch.equal(base[k], v) for k, v in engine.weights().items())  # B = 0: the policy is the base
+    base = trainer.backend.shard_state_dict(0, 1, torch.float32, base=True)  # version 0: the frozen base
+    engine = Engine(tiny, kv_blocks=128, seed=1, lora_scale=SPEC.scale)
+    assert all(torch.equal(base[k], v) for k, v in engine.weights().items())
+    first = published(trainer)
+    assert first and all(".lora_" in k for k in first) and \
+        all(not v.any() for k, v in first.items() if ".lora_B." in k)  # B = 0: the policy is the base
 
     for step in range(3):
         samples = rollout(engine, step, n_groups=2, g=4, step=step)
         gap = max(abs(a - b) for s, lp in zip(samples, trainer._logprobs_no_grad(samples), strict=True)
                   for a, b in zip(s.logprobs, lp, strict=True))
-        assert gap < 1e-5, step  # the engine sampled the trainer's policy (float noise)
+        assert gap < 1e-5, step  # the engine sampled the trainer's policy under its adapter (float noise)
         assert trainer.train_step(samples)["ratio_mean"] == pytest.approx(1.0, abs=1e-4), step
-        engine.load_weights(published(trainer), version=step + 1)
+        engine.load_weights(published(trainer), version=step + 1, add=True)
+        engine.retire(step)
     now = published(trainer)
-    assert set(now) == set(base)  # whole weights under Hugging Face names
-    frozen = [k for k in now if "norm" in k or "embed" in k]
-    assert frozen and all(torch.equal(now[k], base[k]) for k in frozen)  # not adapted: untouched
-    assert any(not torch.equal(now[k], base[k]) for k in now if k.endswith("q_proj.weight"))
+    assert set(now) == set(first)  # the adapter, under the engines' names
+    assert any(not torch.equal(now[k], first[k]) for k in now if ".lora_B." in k)
+    assert all(torch.equal(base[k], v) for k, v in trainer.backend.shard_state_dict(0, 1, torch.float32,
+                                                                                     base=True).items())  # frozen
 
 
 def test_a_lora_checkpoint_is_the_adapter_and_resumes_exactly(tiny):
@@ -158,7 +162,7 @@ def test_one_engine_batches_two_versions_adapters_with_each_versions_logprobs(ti
     from dora_hpc.engine.lora import AdapterError
     from dora_hpc.engine.sampling import SamplingParams
 
-    spec = LoraSpec(4, 16.0, "all-linear", adapter_versions=True)
+    spec = LoraSpec(4, 16.0, "all-linear")
     trainer = GRPOTrainer(tiny, GRPOConfig(lr=5e-2), lora=spec)
     engine = Engine(tiny, kv_blocks=128, seed=4, lora_scale=spec.scale)
     adapters, copies = {}, {}

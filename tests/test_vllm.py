@@ -475,7 +475,7 @@ def test_lora_versions_share_a_batch_each_with_its_adapters_logprobs(tiny_dir):
     from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
     from dora_hpc.train.lora import LoraSpec
 
-    spec = LoraSpec(8, 16.0, "all-linear", adapter_versions=True)
+    spec = LoraSpec(8, 16.0, "all-linear")
     trainer = GRPOTrainer(tiny_dir, GRPOConfig(lr=5e-2), lora=spec)
     eng = VllmEngine(tiny_dir, kv_blocks=64, max_num_seqs=16, seed=0, version=0, prefix_caching=True,
                      lora=(spec.rank, spec.alpha, 4))

@@ -93,6 +93,6 @@ def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
     from .engine import Engine
     from .model import load_model
 
-    lora = cfg.train.lora  # a version is an adapter (train/lora.py LoraSpec.adapter_versions)
+    lora = cfg.train.lora  # a version is an adapter (train/lora.py published_adapter)
     return Engine(load_model(model_dir, device=cfg.runtime.device), **kw, on_kv_full=e.on_kv_full,
                   prefix_caching=e.prefix_caching, lora_scale=lora.alpha / lora.rank if lora else None)

@@ -117,7 +117,7 @@ class TrainerRank(RankClock):
         self.lead = comm.rank == comm.roles.lead_trainer
         self.reports = self.lead or self.replicated  # logs each step's row, reports Initial and Published
         lora = LoraSpec.of(cfg)
-        self.adapter_versions = lora is not None and lora.adapter_versions  # a version is the adapter
+        self.adapter_versions = lora is not None  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,
                                    activation_checkpointing=t.activation_checkpointing,

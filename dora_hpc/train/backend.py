@@ -25,7 +25,7 @@ Invariants every backend keeps:
   checkpoint does not depend on how many ranks wrote it;
 * under LoRA (``BackendOptions.lora``) ``full_state_dict`` and ``load_full_state_dict`` are the adapter's weights
   (lora.py ``adapter_state``: a checkpoint), and ``shard_state_dict`` the version as engines take it: the adapter
-  (``LoraSpec.adapter_versions``, what a run's engines take) or else the merged policy under Hugging Face names.
+  under the engines' names (with ``base``: the frozen base, version 0).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .backend import check_fit, detached_copy, unstepped_state
-from .lora import ADAPTER, LoraSpec, adapted_layers, attach, check_adapter, hf_name, refuse_adapter, saved_name
+from .lora import LoraSpec, attach, check_adapter, hf_name, refuse_adapter, saved_name
 from .publish import piece, rows
 from .replicated import ReplicatedBackend
 
@@ -102,23 +102,14 @@ class FSDPBackend(ReplicatedBackend):
 
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
                          base: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's rows of every weight; under LoRA the adapter's, or each adapted weight's rows W_r + (alpha /
-        r) B_r A, its adapter's A gathered whole (r x in: small); with ``base`` the frozen base's rows."""
+        """This rank's rows of every weight; under LoRA the adapter's, and with ``base`` the frozen base's."""
         out = {}
         lora = self.opts.lora
-        adapter = bool(lora and lora.adapter_versions and not base)
-        adapted = adapted_layers(self.model) if lora and not lora.adapter_versions and not base else {}
         for k, v in self.model.state_dict().items():
-            if lora and (".lora_" in k) != adapter:
-                continue  # a version is the adapter, or the (merged) base
+            if lora and (".lora_" in k) == base:
+                continue  # a version is the adapter (v0: the base)
             k = hf_name(saved_name(k)) if lora else k
             local = v.to_local() if hasattr(v, "to_local") else piece(v, rank, shards)  # a DTensor, or not sharded
-            if k in adapted:
-                m = adapted[k]
-                a, b = m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight
-                a = a.full_tensor() if hasattr(a, "full_tensor") else a
-                b = b.to_local() if hasattr(b, "to_local") else piece(b, rank, shards)  # W's rows
-                local = local + (b @ a) * m.scaling[ADAPTER]
             lo, hi = rows(tuple(v.shape), rank, shards)
             if len(local) != hi - lo:
                 raise RuntimeError(f"fsdp: the local shard of {k} has {len(local)} rows, the publish layout "

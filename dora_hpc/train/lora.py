@@ -4,10 +4,9 @@ Invariants:
 * only the adapters' parameters are trainable; the optimizer holds only them;
 * ``adapter_state``: the adapter's weights under peft's saved names (``base_model.model.<HF module>.lora_A.weight``),
   what a checkpoint keeps: with the run's model folder and its ``train.lora`` they are the whole policy;
-* ``merged_state``: every weight of the policy under its Hugging Face name, each adapted weight W + (alpha / r) B A as
-  peft's own merge computes it: what a version is for an engine that holds whole weights, and ``export --merged``;
-* ``published_adapter``: the adapter under the names the built-in engine takes (``<HF module>.lora_A.weight``,
-  engine/lora.py): what a version is for an engine that holds adapters (``adapter_versions``);
+* ``published_adapter``: the adapter under the names the engines take (``<HF module>.lora_A.weight``,
+  engine/lora.py): what a version is (every instance holds the base once and each live version's adapter);
+* ``merged_model``: the model folder's model with an adapter merged by peft, a plain model (``export --merged``);
 * a ``train.lora`` that cannot run raises LoraError naming the key (``target_modules`` that match no module).
 """
 
@@ -33,19 +32,15 @@ class LoraSpec:
     alpha: float
     target_modules: tuple[str, ...] | str  # module names, or peft's "all-linear" (every linear but the output head)
     dropout: float = 0.0
-    adapter_versions: bool = False  # a version is published as the adapter (else as the merged policy)
 
     @classmethod
     def of(cls, cfg) -> LoraSpec | None:
-        """``train.lora`` of a RunConfig (None: full fine-tuning); its versions are adapters where instances
-        share them (core.policies.shares_instances)."""
-        from ..core.policies import shares_instances
-
+        """``train.lora`` of a RunConfig (None: full fine-tuning)."""
         lo = cfg.train.lora
         if lo is None:
             return None
         mods = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
-        return cls(lo.rank, lo.alpha, mods, lo.dropout, adapter_versions=shares_instances(cfg))
+        return cls(lo.rank, lo.alpha, mods, lo.dropout)
 
     @property
     def scale(self) -> float:
@@ -85,12 +80,11 @@ def check(model_dir, spec: LoraSpec) -> None:
 
     with torch.device("meta"):
         model = attach(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)), spec)
-    if spec.adapter_versions:  # the built-in engine adapts the decoder's linears (engine/lora.py)
-        odd = [n for n, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)
-               and (n.endswith("lm_head") or not isinstance(m.get_base_layer(), nn.Linear))]
-        if odd:
-            raise LoraError(f"train.lora.target_modules {spec.target_modules!r}: the built-in engine adapts the "
-                            f"decoder's linear layers only, not {odd[0]}")
+    odd = [n for n, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)
+           and (n.endswith("lm_head") or not isinstance(m.get_base_layer(), nn.Linear))]
+    if odd:  # the engines adapt the decoder's linears (engine/lora.py)
+        raise LoraError(f"train.lora.target_modules {spec.target_modules!r}: the engines adapt the decoder's "
+                        f"linear layers only, not {odd[0]}")
 
 
 def is_adapter(state: dict) -> bool:
@@ -146,23 +140,6 @@ def saved_name(fqn: str) -> str:
 def hf_name(fqn: str) -> str:
     """A base weight's Hugging Face name from its path in the adapted model."""
     return fqn.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
-def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The adapted linears by the Hugging Face name of their weight."""
-    from peft.tuners.lora import LoraLayer
-
-    return {f"{name}.weight": m for name, m in model.get_base_model().named_modules()
-            if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
-
-
-def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's whole weights under Hugging Face names (live tensors, not copies, where no adapter applies)."""
-    out = {hf_name(k): t for k, t in model.state_dict().items() if ".lora_" not in k}
-    for name, m in adapted_layers(model).items():
-        w = m.get_base_layer().weight
-        out[name] = w.detach() + m.get_delta_weight(ADAPTER).detach().to(w.dtype)
-    return out
 
 
 def merged_model(model_dir, spec: LoraSpec, adapter: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -16,7 +16,6 @@ from .lora import (
     attach,
     hf_name,
     load_adapter_state,
-    merged_state,
     published_adapter,
     refuse_adapter,
 )
@@ -86,14 +85,14 @@ class ReplicatedBackend(TrainBackend):
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def published(self, base: bool = False) -> dict[str, torch.Tensor]:
-        """What a version is, whole (live tensors): the weights; under LoRA the adapter or the merged policy, and
-        with ``base`` the frozen base's weights (version 0 where versions are adapters)."""
+        """What a version is, whole (live tensors): the weights; under LoRA the adapter, and with ``base`` the
+        frozen base's weights (version 0, whose adapter is the identity)."""
         lora = self.opts.lora
         if lora is None:
             return self.model.state_dict()
         if base:
             return {hf_name(k): t for k, t in self.model.state_dict().items() if ".lora_" not in k}
-        return published_adapter(self.model) if lora.adapter_versions else merged_state(self.model)
+        return published_adapter(self.model)
 
     def shard_state_dict(self, rank: int, shards: int, dtype: torch.dtype,
                          base: bool = False) -> dict[str, torch.Tensor]:
