@@ -2,13 +2,16 @@
 committed step: its step, the quorum's size and its index in it, the loss and the weights' checksum.
 
     python tests/ft_replicas.py lighthouse                     # prints its address, serves until killed
-    python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S]
+    python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S] [--after PID]
+    mpiexec -n G python tests/ft_replicas.py replica ...        # a replica group of G ranks sharding with FSDP2
     python tests/ft_replicas.py single MODEL_DIR STEPS           # one plain trainer, the reference
 
 Every replica takes the whole batch of ``dp_equivalence.batch(step)`` and trains on its share of the groups
-(the quorum's ``rank``-th of every ``size``), as the runtime's trainer does. ``--die-in STEP`` SIGKILLs the
-replica inside that step's gradient all-reduce (after its forward and backward); ``--pace S`` sleeps S
-seconds after each step (so a late replica can join while the others still train).
+(``Replicas.share``), as the runtime's trainer does. ``--die-in STEP`` SIGKILLs the replica (the first rank of a
+group) inside that step's gradient sum over the replicas (after its forward and backward); ``--pace S`` sleeps S
+seconds after each step (so a late replica can join while the others still train); ``--after PID`` starts the
+replica once process PID is gone (a replacement that has imported everything already). A group's first rank
+prints.
 """
 
 import json
@@ -20,7 +23,7 @@ import time
 import torch
 from dp_equivalence import batch
 
-from dora_hpc.train.dp import StepAborted
+from dora_hpc.train.dp import DataParallel, StepAborted
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
 from dora_hpc.train.publish import checksum_of
 
@@ -31,41 +34,49 @@ def line(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int | None, pace: float) -> None:
+def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int | None, pace: float,
+            after: int | None = None) -> None:
     from dora_hpc.train.ft import Replicas
 
+    while after is not None and os.path.exists(f"/proc/{after}"):
+        time.sleep(0.05)
     holder: dict = {}
+    group = None
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:  # under mpiexec: a group of its ranks
+        from mpi4py import MPI
 
-    def state() -> dict:
-        weights, rest = holder["trainer"].checkpoint_state()
-        return {"weights": weights, "rest": rest}
+        group = DataParallel(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else None
 
     def load_state(sd: dict) -> None:
-        holder["trainer"].load_checkpoint(sd["weights"], sd["rest"])
-        line(healed=holder["trainer"].step)
+        holder["trainer"].load_replica_state(sd)
+        say(healed=holder["trainer"].step)
 
-    dp = Replicas(lighthouse, rid, timeout_s=10.0, state=state, load_state=load_state)
-    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp)
+    dp = Replicas(lighthouse, rid, timeout_s=10.0, state=lambda: holder["trainer"].replica_state(),
+                  load_state=load_state, group=group)
+    say = line if dp.shard_rank == 0 else (lambda **_: None)
+    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp, backend="fsdp" if group else "torch")
     if die_in is not None:
-        sum_grads = dp.sum_grads_
+        name = "sum_shards_" if group else "sum_grads_"
+        summed = getattr(dp, name)
 
-        def dying(params, group=None):
-            if trainer.step == die_in and dp.size > 1:
+        def dying(*args):
+            if trainer.step == die_in and dp.size > 1 and dp.shard_rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-            sum_grads(params, group)
-        dp.sum_grads_ = dying
+            summed(*args)
+        setattr(dp, name, dying)
     while trainer.step < steps:
         dp.start_step()  # a replica new to the quorum takes the step counter with the weights
         samples = batch(trainer.step)
         groups = list(dict.fromkeys(s.group_id for s in samples))
-        mine = set(groups[dp.rank::dp.size])
+        mine = set(dp.share(groups))
         try:
             m = trainer.train_step([s for s in samples if s.group_id in mine], groups)
         except StepAborted:
-            line(aborted=trainer.step)
+            say(aborted=trainer.step)
             continue
-        line(step=trainer.step - 1, size=dp.size, rank=dp.rank, loss=m["loss"], grad_norm=m["grad_norm"],
-             checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
+        checksum = checksum_of(trainer.state_dict(), 1, torch.float32)  # a collective within a group
+        say(step=trainer.step - 1, size=dp.size, rank=dp.rank, loss=m["loss"], grad_norm=m["grad_norm"],
+            checksum=checksum)
         time.sleep(pace)
     dp.close()
 
@@ -91,7 +102,7 @@ def main(argv: list[str]) -> None:
     else:
         opts = dict(zip(argv[5::2], argv[6::2], strict=True))
         replica(argv[1], argv[2], argv[3], int(argv[4]), int(opts["--die-in"]) if "--die-in" in opts else None,
-                float(opts.get("--pace", 0)))
+                float(opts.get("--pace", 0)), int(opts["--after"]) if "--after" in opts else None)
 
 
 if __name__ == "__main__":

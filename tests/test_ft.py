@@ -80,10 +80,9 @@ def test_two_replicas_take_one_trainers_steps(tiny, lighthouse):
 def test_a_replica_lost_in_a_step_costs_that_step_and_a_replacement_recovers_from_the_survivor(tiny, lighthouse):
     a = replica(tiny, lighthouse, "a", 6, "--pace", "1")
     b = replica(tiny, lighthouse, "b", 6, "--die-in", "1")  # SIGKILLed in step 1's gradient all-reduce
+    c = replica(tiny, lighthouse, "b", 6, "--after", str(b.pid))  # its replacement, under its name, once b is gone
     _, _, rc_b = lines(b)
     assert rc_b == -signal.SIGKILL
-    time.sleep(1)
-    c = replica(tiny, lighthouse, "b", 6)  # its replacement, under its name
     (rows_a, err, rc), (rows_c, err_c, rc_c) = lines(a), lines(c)
     assert rc == 0 and rc_c == 0, (err[-2000:], err_c[-2000:])
     assert {"aborted": 1} in rows_a  # the step it was lost in was taken again, by those left
@@ -93,6 +92,36 @@ def test_a_replica_lost_in_a_step_costs_that_step_and_a_replacement_recovers_fro
     assert len(healed) == 1 and min(got_c) == healed[0] >= 1  # live recovery, then it trains
     assert all(got_c[s]["checksum"] == got_a[s]["checksum"] and got_c[s]["size"] == 2 for s in got_c)
     same_steps(got_a, single(tiny, 6))  # every step, the lost and the shared, is the one trainer's
+
+
+def group(tiny: str, address: str, rid: str, steps: int, *opts: str) -> subprocess.Popen:
+    """A replica group of two ranks sharding the model with FSDP2 (one mpiexec)."""
+    from dora_hpc.launch.local import mpiexec
+
+    return subprocess.Popen([mpiexec(), "-n", "2", *SCRIPT, "replica", tiny, address, rid, str(steps), *opts],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+
+
+@pytest.mark.slow
+def test_two_fsdp_replica_groups_take_one_trainers_steps_and_a_lost_group_costs_a_step(tiny, lighthouse):
+    """Two replica groups of two FSDP2 ranks each (HSDP: sharded inside a group, summed across groups): the
+    single trainer's losses and gradient norms, bit-identical across groups; group b SIGKILLed inside step 1's
+    sum across groups costs that step, which a takes again alone, and b's replacement recovers its shards from
+    a (rank for rank, no checkpoint) and trains beside it to the end."""
+    a = group(tiny, lighthouse, "a", 6, "--pace", "1")
+    b = group(tiny, lighthouse, "b", 6, "--die-in", "1")
+    c = group(tiny, lighthouse, "b", 6, "--after", str(b.pid))  # its replacement, under its name, once b is gone
+    b.communicate(timeout=240)  # mpiexec reports the killed rank on stdout, in its own words
+    assert b.returncode != 0
+    (rows_a, err, rc), (rows_c, err_c, rc_c) = lines(a), lines(c)
+    assert rc == 0 and rc_c == 0, (err[-2000:], err_c[-2000:])
+    got_a, got_c = steps_of(rows_a), steps_of(rows_c)
+    assert sorted(got_a) == list(range(6))
+    assert got_a[0]["size"] == 2 and {"aborted": 1} in rows_a  # shared step 0; step 1 lost b and was taken again
+    healed = [r["healed"] for r in rows_c if "healed" in r]
+    assert len(healed) == 1 and min(got_c) == healed[0] >= 1 and max(got_c) == 5, (rows_a, rows_c)
+    assert all(got_c[s]["checksum"] == got_a[s]["checksum"] and got_c[s]["size"] == 2 for s in got_c)
+    same_steps(got_a, single(tiny, 6))  # every step, shared, alone and shared again, is the one trainer's
 
 
 REPO = Path(__file__).resolve().parents[1]

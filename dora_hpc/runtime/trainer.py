@@ -404,15 +404,15 @@ class TrainerRank(RankClock):
                 if self.healed:  # it took version self.version from a peer: Trains before it are the others' past
                     msg = self.resume_at(msg)
             groups = list(msg.group_ids)
-            share = set(groups[self.dp.rank::self.dp.size])
-            before = self.trainer.checkpoint_state() if self.trainer.cfg.mini_batches > 1 else None
+            share = set(self.dp.share(groups))
+            before = self.trainer.replica_state() if self.trainer.cfg.mini_batches > 1 else None
             trajs, samples = self.samples(groups)
             try:
                 with self.serving_weights():
                     metrics = self.trainer.train_step([s for s in samples if s.group_id in share], groups)
             except StepAborted:
                 if before is not None:  # earlier mini-batches of it stepped: back to the step's start
-                    self.trainer.load_checkpoint(*before)
+                    self.trainer.load_replica_state(before)
                 self.op_abort(msg.step)
                 continue
             return msg, trajs, metrics
@@ -478,14 +478,13 @@ class TrainerRank(RankClock):
         optimizer at this step's start, the version, the groups consumed, and (pickled: torchft moves tensors
         and plain containers) the step being taken, the trajectories held untrained and the groups forgotten.
         Read while the weight-serving thread may add trajectories: each dict is copied whole first."""
-        weights, rest = self.trainer.checkpoint_state()
         queue = {g: dict(ts) for g, ts in list(self.queue.items())}
         pending = pickle.dumps({"train": self.taking, "queue": queue, "forgotten": set(self.forgotten)})
-        return {"weights": weights, "rest": rest, "version": self.version, "consumed": sorted(self.consumed),
+        return {"trainer": self.trainer.replica_state(), "version": self.version, "consumed": sorted(self.consumed),
                 "pending": torch.frombuffer(bytearray(pending), dtype=torch.uint8)}
 
     def load_replica_state(self, state: dict) -> None:
-        self.trainer.load_checkpoint(state["weights"], state["rest"])
+        self.trainer.load_replica_state(state["trainer"])
         self.healed = state["version"] != self.version
         self.version = state["version"]
         self.consumed = set(state["consumed"])

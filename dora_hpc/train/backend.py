@@ -150,6 +150,16 @@ class TrainBackend:
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
         raise NotImplementedError
 
+    def local_state(self, opt: torch.optim.Optimizer) -> dict:
+        """This rank's part of the weights and the optimizer, with no collective (a replica recovering from a
+        live one takes it rank for rank, train/ft.py): a whole backend's is its checkpoint state."""
+        return {"weights": self.full_state_dict(), "optimizer": self.optimizer_state(opt)}
+
+    def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """``local_state`` of the same rank of another replica group."""
+        self.load_full_state_dict(state["weights"])
+        self.load_optimizer_state(opt, state["optimizer"])
+
 
 def unstepped_state(opt: torch.optim.Optimizer, names: list[str]) -> dict | None:
     """An optimizer that has not stepped yet has no state to keep: its hyper-parameters alone (None once it

@@ -79,6 +79,10 @@ class Reductions:
     def sum_floats(self, *xs: float) -> list[float]:
         return [float(x) for x in self.sum_(torch.tensor(xs, dtype=torch.float64))]
 
+    def sum_shards_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each gradient shard of this rank with the same shard of the other replica groups (train/ft.py):
+        none here, the identity."""
+
     def sum_grads_(self, params: list[torch.nn.Parameter], group=None) -> None:
         """Replace every parameter's gradient with its sum over the replicas, or over ``group`` (a missing
         gradient counts as 0), in flat buckets."""
@@ -133,6 +137,15 @@ class DataParallel(Reductions):
     @property
     def lead(self) -> bool:
         return self.rank == 0
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index among the ranks a sharded backend shards over: every trainer rank."""
+        return self.rank
+
+    @property
+    def shard_size(self) -> int:
+        return self.size
 
     def commit(self) -> bool:
         """Whether the optimizer may step: always, here (a failed collective raises); fault-tolerant replicas

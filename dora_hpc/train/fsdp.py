@@ -54,8 +54,8 @@ class FSDPBackend(ReplicatedBackend):
     def setup(self, model_dir: str | Path) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.dp.ensure_process_group()
-        self.mesh = init_device_mesh(self.dp.device.type, (self.dp.size,), mesh_dim_names=("dp_shard",))
+        self.dp.ensure_process_group()  # a replica group's own (train/ft.py), or every trainer rank's
+        self.mesh = init_device_mesh(self.dp.device.type, (self.dp.shard_size,), mesh_dim_names=("dp_shard",))
         self.autocast = False
 
     def load(self, model_dir: str | Path, lora: LoraSpec | None = None) -> torch.nn.Module:
@@ -65,7 +65,7 @@ class FSDPBackend(ReplicatedBackend):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         full = {}
-        if self.dp.rank == 0:
+        if self.dp.shard_rank == 0:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             full = (attach(model, lora) if lora else model).state_dict()
         with torch.device("meta"):
@@ -85,7 +85,10 @@ class FSDPBackend(ReplicatedBackend):
         return self.dp.max_int(n_local)
 
     def finish_grads(self) -> None:
-        """Nothing left: backward reduce-scattered (summed) each micro-batch's gradients into the shards."""
+        """Backward reduce-scattered (summed) each micro-batch's gradients into this group's shards; what is left
+        is the sum over the other replica groups, shard by shard (train/ft.py; none without replicas)."""
+        grads = [p.grad for p in self.parameters()]  # none is None: backward reduce-scatters each one
+        self.dp.sum_shards_([_local(g) for g in grads])
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
@@ -138,6 +141,32 @@ class FSDPBackend(ReplicatedBackend):
         set_model_state_dict(self.model, {mine[k][0]: v for k, v in state.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
 
+    def local_state(self, opt: torch.optim.Optimizer) -> dict:
+        """This rank's shards of the trained parameters and of their optimizer state, by parameter name."""
+        trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return {"weights": {n: _local(p).detach().to("cpu", copy=True) for n, p in trained.items()},
+                "optimizer": {n: {k: _local(v).detach().to("cpu", copy=True) for k, v in opt.state[p].items()}
+                              for n, p in trained.items() if p in opt.state}}
+
+    def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """Another group's ``local_state`` of the same rank: an optimizer entry shaped like the parameter's shard
+        (Adam's moments) is sharded as the parameter is; the others (its step count) are plain."""
+        from torch.distributed.tensor import DTensor
+
+        trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(state["weights"]) != set(trained):
+            raise RuntimeError("a recovered replica state does not fit this model's trained parameters")
+        with torch.no_grad():
+            for n, p in trained.items():
+                _local(p).copy_(state["weights"][n])
+        for n, entries in state["optimizer"].items():
+            p = trained[n]
+            for k, v in entries.items():
+                v = v.to(self.device)
+                if isinstance(p, DTensor) and v.shape == _local(p).shape:
+                    v = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                opt.state[p][k] = v
+
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -153,3 +182,7 @@ class FSDPBackend(ReplicatedBackend):
         if state["state"]:  # else it had not stepped: nor has this one
             set_optimizer_state_dict(self.model, opt, state, options=StateDictOptions(full_state_dict=True))
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a plain tensor is its own)."""
+    return t.to_local() if hasattr(t, "to_local") else t

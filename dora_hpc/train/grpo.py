@@ -295,6 +295,17 @@ class GRPOTrainer:
         return self.state_dict(), {"optimizer": self.backend.optimizer_state(self.opt), "step": self.step,
                                    "torch_rng": torch.get_rng_state()}
 
+    def replica_state(self) -> dict:
+        """What a replica group new to a quorum takes from this rank (torchft's live recovery, train/ft.py): its
+        part of the weights and optimizer (no collective: ranks of a group are asked at once), the step
+        counter and the RNG."""
+        return {**self.backend.local_state(self.opt), "step": self.step, "torch_rng": torch.get_rng_state()}
+
+    def load_replica_state(self, state: dict) -> None:
+        self.backend.load_local_state(self.opt, state)
+        self.step = state["step"]
+        torch.set_rng_state(state["torch_rng"])
+
     def load_checkpoint(self, weights: dict[str, torch.Tensor], rest: dict) -> None:
         self.backend.load_full_state_dict(weights)
         self.backend.load_optimizer_state(self.opt, rest["optimizer"])
