@@ -180,6 +180,45 @@ def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishes_it(tmp_path):
+    """Two replica groups of two FSDP2 ranks (cluster.trainer_ranks=4, train.replicas=2): rank 2, the second rank
+    of the first group, is SIGKILLed after two steps. Rank 0 fences it with its group (rank 1 leaves once its
+    group's collective fails and it hears of the fence: it takes nothing down), and ranks 3-4 take every step from
+    then on; the run ends in its first attempt with each step logged once and every invariant 0."""
+    from dora_hpc.analysis.basic import analyze
+    from dora_hpc.store.shards import read_table
+
+    run_dir = tmp_path / "hsdp"
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
+           "--set", "cluster.trainer_ranks=4", "--set", "train.replicas=2", "--set", "train.backend=fsdp",
+           "--set", "train.max_steps=8", "--set", "train.checkpoint_every=3",
+           "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while run_dir_steps(run_dir) < 2 and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    import os
+
+    os.kill(int((run_dir / "pids" / "rank-2").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 2 (trainer replica) died: fenced with its replica group (ranks 1, 2)" in err, err[-3000:]
+    assert "rank 1 leaves: its trainer replica group" in err, err[-3000:]
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # no requeue, no restart
+    a = analyze(run_dir)
+    assert a["steps"] == 8 and a["consumed"] == 8 * 32
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories"))
+    steps = read_table(run_dir, "train", "steps", ["step", "loss"], with_rank=True)
+    assert sorted(set(steps["step"].tolist())) == list(range(8)) and all(abs(x) < 1e3 for x in steps["loss"].tolist())
+    late = {int(s) for s, r in zip(steps["step"], steps["rank"], strict=True) if r == 3}
+    assert max(late) == 7 and not {int(r) for r in steps["rank"]} - {1, 3}  # each group's first rank reports
+    ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail"])
+    assert {p for k, p in zip(ops["kind"], ops["peer"], strict=True) if k == "fence"} == {1, 2}
+
+
+@pytest.mark.slow
 def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
     """Two trainer replicas (tiny-cpu); rank 1 is SIGKILLed after two steps and fenced, and ``dora-hpc join
     --role trainer`` takes its place: linked to every live rank, it takes the next Train and joins that

@@ -191,8 +191,9 @@ class TrainConfig(Section):
                                     "fine-tuning); torch and fsdp backends; LoRA wants a larger lr (about 10x)")
     replicas: int = Field(1, ge=1, description="fault-tolerant replicas of the trainer (torchft): each step's "
                           "batch is split over the replicas alive at it, and a lost replica costs that step, not "
-                          "the job; 1: one group, whose loss requeues the job. Each replica is one trainer rank of "
-                          "the torch backend for now (cluster.trainer_ranks = train.replicas)")
+                          "the job; 1: one group, whose loss requeues the job. cluster.trainer_ranks is split into "
+                          "this many groups of consecutive ranks: one rank each under the torch backend, several "
+                          "sharding the model under fsdp (HSDP)")
     replica_timeout_s: float = Field(60.0, gt=0, description="train.replicas >= 2: how long a step's collective "
                                      "waits for a replica before giving up on it (a hung or unreachable one; a "
                                      "killed one is noticed within seconds)")
@@ -418,14 +419,26 @@ class RunConfig(Section):
                              f"({self.cluster.trainer_ranks})")
         return self
 
+    @property
+    def replica_size(self) -> int:
+        """Trainer ranks per fault-tolerant replica group (``train.replicas``; 1 without)."""
+        return self.cluster.trainer_ranks // self.train.replicas
+
     def _replicas_fit(self) -> None:
         t = self.train
-        if self.cluster.trainer_ranks != t.replicas:
-            raise ValueError(f"train.replicas ({t.replicas}) must equal cluster.trainer_ranks "
-                             f"({self.cluster.trainer_ranks}): a replica is one trainer rank for now")
-        if t.backend != "torch":
-            raise ValueError(f"train.replicas is for train.backend=torch for now (not {t.backend}): a sharded "
+        if self.cluster.trainer_ranks % t.replicas:
+            raise ValueError(f"train.replicas ({t.replicas}) must divide cluster.trainer_ranks "
+                             f"({self.cluster.trainer_ranks}): each replica group has as many ranks")
+        if t.backend == "megatron":
+            raise ValueError("train.replicas is for train.backend=torch or fsdp (not megatron): a tensor-parallel "
                              "replica group is not wired to torchft yet")
+        if t.backend == "torch" and self.replica_size > 1:
+            raise ValueError(f"train.replicas ({t.replicas}) with cluster.trainer_ranks "
+                             f"({self.cluster.trainer_ranks}): a replica group of several ranks shards the model "
+                             "(train.backend=fsdp); under train.backend=torch a replica is one rank")
+        if t.backend == "fsdp" and self.replica_size == 1:
+            raise ValueError(f"train.replicas ({t.replicas}) equals cluster.trainer_ranks: replica groups of one rank "
+                             "have nothing to shard (train.backend=torch), or give each several ranks")
         for key, on in (("cluster.elastic", self.cluster.elastic), ("train.lora", t.lora is not None)):
             if on:
                 raise ValueError(f"train.replicas with {key}: not supported yet; set one of them")

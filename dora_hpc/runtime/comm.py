@@ -52,7 +52,7 @@ class SourceFenced(RuntimeError):
 class Comm:
     def __init__(self, trainers: int, data_plane: str = "torch", weight_bucket_mb: float = 256,
                  stop: threading.Event | None = None, heartbeat_s: float = 2.0, elastic: bool = False,
-                 identity: tuple[int, int] | None = None, replicated: bool = False) -> None:
+                 identity: tuple[int, int] | None = None, replicated: bool = False, replica_size: int = 1) -> None:
         """``identity``: a replacement's (rank, world size) in the run's world, which it is not part of."""
         self.world = MPI.COMM_WORLD
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
@@ -62,7 +62,7 @@ class Comm:
         self.links: dict[int, Link] = {}  # replacements: ranks reached over a link of their own (route)
         self.broken: set[int] = set()  # ranks a send to, or a link from, failed (their process is gone)
         self.rank, size = identity if identity else (self.world.Get_rank(), self.world.Get_size())
-        self.roles = Roles(size, trainers, trainers if elastic else 0, replicated)
+        self.roles = Roles(size, trainers, trainers if elastic else 0, replicated, replica_size)
         # the trainers' own communicator (data parallelism bootstraps over it); None on other ranks
         is_trainer = self.roles.role(self.rank) == "trainer"
         split = self.world.Split(0 if is_trainer else MPI.UNDEFINED, self.rank)

@@ -168,10 +168,11 @@ class JoinDesk:
             self.take(json.loads(taken.read_text()))
 
     def lost(self) -> list[int]:
-        """The fenced ranks a replacement may take, in the order they are given: trainer replicas first (the
-        last one lost ends the job), then rollout ranks."""
+        """The fenced ranks a replacement may take, in the order they are given: trainer replicas of one rank
+        first (the last one lost ends the job), then rollout ranks. A replica group of several ranks is not
+        taken by a replacement (one process cannot be a group)."""
         roles = self.orch.roles
-        ranks = [*(roles.trainer_ranks if roles.replicated else ()), *roles.rollout_ranks]
+        ranks = [*(roles.trainer_ranks if roles.replicated and roles.replica_size == 1 else ()), *roles.rollout_ranks]
         return [r for r in ranks if r in self.orch.fenced and r not in self.pending]
 
     def peers(self, rank: int) -> tuple[int, ...]:
@@ -250,6 +251,9 @@ class JoinDesk:
         if offer["model"] != self.mine["model"]:
             return None, f"its model folder differs from the run's ({self.model_dir})"
         role = offer.get("role")
+        if role == "trainer" and orch.roles.replica_size > 1:
+            return None, (f"the trainer's replica groups have {orch.roles.replica_size} ranks each: a lost group is "
+                          "not replaced by a join (yet); the other groups train on")
         lost = [r for r in self.lost() if role is None or orch.roles.role(r) == role]
         if not lost:
             what = {"trainer": "trainer replica", "rollout": "rollout instance"}.get(role) or \

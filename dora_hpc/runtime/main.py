@@ -211,7 +211,7 @@ def main(run_dir: str) -> int:
         announce(MPI.COMM_WORLD, cfg, meta, start)
         comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                     heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic,
-                    replicated=cfg.train.replicas > 1)
+                    replicated=cfg.train.replicas > 1, replica_size=cfg.replica_size)
         outcome = play(comm, cfg, run, meta, start)
         comm.close()
         finish(MPI.COMM_WORLD, comm, run, outcome)

@@ -355,8 +355,14 @@ class Orchestrator(OpLog):
 
     @property
     def live_replicas(self) -> list[int]:
-        """Fault-tolerant trainer replicas not fenced (none where the trainer is not replicated)."""
+        """The ranks of fault-tolerant trainer replica groups not fenced (none where the trainer is not
+        replicated)."""
         return self.comm.live_trainers if self.roles.replicated else []
+
+    @property
+    def live_groups(self) -> int:
+        """Fault-tolerant trainer replica groups not fenced."""
+        return len({self.roles.replica_ranks(r)[0] for r in self.live_replicas})
 
     def others_live(self, r: int) -> bool:
         """Whether the run can go on without ``r``: another rank of its kind (rollout instance, trainer
@@ -365,7 +371,7 @@ class Orchestrator(OpLog):
         if self.roles.role(r) == "rollout":
             fencing = self.cfg.slurm.fence_rollout or "SLURM_JOB_ID" not in os.environ
             return fencing and len(self.live_rollout) > 1
-        return len(self.live_replicas) > 1
+        return self.live_groups > 1
 
     @property
     def live_instance_ranks(self) -> list[int]:
@@ -404,19 +410,27 @@ class Orchestrator(OpLog):
         self.checkpoints.maybe_commit()
 
     def fence_trainer(self, r: int, silent_s: float, cause: str) -> None:
-        """Give up on trainer replica ``r``: the others take each step from now on (a step it was lost in
-        is taken again by them, train/ft.py); nothing is sent to it again, loads waiting for its weights
-        take them from another replica, and a checkpoint it was writing is abandoned (taken again at once
-        where no step is left to trigger the next)."""
-        self.fenced.add(r)
-        self.op("fence", peer=r, detail=f"cause={cause} silent={silent_s:.0f}s role=trainer")
+        """Give up on trainer rank ``r`` and with it its replica group (every rank of it: they shard one model):
+        the other groups take each step from now on (a step it was lost in is taken again by them,
+        train/ft.py); nothing is sent to its ranks again (one still running leaves once its group's
+        collective fails and it hears of the fence), loads waiting for its weights take them from another
+        replica, and a checkpoint it was writing is abandoned (taken again at once where no step is left to
+        trigger the next)."""
+        group = [r, *(q for q in self.roles.replica_ranks(r) if q != r and q not in self.fenced)]
+        abandoned = False
+        for q in group:  # ``r`` first: the rest of its group hears of it (and leaves) before being fenced itself
+            self.fenced.add(q)
+            self.op("fence", peer=q, detail=f"cause={cause if q == r else 'group'} silent={silent_s:.0f}s "
+                    "role=trainer")
+            self.comm.fence(q, [other for other in range(1, self.roles.size) if other not in self.fenced])
+            self.weights.source_lost(q)
+            abandoned = self.checkpoints.trainer_lost(q) or abandoned
         self.log.flush()
-        self.comm.fence(r, [other for other in range(1, self.roles.size) if other not in self.fenced])
         why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
-        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced; the replicas left ({len(self.live_replicas)}) "
+        more = f" with its replica group (ranks {', '.join(map(str, sorted(group)))})" if len(group) > 1 else ""
+        print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced{more}; the replicas left ({self.live_groups}) "
               "take each step", file=sys.stderr, flush=True)
-        self.weights.source_lost(r)
-        if self.checkpoints.trainer_lost(r) and self.steps_done >= self.cfg.train.max_steps:
+        if abandoned and self.steps_done >= self.cfg.train.max_steps:
             self.start_checkpoint()
 
     def rejoin(self, r: int) -> None:
@@ -433,7 +447,7 @@ class Orchestrator(OpLog):
             self.op("join", peer=r, detail="role=trainer")
             self.log.flush()
             print(f"dora-hpc: rank {r} (trainer replica) is back: its replacement joined; it takes the next step "
-                  f"with the others ({len(self.live_replicas)} replicas)", file=sys.stderr, flush=True)
+                  f"with the others ({self.live_groups} replicas)", file=sys.stderr, flush=True)
             return
         i = self.roles.instance_of_rank(r)
         self.figures.joined += 1

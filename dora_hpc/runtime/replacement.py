@@ -46,7 +46,7 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
         return 2
     comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                 heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size),
-                replicated=cfg.train.replicas > 1)
+                replicated=cfg.train.replicas > 1, replica_size=cfg.replica_size)
     comm.fenced = tuple(r for r in range(1, plan.size) if r != plan.rank and r not in plan.peers)  # lost before
     comm.links[0] = Link.pair(st, "0", 1)
     comm.accept(st, plan.peers)

@@ -2,7 +2,9 @@
 
 Rollout instance i < R (the dedicated ones) is rank T+1+i. With ``cluster.elastic`` each trainer rank
 also hosts a borrowed instance: instance R+j is trainer rank 1+j. With ``train.replicas`` the trainer ranks
-are fault-tolerant replicas (train/ft.py): each gets every group, and one may be fenced while another lives.
+form fault-tolerant replica groups of ``replica_size`` consecutive ranks (train/ft.py): each rank gets every
+group, and a replica group may be fenced (all its ranks at once) while another lives. A source of weights is
+then a replica group: its ranks each send their shard.
 Pure (no MPI import), so the launcher can name a rank without initialising MPI itself.
 """
 
@@ -18,7 +20,8 @@ class Roles:
     size: int
     trainers: int
     borrowed: int = 0  # trainer ranks that also host a rollout instance (cluster.elastic): all or none
-    replicated: bool = False  # train.replicas: each trainer rank a fault-tolerant replica with every group
+    replicated: bool = False  # train.replicas: the trainer ranks are fault-tolerant replica groups
+    replica_size: int = 1  # ... of this many ranks each (they shard the model: FSDP2 inside a replica)
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -54,9 +57,23 @@ class Roles:
 
     @property
     def publish_shards(self) -> int:
-        """The shards a published version is kept in: one per trainer rank, or one whole copy on every
-        replica (``replicated``: it may be the only one left)."""
-        return 1 if self.replicated else self.trainers
+        """The shards a published version is kept in: one per trainer rank, or one copy on every replica
+        group, one shard per rank of it (``replicated``: it may be the only one left)."""
+        return self.replica_size if self.replicated else self.trainers
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """The trainer ranks of ``rank``'s replica group (``replicated``), in shard order."""
+        first = 1 + (rank - 1) // self.replica_size * self.replica_size
+        return list(range(first, first + self.replica_size))
+
+    def weight_ranks(self, source: int) -> list[int]:
+        """The ranks a load from ``source`` takes shards from: every trainer rank (TRAINERS), a replica group
+        (any of its ranks), or ``source`` alone (a rollout peer)."""
+        if source == TRAINERS:
+            return self.trainer_ranks
+        if self.replicated and self.role(source) == "trainer":
+            return self.replica_ranks(source)
+        return [source]
 
     @property
     def trainer_ranks(self) -> list[int]:

@@ -62,7 +62,6 @@ from .messages import (
     WeightsHeader,
 )
 from .migration import Migrations
-from .roles import TRAINERS
 
 
 class RolloutRank(OpLog, Migrations):
@@ -284,7 +283,7 @@ class RolloutRank(OpLog, Migrations):
             return self.take_folder(msg, t)
         parts: dict[int, tuple[WeightsHeader, dict]] = {}  # source rank -> its header and pieces
         while True:
-            sources = self.comm.roles.trainer_ranks if msg.source == TRAINERS else [msg.source]
+            sources = self.comm.roles.weight_ranks(msg.source)
             for s in sources:  # messages from different ranks are not ordered: weights may come first
                 i = next((i for i, e in enumerate(self.early) if e[1] == s), None)
                 if s not in parts and i is not None:

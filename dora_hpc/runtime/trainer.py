@@ -46,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
@@ -107,15 +108,22 @@ class TrainerRank(RankClock):
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.replicated = comm.roles.replicated
+        collectives = "nccl" if cfg.runtime.device == "cuda" else "gloo"
         if self.replicated:
             from ..train.ft import Replicas
 
-            self.dp = Replicas(lighthouse, f"trainer{comm.rank}", t.replica_timeout_s, self.replica_state,
-                               self.load_replica_state)
+            ranks = comm.roles.replica_ranks(comm.rank)  # this rank's replica group (sharding inside it)
+            group = None
+            if len(ranks) > 1:
+                sub = comm.trainer_comm.Split(ranks[0], comm.rank)
+                group = DataParallel(sub, collectives=collectives, timeout_s=t.replica_timeout_s)
+            self.dp = Replicas(lighthouse, f"trainer{ranks[0]}", t.replica_timeout_s, self.replica_state,
+                               self.load_replica_state, group=group)
         else:
-            self.dp = DataParallel(comm.trainer_comm, collectives="nccl" if cfg.runtime.device == "cuda" else "gloo")
+            self.dp = DataParallel(comm.trainer_comm, collectives=collectives)
         self.lead = comm.rank == comm.roles.lead_trainer
-        self.reports = self.lead or self.replicated  # logs each step's row, reports Initial and Published
+        # logs each step's row, reports Initial and Published: the lead, or each replica group's first rank
+        self.reports = self.lead or self.replicated and self.dp.shard_rank == 0
         lora = LoraSpec.of(cfg)
         self.adapter_versions = lora is not None  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
@@ -132,8 +140,10 @@ class TrainerRank(RankClock):
             self.version = resume.step
             ledger = resume.state["orchestrator"]["ledger"]
             self.consumed = {g for g, _v, state, *_ in ledger["groups"] if state == 2}
-        # this rank's shard of each version (a fault-tolerant replica keeps it whole: it may be the only one left)
-        self.shard, self.shards = (0, 1) if self.replicated else (comm.rank - 1, comm.roles.publish_shards)
+        # this rank's shard of each version (a fault-tolerant replica group keeps a whole copy: it may be the only
+        # one left)
+        self.shard = self.dp.shard_rank if self.replicated else comm.rank - 1
+        self.shards = comm.roles.publish_shards
         self.dtype = publish_dtype(t.publish_dtype, cfg.engine.dtype)
         self.versions: dict[int, tuple[dict, str]] = {}  # version -> (this rank's shard, its checksum)
         self.traits = traits_of(cfg.mode, cfg.dora.k)
@@ -157,6 +167,36 @@ class TrainerRank(RankClock):
             self.rollout = RolloutRank(comm, cfg, run_dir, model_dir, task, run_id, t0, attempt)
 
     def run(self) -> None:
+        try:
+            self.serve()
+        except Exception as e:
+            if self.group_lost(wait=True):
+                self.leave(f"{type(e).__name__}: {str(e)[:200]}")
+            raise
+
+    def group_lost(self, wait: bool = False) -> bool:
+        """Whether rank 0 fenced a rank of this rank's replica group of several ranks (such a group fails as a
+        whole); ``wait``: after a failure, for its notice, up to the time rank 0 takes to fence a silent rank."""
+        roles = self.comm.roles
+        if not roles.replicated or roles.replica_size == 1:
+            return False
+        group = set(roles.replica_ranks(self.comm.rank))
+        end = time.monotonic() + (self.cfg.runtime.hang_timeout_s + 2 * self.cfg.runtime.heartbeat_s if wait else 0)
+        while not group & set(self.comm.fenced) and time.monotonic() < end:
+            self.comm.poll()  # takes rank 0's Fenced notices in; what else arrives is of no use now
+            time.sleep(0.05)
+        return bool(group & set(self.comm.fenced))
+
+    def leave(self, why: str) -> None:
+        """End this process, taking nothing down: rank 0 fenced its replica group, whose other ranks leave
+        likewise, and the other groups train on. Immediate (no MPI_Finalize, which waits for the ranks still
+        running), so a rank blocked in its group's quorum or collective does not hold up the others' quorum."""
+        ranks = self.comm.roles.replica_ranks(self.comm.rank)
+        print(f"dora-hpc: rank {self.comm.rank} leaves: its trainer replica group (ranks {ranks}) was fenced ({why})",
+              file=sys.stderr, flush=True)
+        os._exit(0)
+
+    def serve(self) -> None:
         if self.joining:
             self.join()
         while self.running:
@@ -272,6 +312,8 @@ class TrainerRank(RankClock):
             try:
                 while not stop.is_set():
                     got = self.comm.poll()
+                    if self.group_lost():  # the step cannot end: a rank of this group is gone
+                        self.leave("while a step or its quorum was under way")
                     if got is None:
                         time.sleep(0.001)
                     elif isinstance(got[0], Trajectory):
@@ -352,7 +394,7 @@ class TrainerRank(RankClock):
         # one of each row, store/shards.py read_table); a data-parallel rank its own groups, the lead the step
         advantages = group_advantages(trajs, self.trainer.cfg.adv_std_norm) if self.replicated else \
             metrics["advantages"]
-        for t, adv in zip(trajs, advantages, strict=True):
+        for t, adv in zip(trajs, advantages, strict=True) if self.reports or not self.replicated else ():
             self.log.append("consumed", {"traj_id": t.traj_id, "group_id": t.group_id, "consume_step": msg.step,
                                          "version": t.version, "staleness": msg.step - t.version,
                                          "advantage": adv, "reward": t.reward, "traj_attempt": t.attempt})
@@ -456,7 +498,9 @@ class TrainerRank(RankClock):
         """Right after recovering version v from a peer: say so to rank 0 (the version's holders) and return
         the Train the peer was taking (step v), once its groups are complete here."""
         self.healed = False
-        self.comm.send(Holds(self.version, self.publish(self.version, self.version - 1)), 0)
+        checksum = self.publish(self.version, self.version - 1)  # a collective within a replica group
+        if self.reports:
+            self.comm.send(Holds(self.version, checksum), 0)
         train, self.recovered = self.recovered, None
         if train is None or train.step != self.version:
             raise RuntimeError(f"trainer rank {self.comm.rank}: recovered v{self.version} without its step")

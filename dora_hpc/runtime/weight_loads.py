@@ -63,7 +63,7 @@ class WeightLoads:
         trainers = source == TRAINERS or source != FOLDER and self.roles.role(source) == "trainer"
         base = -1 if add else self.holds.pop(i, -1) if i not in self.under_way else -1
         dst = self.roles.rank_of_instance(i)
-        for rank in [] if source == FOLDER else self.roles.trainer_ranks if source == TRAINERS else [source]:
+        for rank in [] if source == FOLDER else self.roles.weight_ranks(source):
             self.comm.send(SendWeights(v, dst, base if trainers else -1), rank)
         self.comm.send(LoadVersion(v, source, keep, add), dst)
         if not add:

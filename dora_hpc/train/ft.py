@@ -169,8 +169,15 @@ class Replicas(Reductions):
 
     def allgather(self, obj) -> list:
         """Every rank of this replica group's ``obj`` in rank order: replicas share nothing outside a step's
-        collectives, each publishes its own copy, so the layout it gathers is its own group's."""
-        return self.group.allgather(obj) if self.group else [obj]
+        collectives, each publishes its own copy, so the layout it gathers is its own group's. Over the group's
+        gloo group, not MPI: a rank of it may be gone, and gloo says so where MPI would end the process."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.group.size
+        dist.all_gather_object(out, obj)
+        return out
 
     def check_replicas(self, checksum: str, step: int) -> None:
         """Fail unless every replica of the quorum holds weights with this checksum: the largest and the
