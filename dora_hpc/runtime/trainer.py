@@ -7,14 +7,16 @@ Invariants:
   (``Roles.trainers_of_group``: rollout ranks stream each trajectory to its owner) and the replicas
   sum gradients, so all hold bit-identical weights after each step (checked); the lead trainer
   alone logs the step, reports Published, writes checkpoints; every replica serves weights;
-* fault-tolerant replicas (``train.replicas``, train/ft.py): every replica gets every group and keeps each
-  version whole; each step's quorum splits the batch over the replicas alive then, a step a replica was
-  lost in is taken again by the others, and a replica that recovered a later version from a peer takes the
-  step its peer was taking (from the recovered state: its Train and the trajectories its peer held
-  untrained, merged by id with what arrives) and skips the Trains before it. A replacement replica
-  (``dora-hpc join``, ``joining``) asks for a quorum as soon as it joins and is such a replica there.
-  Every replica logs the step and all it consumed (readers keep one of each row) and reports Published
-  (rank 0 takes the first and learns who holds the version). The weights live in a trainer backend
+* fault-tolerant replicas (``train.replicas``, train/ft.py): every rank of every replica group gets every
+  group, and a replica group keeps each version (a shard a rank); each step's quorum splits the batch over
+  the replicas alive then (``Replicas.share``), a step a replica was lost in is taken again by the others,
+  and a replica that recovered a later version from a peer takes the step its peer was taking (from the
+  recovered state: its Train and the trajectories its peer held untrained, merged by id with what arrives)
+  and skips the Trains before it. A replacement replica (``dora-hpc join``, ``joining``) asks for a quorum
+  as soon as it joins and is such a replica there. Every group's first rank logs the step and all it
+  consumed (readers keep one of each row) and reports Published (rank 0 takes the first and learns who
+  holds the version). A group of several ranks fails as a whole: once rank 0 fenced a rank of it, its other
+  ranks leave (``leave``). The weights live in a trainer backend
   (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of a sharded backend (a
   step, gathering the weights to publish, gathering the optimizer for a checkpoint) is reached by every
   trainer rank in the same message order;
