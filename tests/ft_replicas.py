@@ -2,16 +2,16 @@
 committed step: its step, the quorum's size and its index in it, the loss and the weights' checksum.
 
     python tests/ft_replicas.py lighthouse                     # prints its address, serves until killed
-    python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S] [--after PID]
+    python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S] [--after PID] [--lora R]
     mpiexec -n G python tests/ft_replicas.py replica ...        # a replica group of G ranks sharding with FSDP2
-    python tests/ft_replicas.py single MODEL_DIR STEPS           # one plain trainer, the reference
+    python tests/ft_replicas.py single MODEL_DIR STEPS [--lora R]  # one plain trainer, the reference
 
 Every replica takes the whole batch of ``dp_equivalence.batch(step)`` and trains on its share of the groups
 (``Replicas.share``), as the runtime's trainer does. ``--die-in STEP`` SIGKILLs the replica (the first rank of a
 group) inside that step's gradient sum over the replicas (after its forward and backward); ``--pace S`` sleeps S
 seconds after each step (so a late replica can join while the others still train); ``--after PID`` starts the
 replica once process PID is gone (a replacement that has imported everything already). A group's first rank
-prints.
+prints. ``--lora R`` trains a rank-R LoRA adapter (train/lora.py) instead of every weight.
 """
 
 import json
@@ -25,6 +25,7 @@ from dp_equivalence import batch
 
 from dora_hpc.train.dp import DataParallel, StepAborted
 from dora_hpc.train.grpo import GRPOConfig, GRPOTrainer
+from dora_hpc.train.lora import LoraSpec
 from dora_hpc.train.publish import checksum_of
 
 CFG = GRPOConfig(lr=1e-2, micro_batch=3, loss_agg="token")
@@ -34,8 +35,12 @@ def line(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
+def lora(rank: str | None) -> LoraSpec | None:
+    return LoraSpec(int(rank), 16.0, "all-linear") if rank else None
+
+
 def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int | None, pace: float,
-            after: int | None = None) -> None:
+            after: int | None = None, adapter: LoraSpec | None = None) -> None:
     from dora_hpc.train.ft import Replicas
 
     while after is not None and os.path.exists(f"/proc/{after}"):
@@ -54,7 +59,8 @@ def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int |
     dp = Replicas(lighthouse, rid, timeout_s=10.0, state=lambda: holder["trainer"].replica_state(),
                   load_state=load_state, group=group)
     say = line if dp.shard_rank == 0 else (lambda **_: None)
-    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp, backend="fsdp" if group else "torch")
+    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp, backend="fsdp" if group else "torch",
+                                              lora=adapter)
     if die_in is not None:
         name = "sum_shards_" if group else "sum_grads_"
         summed = getattr(dp, name)
@@ -81,8 +87,8 @@ def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int |
     dp.close()
 
 
-def single(model_dir: str, steps: int) -> None:
-    trainer = GRPOTrainer(model_dir, CFG, seed=0)
+def single(model_dir: str, steps: int, adapter: LoraSpec | None = None) -> None:
+    trainer = GRPOTrainer(model_dir, CFG, seed=0, lora=adapter)
     for step in range(steps):
         m = trainer.train_step(batch(step))
         line(step=step, size=1, rank=0, loss=m["loss"], grad_norm=m["grad_norm"],
@@ -98,11 +104,12 @@ def main(argv: list[str]) -> None:
         line(address=lh.address())
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
     elif argv[0] == "single":
-        single(argv[1], int(argv[2]))
+        single(argv[1], int(argv[2]), lora(argv[4] if argv[3:4] == ["--lora"] else None))
     else:
         opts = dict(zip(argv[5::2], argv[6::2], strict=True))
         replica(argv[1], argv[2], argv[3], int(argv[4]), int(opts["--die-in"]) if "--die-in" in opts else None,
-                float(opts.get("--pace", 0)), int(opts["--after"]) if "--after" in opts else None)
+                float(opts.get("--pace", 0)), int(opts["--after"]) if "--after" in opts else None,
+                lora(opts.get("--lora")))
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ def lines(p: subprocess.Popen, timeout: float = 240) -> list[dict]:
     return [json.loads(x) for x in out.splitlines()], err, p.returncode
 
 
-def single(tiny: str, steps: int) -> list[dict]:
-    p = subprocess.run([*SCRIPT, "single", tiny, str(steps)], capture_output=True, text=True, timeout=240,
+def single(tiny: str, steps: int, *opts: str) -> list[dict]:
+    p = subprocess.run([*SCRIPT, "single", tiny, str(steps), *opts], capture_output=True, text=True, timeout=240,
                        cwd=Path(__file__).parent)
     assert p.returncode == 0, p.stderr[-2000:]
     return [json.loads(x) for x in p.stdout.splitlines()]
@@ -62,10 +62,12 @@ def same_steps(rows: dict[int, dict], ref: list[dict]) -> None:
         assert got["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), r["step"]
 
 
-def test_two_replicas_take_one_trainers_steps(tiny, lighthouse):
-    """A replica that starts late joins at a step's quorum (recovering the first one's state); from then on
-    each takes its share of every step (paced, so the late one has steps left to share)."""
-    ps = [replica(tiny, lighthouse, rid, 4, "--pace", "1") for rid in ("a", "b")]
+@pytest.mark.parametrize("opts", [(), pytest.param(("--lora", "4"), marks=pytest.mark.slow)], ids=["full", "lora"])
+def test_two_replicas_take_one_trainers_steps(tiny, lighthouse, opts):
+    """A replica that starts late joins at a step's quorum (recovering the first one's state: under LoRA the
+    adapter and its optimizer state); from then on each takes its share of every step (paced, so the late one
+    has steps left to share)."""
+    ps = [replica(tiny, lighthouse, rid, 4, "--pace", "1", *opts) for rid in ("a", "b")]
     (a, err, rc), (b, _, rc_b) = [lines(p) for p in ps]
     assert rc == rc_b == 0, err[-2000:]
     a, b = steps_of(a), steps_of(b)
@@ -73,7 +75,7 @@ def test_two_replicas_take_one_trainers_steps(tiny, lighthouse):
     assert sorted(a) == list(range(4)) and both and both[-1] == 3
     assert [a[s]["checksum"] for s in both] == [b[s]["checksum"] for s in both]  # bit-identical
     assert all(a[s]["size"] == 2 and {a[s]["rank"], b[s]["rank"]} == {0, 1} for s in both)  # shared
-    same_steps(a, single(tiny, 4))
+    same_steps(a, single(tiny, 4, *opts))
 
 
 @pytest.mark.slow

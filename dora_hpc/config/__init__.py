@@ -439,9 +439,9 @@ class RunConfig(Section):
         if t.backend == "fsdp" and self.replica_size == 1:
             raise ValueError(f"train.replicas ({t.replicas}) equals cluster.trainer_ranks: replica groups of one rank "
                              "have nothing to shard (train.backend=torch), or give each several ranks")
-        for key, on in (("cluster.elastic", self.cluster.elastic), ("train.lora", t.lora is not None)):
-            if on:
-                raise ValueError(f"train.replicas with {key}: not supported yet; set one of them")
+        if self.cluster.elastic:
+            raise ValueError("train.replicas with cluster.elastic: not supported yet (a borrowed instance on a "
+                             "replica that may be lost); set one of them")
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
