@@ -182,11 +182,13 @@ def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishes_it(tmp_path):
-    """Two replica groups of two FSDP2 ranks (cluster.trainer_ranks=4, train.replicas=2): rank 2, the second rank
-    of the first group, is SIGKILLed after two steps. Rank 0 fences it with its group (rank 1 leaves once its
-    group's collective fails and it hears of the fence: it takes nothing down), and ranks 3-4 take every step from
-    then on; the run ends in its first attempt with each step logged once and every invariant 0."""
+@pytest.mark.parametrize("victim, sig", [(2, signal.SIGKILL), (3, signal.SIGSTOP)], ids=["kill-rank2", "stop-rank3"])
+def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishes_it(tmp_path, victim, sig):
+    """Two replica groups of two FSDP2 ranks (cluster.trainer_ranks=4, train.replicas=2): after two steps rank 2,
+    the second rank of the first group, is SIGKILLed, or rank 3, the first of the second (it serves its group's
+    torchft manager), SIGSTOPped. Rank 0 fences the victim with its group (the other rank leaves once it hears of
+    the fence: it takes nothing down), and the other group takes every step from then on; the run ends in its
+    first attempt with each step logged once and every invariant 0."""
     from dora_hpc.analysis.basic import analyze
     from dora_hpc.store.shards import read_table
 
@@ -202,11 +204,13 @@ def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishe
         time.sleep(0.1)
     import os
 
-    os.kill(int((run_dir / "pids" / "rank-2").read_text()), signal.SIGKILL)
+    os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert "rank 2 (trainer replica) died: fenced with its replica group (ranks 1, 2)" in err, err[-3000:]
-    assert "rank 1 leaves: its trainer replica group" in err, err[-3000:]
+    group, why = ([1, 2], "died") if victim == 2 else ([3, 4], "sent nothing for")
+    other, = set(group) - {victim}
+    assert f"rank {victim} (trainer replica) {why}" in err and "fenced with its replica group" in err, err[-3000:]
+    assert f"rank {other} leaves: its trainer replica group" in err, err[-3000:]
     assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # no requeue, no restart
     a = analyze(run_dir)
     assert a["steps"] == 8 and a["consumed"] == 8 * 32
@@ -214,10 +218,11 @@ def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishe
                                                 "staleness_over_k", "mixed_version_trajectories"))
     steps = read_table(run_dir, "train", "steps", ["step", "loss"], with_rank=True)
     assert sorted(set(steps["step"].tolist())) == list(range(8)) and all(abs(x) < 1e3 for x in steps["loss"].tolist())
-    late = {int(s) for s, r in zip(steps["step"], steps["rank"], strict=True) if r == 3}
+    survivor = 3 if victim == 2 else 1  # the other group's first rank
+    late = {int(s) for s, r in zip(steps["step"], steps["rank"], strict=True) if r == survivor}
     assert max(late) == 7 and not {int(r) for r in steps["rank"]} - {1, 3}  # each group's first rank reports
     ops = read_table(run_dir, "events", "ops", ["kind", "peer", "detail"])
-    assert {p for k, p in zip(ops["kind"], ops["peer"], strict=True) if k == "fence"} == {1, 2}
+    assert {p for k, p in zip(ops["kind"], ops["peer"], strict=True) if k == "fence"} == set(group)
 
 
 @pytest.mark.slow
