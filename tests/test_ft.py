@@ -291,3 +291,56 @@ def replacement_steps(run_dir: Path, rank: int, survivor: int) -> tuple[dict[int
                       rows["rank"].tolist(), strict=True))
     return ({s: c for s, t, c, r in logged if r == rank and t > joined_at[0]},
             {s: c for s, _, c, r in logged if r == survivor})
+
+
+@pytest.mark.slow
+def test_a_replacement_fsdp_replica_group_joins_a_running_job_and_trains(tmp_path):
+    """Two replica groups of two FSDP2 ranks; rank 2 is SIGKILLed after two steps and its group fenced, and two
+    replacements started together (``mpiexec -n 2 dora-hpc join --role trainer``) take ranks 1 and 2: they go
+    live at the second's Hello, join the next step's quorum, recover the weights and optimizer shard for shard
+    from the other group, and train beside it, with the same weights, to the end of the run's first attempt."""
+    from test_join import CLI, PROCS, wait_for
+
+    from dora_hpc.analysis.basic import analyze
+    from dora_hpc.launch.local import mpiexec
+
+    run_dir, err = tmp_path / "hsdp", tmp_path / "run.err"
+    steps = 40
+    cmd = CLI + ["run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir), "--set", "cluster.trainer_ranks=4",
+                 "--set", "train.replicas=2", "--set", "train.backend=fsdp", "--set", f"train.max_steps={steps}",
+                 "--set", "train.checkpoint_every=4", "--set", "train.replica_timeout_s=10",
+                 "--set", "runtime.hang_timeout_s=8", "--set", "runtime.heartbeat_s=1"]
+    with err.open("w") as f:
+        run = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
+    PROCS.append(run)
+    log = err.read_text
+    try:
+        wait_for(lambda: run_dir_steps(run_dir) >= 2, "two steps", timeout=240, log=log)
+        import os
+
+        os.kill(int((run_dir / "pids" / "rank-2").read_text()), signal.SIGKILL)
+        wait_for(lambda: "fenced with its replica group" in log(), "the group to be fenced", log=log)
+        with (tmp_path / "join.err").open("w") as f:
+            p = subprocess.Popen([mpiexec(), "-n", "2", *CLI, "join", str(run_dir), "--role", "trainer"], cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=f)
+        PROCS.append(p)
+        both = lambda: log() + "\n--- the replacements' log ---\n" + (tmp_path / "join.err").read_text()  # noqa: E731
+        wait_for(lambda: "rank 2 (trainer replica) is back" in log(), "the replacements to join", timeout=180,
+                 log=both)
+        assert run.wait(timeout=400) == 0, both()[-5000:]
+        assert p.wait(timeout=60) == 0, both()[-5000:]
+        out = (tmp_path / "join.err").read_text()
+        assert "joined as rank 1 (trainer replica)" in out and "joined as rank 2 (trainer replica)" in out, out[-3000:]
+        assert "recovered v" in out, out[-3000:]
+    finally:
+        for proc in PROCS:
+            if proc.poll() is None:
+                proc.kill()
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 32
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+    late, survivor = replacement_steps(run_dir, 1, 3)
+    assert len(late) >= 3 and max(late) == steps - 1, sorted(late)  # the new group trained, to the last step
+    assert all(survivor[s] == c for s, c in late.items())  # the same weights as the other group's, step by step

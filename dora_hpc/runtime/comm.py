@@ -200,13 +200,6 @@ class Comm:
     def unfence(self, rank: int) -> None:
         self.fenced = tuple(r for r in self.fenced if r != rank)
 
-    def accept(self, store, peers: tuple[int, ...]) -> None:
-        """A replacement: build the link to each of ``peers`` through its own ``store``, one after another (rank
-        0 tells each peer to connect once the one before has linked). Raises RuntimeError when one does not
-        come within CONNECT_TIMEOUT_S."""
-        for p in peers:
-            self.links[p] = Link.pair(store, str(p), 1)
-
     def announce(self, rank: int, addr: str, others: list[int]) -> None:
         """Rank 0: tell ``others`` that ``rank`` is replaced and its replacement's store is at ``addr``."""
         for r in others:

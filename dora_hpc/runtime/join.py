@@ -90,6 +90,8 @@ class JoinDesk:
         self.model_dir = Path(json.loads((orch.run_dir / "launch.json").read_text())["model_dir"])
         self.mine = identity(orch.cfg.model_dump_json(), self.model_dir)
         self.pending: dict[int, Join] = {}  # the rank a replacement takes -> its join, until its Hello
+        self.groups: dict[str, list[int]] = {}  # a replica group's replacements (their offers' id) -> its ranks
+        self.greeted: set[int] = set()  # ranks of a replica group whose replacement said Hello: live with the last
         s = orch.cfg.slurm
         self.auto = s.replace_lost and s.fence_rollout and "SLURM_JOB_ID" in os.environ  # slurm.replace_lost
         self.submitting: dict[subprocess.Popen, str] = {}  # dora-hpc join --submit under way -> its role
@@ -180,12 +182,19 @@ class JoinDesk:
         return tuple(r for r in range(1, self.orch.roles.size) if r != rank and r not in self.orch.fenced)
 
     def abandon(self, r: int, op_detail: str, why: str) -> None:
-        """Give up on the join of ``r``'s replacement: ``r`` stays fenced, and every live rank is told so."""
+        """Give up on the join of ``r``'s replacement (with the rest of its replica group's): ``r`` stays fenced,
+        and every live rank is told so."""
         host = self.pending.pop(r).host
         self.orch.op("join_failed", peer=r, detail=f"host={host} {op_detail}")
         self._failed(f"the replacement of rank {r} on {host} {why}: rank {r} stays fenced")
         self.orch.comm.links.pop(r, None)
         self.orch.comm.fence(r, self.peers(r))
+        for gid, ranks in list(self.groups.items()):
+            if r in ranks:  # a group joins whole or not at all
+                del self.groups[gid]
+                self.greeted -= set(ranks)
+                for q in [q for q in ranks if q in self.pending]:
+                    self.abandon(q, f"group of rank {r}", f"is of rank {r}'s group, whose join failed")
 
     def linked(self, msg: Linked, src: int) -> None:
         """Peer ``src`` linked to ``msg.rank``'s replacement (or could not: the join is abandoned); the next
@@ -252,8 +261,7 @@ class JoinDesk:
             return None, f"its model folder differs from the run's ({self.model_dir})"
         role = offer.get("role")
         if role == "trainer" and orch.roles.replica_size > 1:
-            return None, (f"the trainer's replica groups have {orch.roles.replica_size} ranks each: a lost group is "
-                          "not replaced by a join (yet); the other groups train on")
+            return self.vet_group(offer.get("group"))
         lost = [r for r in self.lost() if role is None or orch.roles.role(r) == role]
         if not lost:
             what = {"trainer": "trainer replica", "rollout": "rollout instance"}.get(role) or \
@@ -261,9 +269,36 @@ class JoinDesk:
             return None, f"no {what} is lost"
         return lost[0], ""
 
+    def vet_group(self, group: list | None) -> tuple[int | None, str]:
+        """A replacement of a rank of a replica group of several ranks: the next rank of the lost group its
+        offers' id was given, or the first of a lost group (every rank of it fenced, none taken)."""
+        roles, size = self.orch.roles, self.orch.roles.replica_size
+        if not group or group[1] != size:
+            return None, (f"the trainer's replica groups have {size} ranks: {size} replacements replace one "
+                          f"together (mpiexec -n {size} dora-hpc join RUN_DIR --role trainer)")
+        gid = group[0]
+        if gid not in self.groups:
+            firsts = range(1, 1 + roles.trainers, size)
+            lost = [f for f in firsts if all(q in self.orch.fenced and q not in self.pending and q not in self.greeted
+                                             for q in roles.replica_ranks(f))]
+            if not lost:
+                return None, "no trainer replica group is lost"
+            self.groups[gid] = roles.replica_ranks(lost[0])
+        left = [q for q in self.groups[gid] if q not in self.pending and q not in self.greeted]
+        return (left[0], "") if left else (None, f"replica group {self.groups[gid]} has all its replacements")
+
     def hello(self, rank: int) -> bool:
-        """The replacement of ``rank`` is linked to everyone and loaded: True if it was expected."""
+        """The replacement of ``rank`` is linked to everyone and loaded: True if it was expected. A replica
+        group's ranks go live together, at the last one's Hello."""
         if self.pending.pop(rank, None) is None:
             return False
-        self.orch.rejoin(rank)
+        gid = next((g for g, ranks in self.groups.items() if rank in ranks), None)
+        if gid is None:
+            self.orch.rejoin(rank)
+            return True
+        self.greeted.add(rank)
+        if all(q in self.greeted for q in self.groups[gid]):
+            for q in self.groups.pop(gid):
+                self.greeted.discard(q)
+                self.orch.rejoin(q)
         return True

@@ -1,7 +1,9 @@
 """The replacement's process (``dora-hpc join RUN_DIR``): it offers itself to the running job, is linked to
 every live rank (runtime/join.py has the protocol, runtime/link.py the links) and then is the rank it
 replaces, to the run's end: a rollout rank, or a trainer replica (which joins the next step's quorum and
-takes a live replica's state there, train/ft.py).
+takes a live replica's state there, train/ft.py). A replica group of G ranks is replaced by G such processes
+started together in one MPI world (``mpiexec -n G dora-hpc join RUN_DIR --role trainer``): each offers itself
+naming the group, takes one rank of a lost group, and their own world is the group's (its process group).
 
 Invariant: it leaves without MPI_Finalize (the caller ends the process with ``os._exit``), as every rank of
 the job does once a rank is fenced.
@@ -36,20 +38,37 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
     cfg = with_overrides(validate(meta["config"], saved=True), dict(parse_overrides(sets)))
     attempts = (run / "attempts.jsonl").read_text().splitlines()
     attempt = json.loads(attempts[-1])["attempt"]
-    init_mpi()  # its own world of one: Comm (the trainers' split, the data plane) stands on it
+    mpi = init_mpi()  # its own world (of one, or of a replica group's G): Comm and the group stand on it
     import faulthandler
 
     faulthandler.enable()  # a crash in native code (MPI) prints the Python stack
-    st, plan = offer(run, cfg, Path(meta["model_dir"]), role)
+    world, group = mpi.COMM_WORLD, None
+    if role == "trainer" and cfg.replica_size > 1:
+        if world.Get_size() != cfg.replica_size:
+            print(f"dora-hpc: join refused: the trainer's replica groups have {cfg.replica_size} ranks: start "
+                  f"{cfg.replica_size} replacements together (mpiexec -n {cfg.replica_size} dora-hpc join RUN_DIR "
+                  "--role trainer)", file=sys.stderr, flush=True)
+            return 2
+        group = (world.bcast(f"{os.uname().nodename}-{os.getpid()}", root=0), world.Get_size())
+    elif world.Get_size() > 1:
+        print("dora-hpc: join refused: several processes replace a trainer replica group (--role trainer, "
+              "train.replicas with groups of several ranks) only", file=sys.stderr, flush=True)
+        return 2
+    st, plan = offer(run, cfg, Path(meta["model_dir"]), role, group)
     if plan.refused:
         print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
         return 2
+    # its links first, rank 0's and then each peer's as rank 0 tells it to connect (runtime/join.py), and only
+    # then anything collective over its own world (Comm's split): a group's replacement waiting there for one
+    # still offering would leave rank 0 and its peers waiting to link to it
+    links = {0: Link.pair(st, "0", 1)}
+    for p in plan.peers:  # raises RuntimeError when one does not come within CONNECT_TIMEOUT_S
+        links[p] = Link.pair(st, str(p), 1)
     comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                 heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size),
                 replicated=cfg.train.replicas > 1, replica_size=cfg.replica_size)
     comm.fenced = tuple(r for r in range(1, plan.size) if r != plan.rank and r not in plan.peers)  # lost before
-    comm.links[0] = Link.pair(st, "0", 1)
-    comm.accept(st, plan.peers)
+    comm.links.update(links)
     (run / "pids" / f"rank-{plan.rank}").write_text(str(os.getpid()))
     install_signals(run, plan.rank)
     rank = become(comm, cfg, run, meta, attempt, plan)
@@ -88,15 +107,15 @@ def become(comm, cfg, run: Path, meta: dict, attempt: int, plan):
     return RolloutRank(comm, cfg, run, model_dir, task, meta["run_id"], meta["t0"], attempt)
 
 
-def offer(run: Path, cfg, model_dir: Path, role: str | None = None):
+def offer(run: Path, cfg, model_dir: Path, role: str | None = None, group: tuple[str, int] | None = None):
     """Host a store, leave its address in the offer in RUN_DIR/join, and wait for rank 0's plan: (the store,
-    the JoinPlan)."""
+    the JoinPlan). ``group``: (an id, G) shared by the G replacements of one replica group."""
     host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     st = store(host, 0, master=True)
     (run / "join").mkdir(exist_ok=True)
     tmp = run / "join" / f"{host}-{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"addr": f"{host}:{st.port}", "pid": os.getpid(), "host": host,
-                               "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "role": role,
+                               "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "role": role, "group": group,
                                **identity(cfg.model_dump_json(), model_dir)}))
     tmp.rename(tmp.with_suffix(".offer"))
     print(f"dora-hpc: offered to join {run} from {host}; waiting for rank 0", file=sys.stderr, flush=True)

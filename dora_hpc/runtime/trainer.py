@@ -111,6 +111,7 @@ class TrainerRank(RankClock):
         t = cfg.train
         self.replicated = comm.roles.replicated
         collectives = "nccl" if cfg.runtime.device == "cuda" else "gloo"
+        self.fenced_before = set(comm.fenced)  # a replacement's: its group's other ranks, joining beside it
         if self.replicated:
             from ..train.ft import Replicas
 
@@ -182,7 +183,7 @@ class TrainerRank(RankClock):
         roles = self.comm.roles
         if not roles.replicated or roles.replica_size == 1:
             return False
-        group = set(roles.replica_ranks(self.comm.rank))
+        group = set(roles.replica_ranks(self.comm.rank)) - self.fenced_before  # a replacement's peers were fenced
         end = time.monotonic() + (self.cfg.runtime.hang_timeout_s + 2 * self.cfg.runtime.heartbeat_s if wait else 0)
         while not group & set(self.comm.fenced) and time.monotonic() < end:
             self.comm.poll()  # takes rank 0's Fenced notices in; what else arrives is of no use now
