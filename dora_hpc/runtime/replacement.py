@@ -42,28 +42,14 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
     import faulthandler
 
     faulthandler.enable()  # a crash in native code (MPI) prints the Python stack
-    world, group = mpi.COMM_WORLD, None
-    if role == "trainer" and cfg.replica_size > 1:
-        if world.Get_size() != cfg.replica_size:
-            print(f"dora-hpc: join refused: the trainer's replica groups have {cfg.replica_size} ranks: start "
-                  f"{cfg.replica_size} replacements together (mpiexec -n {cfg.replica_size} dora-hpc join RUN_DIR "
-                  "--role trainer)", file=sys.stderr, flush=True)
-            return 2
-        group = (world.bcast(f"{os.uname().nodename}-{os.getpid()}", root=0), world.Get_size())
-    elif world.Get_size() > 1:
-        print("dora-hpc: join refused: several processes replace a trainer replica group (--role trainer, "
-              "train.replicas with groups of several ranks) only", file=sys.stderr, flush=True)
+    group, refused = replica_group(cfg, role, mpi.COMM_WORLD)
+    if not refused:
+        st, plan = offer(run, cfg, Path(meta["model_dir"]), role, group)
+        refused = plan.refused
+    if refused:
+        print(f"dora-hpc: join refused: {refused}", file=sys.stderr, flush=True)
         return 2
-    st, plan = offer(run, cfg, Path(meta["model_dir"]), role, group)
-    if plan.refused:
-        print(f"dora-hpc: join refused: {plan.refused}", file=sys.stderr, flush=True)
-        return 2
-    # its links first, rank 0's and then each peer's as rank 0 tells it to connect (runtime/join.py), and only
-    # then anything collective over its own world (Comm's split): a group's replacement waiting there for one
-    # still offering would leave rank 0 and its peers waiting to link to it
-    links = {0: Link.pair(st, "0", 1)}
-    for p in plan.peers:  # raises RuntimeError when one does not come within CONNECT_TIMEOUT_S
-        links[p] = Link.pair(st, str(p), 1)
+    links = accept(st, plan.peers)
     comm = Comm(cfg.cluster.trainer_ranks, cfg.runtime.data_plane, cfg.runtime.weight_bucket_mb, stop=STOP,
                 heartbeat_s=cfg.runtime.heartbeat_s, elastic=cfg.cluster.elastic, identity=(plan.rank, plan.size),
                 replicated=cfg.train.replicas > 1, replica_size=cfg.replica_size)
@@ -87,6 +73,32 @@ def main(run_dir: str, sets: list[str], role: str | None = None) -> int:
         return 0
     (run / "pids" / f"rank-{plan.rank}.done").write_text("ok")
     return 0
+
+
+def replica_group(cfg, role: str | None, world) -> tuple[tuple[str, int] | None, str]:
+    """(the replica group this process replaces a rank of with the others of its world: an id they share and
+    their count, or None; why it may not join, or "")."""
+    size = cfg.replica_size
+    if role == "trainer" and size > 1:
+        if world.Get_size() != size:
+            return None, (f"the trainer's replica groups have {size} ranks: start {size} replacements together "
+                          f"(mpiexec -n {size} dora-hpc join RUN_DIR --role trainer)")
+        return (world.bcast(f"{os.uname().nodename}-{os.getpid()}", root=0), size), ""
+    if world.Get_size() > 1:
+        return None, ("several processes replace a trainer replica group (--role trainer, train.replicas with "
+                      "groups of several ranks) only")
+    return None, ""
+
+
+def accept(st, peers: tuple[int, ...]) -> dict:
+    """This replacement's links: rank 0's, then each peer's as rank 0 tells it to connect (runtime/join.py);
+    raises RuntimeError when one does not come within CONNECT_TIMEOUT_S. Built before anything collective over
+    its own world (Comm's split): a group's replacement waiting there for one still offering would leave rank
+    0 and its peers waiting to link to it."""
+    links = {0: Link.pair(st, "0", 1)}
+    for p in peers:
+        links[p] = Link.pair(st, str(p), 1)
+    return links
 
 
 def become(comm, cfg, run: Path, meta: dict, attempt: int, plan):

@@ -110,20 +110,8 @@ class TrainerRank(RankClock):
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.replicated = comm.roles.replicated
-        collectives = "nccl" if cfg.runtime.device == "cuda" else "gloo"
         self.fenced_before = set(comm.fenced)  # a replacement's: its group's other ranks, joining beside it
-        if self.replicated:
-            from ..train.ft import Replicas
-
-            ranks = comm.roles.replica_ranks(comm.rank)  # this rank's replica group (sharding inside it)
-            group = None
-            if len(ranks) > 1:
-                sub = comm.trainer_comm.Split(ranks[0], comm.rank)
-                group = DataParallel(sub, collectives=collectives, timeout_s=t.replica_timeout_s)
-            self.dp = Replicas(lighthouse, f"trainer{ranks[0]}", t.replica_timeout_s, self.replica_state,
-                               self.load_replica_state, group=group)
-        else:
-            self.dp = DataParallel(comm.trainer_comm, collectives=collectives)
+        self.dp = self.data_parallel(lighthouse)
         self.lead = comm.rank == comm.roles.lead_trainer
         # logs each step's row, reports Initial and Published: the lead, or each replica group's first rank
         self.reports = self.lead or self.replicated and self.dp.shard_rank == 0
@@ -168,6 +156,23 @@ class TrainerRank(RankClock):
             from .rollout import RolloutRank
 
             self.rollout = RolloutRank(comm, cfg, run_dir, model_dir, task, run_id, t0, attempt)
+
+    def data_parallel(self, lighthouse: str | None):
+        """The trainer ranks' data parallelism: all of them (``DataParallel``), or this rank's fault-tolerant
+        replica group among the others (``Replicas``, over the group's own split of the trainers' world)."""
+        comm, t = self.comm, self.cfg.train
+        collectives = "nccl" if self.cfg.runtime.device == "cuda" else "gloo"
+        if not self.replicated:
+            return DataParallel(comm.trainer_comm, collectives=collectives)
+        from ..train.ft import Replicas
+
+        ranks = comm.roles.replica_ranks(comm.rank)  # this rank's replica group (sharding inside it)
+        group = None
+        if len(ranks) > 1:
+            sub = comm.trainer_comm.Split(ranks[0], comm.rank)
+            group = DataParallel(sub, collectives=collectives, timeout_s=t.replica_timeout_s)
+        return Replicas(lighthouse, f"trainer{ranks[0]}", t.replica_timeout_s, self.replica_state,
+                        self.load_replica_state, group=group)
 
     def run(self) -> None:
         try:
