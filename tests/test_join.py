@@ -283,3 +283,38 @@ def test_a_checkpoint_in_flight_waits_for_the_ranks_asked_to_flush_only():
     assert ckpt.forget(3) == [] and ("Commit", 1) not in comm.sent[-2:]  # fenced before it flushed
     ckpt.on_progress(Flushed(roles.instance_of_rank(4), 20))  # its replacement may be back by now
     assert comm.sent[-1] == ("Commit", 1)
+
+
+def test_a_lost_replica_group_is_given_to_replacements_of_one_group_and_goes_live_at_its_last_hello(tmp_path):
+    """Rank 0's desk under replica groups of two ranks (ranks 1-2 and 3-4): one replacement is refused with the
+    command to start two; two replacements naming one group take ranks 1 and 2 of the lost group, in offer order,
+    and go live together only at the second Hello; a third offer of the group finds nothing left; the group
+    lost counts once for slurm.replace_lost."""
+    from types import SimpleNamespace
+
+    from dora_hpc.config import load_config
+    from dora_hpc.runtime.join import JoinDesk, identity
+    from dora_hpc.runtime.roles import Roles
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "launch.json").write_text(f'{{"model_dir": "{model}"}}')
+    cfg = load_config("configs/tiny-cpu.yaml", ["cluster.trainer_ranks=4", "train.replicas=2", "train.backend=fsdp"])
+    live: list[int] = []
+    orch = SimpleNamespace(run_dir=tmp_path, cfg=cfg, fenced={1, 2}, roles=Roles(8, 4, 0, True, 2),
+                           rejoin=live.append)
+    desk = JoinDesk(orch)
+    mine = identity(cfg.model_dump_json(), model) | {"role": "trainer"}
+    rank, why = desk.vet(mine)
+    assert rank is None and "mpiexec -n 2 dora-hpc join RUN_DIR --role trainer" in why
+    assert desk.lost_groups() == [1] and desk.lost() == []  # a group's ranks are not given one by one
+    assert desk.vet(mine | {"group": ["g", 2]}) == (1, "")
+    desk.pending[1] = object()
+    assert desk.vet(mine | {"group": ["g", 2]}) == (2, "") and desk.lost_groups() == []
+    desk.pending[2] = object()
+    assert desk.vet(mine | {"group": ["g", 2]})[0] is None  # the group has both its replacements
+    assert desk.vet(mine | {"group": ["h", 2]}) == (None, "no trainer replica group is lost")
+    assert desk.hello(2) and live == []  # the first Hello: not live yet
+    assert desk.hello(1) and live == [1, 2]  # the last: the group is live
+    assert desk.groups == {} and desk.greeted == set()

@@ -219,6 +219,30 @@ def test_fencing_asks_no_kill_of_a_plain_job_only(tmp_path):
     assert "--no-kill" not in off and "MPIR_CVAR_CH4_NETMOD" not in off
 
 
+def test_a_replica_groups_replacement_job_asks_for_the_groups_tasks(tmp_path, monkeypatch):
+    """``dora-hpc join --submit --role trainer`` under replica groups of two ranks asks Slurm for two tasks on one
+    node and starts them as one srun step (they join together); a rollout replacement stays one task (sbatch is
+    a stand-in script here that records its arguments: the job itself is the Slurm tests' above)."""
+    import json
+
+    from dora_hpc.config import load_config
+    from dora_hpc.launch.slurm import submit_replacement
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["cluster.trainer_ranks=4", "train.replicas=2", "train.backend=fsdp"])
+    (tmp_path / "launch.json").write_text(json.dumps({"config": json.loads(cfg.model_dump_json())}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/args\necho 123\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert submit_replacement(tmp_path, role="trainer") == "123"
+    args = (tmp_path / "args").read_text()
+    assert "--ntasks=2" in args and "--nodes=1" in args and "srun --mpi=pmi2 --ntasks=2" in args
+    submit_replacement(tmp_path, role="rollout")
+    args = (tmp_path / "args").read_text()
+    assert "--ntasks=1" in args and "srun --mpi=pmi2 --ntasks=1" in args
+
+
 def test_the_gpu_cluster_template_renders_gpus_for_both_components(tmp_path):
     p = subprocess.run(CLI + ["submit", "configs/cluster-gpu.yaml", "--dry-run", "--run-dir", str(tmp_path / "x")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -149,21 +149,23 @@ def submit_replacement(run_dir: Path, sets: list[str] = (), nodelist: str | None
     """sbatch one task that runs ``dora-hpc join RUN_DIR`` (runtime/replacement.py), with the resources of
     ``role``'s component (the trainer's for a trainer replica, else the rollout's) and a node of its own:
     Slurm starts it when a node is free (a dead node back in service, a spare), and it joins the running
-    job in a fenced rank's place (of ``role`` only, where given). Returns the job id."""
+    job in a fenced rank's place (of ``role`` only, where given). A trainer replica group of G ranks is replaced
+    by G tasks on one node, one srun step: they join together (runtime/replacement.py). Returns the job id."""
     from ..config import validate
     from .local import LaunchError
 
     cfg = validate(json.loads((run_dir / "launch.json").read_text())["config"], saved=True)
     s = cfg.slurm
     c = s.trainer if role == "trainer" else s.rollout
-    flags = {"job-name": f"{s.job_name}-join", "nodes": 1, "ntasks": 1, "cpus-per-task": c.cpus_per_task,
+    tasks = cfg.replica_size if role == "trainer" else 1
+    flags = {"job-name": f"{s.job_name}-join", "nodes": 1, "ntasks": tasks, "cpus-per-task": c.cpus_per_task,
              "time": s.time_min, "output": run_dir / "slurm" / "join-%j.out", "partition": c.partition or s.partition,
              "constraint": c.constraint or s.constraint, "account": s.account, "qos": s.qos,
              "gpus-per-node": c.gpus_per_node, "mem": f"{int(c.mem_gb * 1024)}MB" if c.mem_gb else None,
              "nodelist": nodelist}
     (run_dir / "slurm").mkdir(exist_ok=True)
-    join = shlex.join(["srun", "--mpi=pmi2", "--ntasks=1", sys.executable, "-m", "dora_hpc.cli", "join", str(run_dir),
-                       *[x for kv in sets for x in ("--set", kv)], *(["--role", role] if role else [])])
+    join = shlex.join(["srun", "--mpi=pmi2", f"--ntasks={tasks}", sys.executable, "-m", "dora_hpc.cli", "join",
+                       str(run_dir), *[x for kv in sets for x in ("--set", kv)], *(["--role", role] if role else [])])
     # a node of its own (--exclusive): a replaced node is a whole node
     args = [f"--{k}={v}" for k, v in flags.items() if v is not None]
     wrap = "\n".join([*s.setup, *FENCE_NETMOD, join])

@@ -102,10 +102,10 @@ class JoinDesk:
         self.checked_at = 0.0  # when Slurm was last asked which requested jobs are alive
 
     def ask(self) -> None:
-        """``slurm.replace_lost``: keep one replacement job asked for per lost rank (a one-task job
-        of its own, ``dora-hpc join --submit``, in the background: rank 0 goes on); each joins once Slurm
-        starts it. A job that ends without offering (its MPI start failed, its node died) is asked for
-        again, at most ``slurm.replace_retries`` times per run."""
+        """``slurm.replace_lost``: keep one replacement job asked for per lost rank, or per lost replica group of
+        several ranks (a job of one task, or of the group's, ``dora-hpc join --submit``, in the background: rank 0
+        goes on); each joins once Slurm starts it. A job that ends without offering (its MPI start failed, its
+        node died) is asked for again, at most ``slurm.replace_retries`` times per run."""
         self._submitted()
         waiting = self._waiting()
         if waiting and time.monotonic() - self.checked_at > ALIVE_CHECK_S:
@@ -117,7 +117,7 @@ class JoinDesk:
                 self.orch.op("join_failed", detail=f"slurm_job={job} ended without joining")
                 self._failed(f"replacement job {job} ended without joining (its log: slurm/join-{job}.out)")
         asked = [self.requested[j] for j in waiting] + list(self.submitting.values())
-        lost = [self.orch.roles.role(r) for r in self.lost()]
+        lost = [self.orch.roles.role(r) for r in self.lost()] + ["trainer"] * len(self.lost_groups())
         role = next((x for x in ("trainer", "rollout") if lost.count(x) > asked.count(x)), None)
         if role is None:
             return
@@ -269,6 +269,16 @@ class JoinDesk:
             return None, f"no {what} is lost"
         return lost[0], ""
 
+    def lost_groups(self) -> list[int]:
+        """The first ranks of the replica groups of several ranks that are lost (every rank fenced) and that no
+        replacement has taken yet."""
+        roles = self.orch.roles
+        if not roles.replicated or roles.replica_size == 1:
+            return []
+        taken = {q for ranks in self.groups.values() for q in ranks}
+        return [f for f in range(1, 1 + roles.trainers, roles.replica_size)
+                if all(q in self.orch.fenced and q not in taken for q in roles.replica_ranks(f))]
+
     def vet_group(self, group: list | None) -> tuple[int | None, str]:
         """A replacement of a rank of a replica group of several ranks: the next rank of the lost group its
         offers' id was given, or the first of a lost group (every rank of it fenced, none taken)."""
@@ -278,9 +288,7 @@ class JoinDesk:
                           f"together (mpiexec -n {size} dora-hpc join RUN_DIR --role trainer)")
         gid = group[0]
         if gid not in self.groups:
-            firsts = range(1, 1 + roles.trainers, size)
-            lost = [f for f in firsts if all(q in self.orch.fenced and q not in self.pending and q not in self.greeted
-                                             for q in roles.replica_ranks(f))]
+            lost = self.lost_groups()
             if not lost:
                 return None, "no trainer replica group is lost"
             self.groups[gid] = roles.replica_ranks(lost[0])
