@@ -422,7 +422,7 @@ class RunConfig(Section):
     @property
     def replica_size(self) -> int:
         """Trainer ranks per fault-tolerant replica group (``train.replicas``; 1 without)."""
-        return self.cluster.trainer_ranks // self.train.replicas
+        return self.cluster.trainer_ranks // self.train.replicas if self.train.replicas > 1 else 1
 
     def _replicas_fit(self) -> None:
         t = self.train
@@ -436,6 +436,9 @@ class RunConfig(Section):
             raise ValueError(f"train.replicas ({t.replicas}) with cluster.trainer_ranks "
                              f"({self.cluster.trainer_ranks}): a replica group of several ranks shards the model "
                              "(train.backend=fsdp); under train.backend=torch a replica is one rank")
+        if self.replica_size > 1 and self.runtime.device == "cuda":
+            raise ValueError("train.replicas with groups of several ranks runs on CPU (gloo) for now, not "
+                             "runtime.device=cuda: a group's NCCL mesh is not wired to torchft yet")
         if t.backend == "fsdp" and self.replica_size == 1:
             raise ValueError(f"train.replicas ({t.replicas}) equals cluster.trainer_ranks: replica groups of one rank "
                              "have nothing to shard (train.backend=torch), or give each several ranks")

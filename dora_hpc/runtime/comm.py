@@ -58,6 +58,7 @@ class Comm:
         self.stop, self._stop_told = stop, False  # a signal's flag: poll() tells rank 0 once
         self.heartbeat_s, self._last_to_0 = heartbeat_s, time.monotonic()
         self.fenced: tuple[int, ...] = ()  # set from Shutdown: close() leaves these ranks out
+        self.told_fenced: set[int] = set()  # ranks rank 0's Fenced notices named (since this Comm was made)
         self.gone: set[int] = set()  # world ranks whose process a replacement took over: never in close()
         self.links: dict[int, Link] = {}  # replacements: ranks reached over a link of their own (route)
         self.broken: set[int] = set()  # ranks a send to, or a link from, failed (their process is gone)
@@ -177,6 +178,7 @@ class Comm:
             if isinstance(notice, Joined):
                 self.link(notice.rank, notice.addr)
             else:
+                self.told_fenced.add(notice.rank)
                 self.abandon(notice.rank)
 
     def link(self, rank: int, addr: str) -> None:

@@ -37,7 +37,7 @@ def status(orch) -> dict:
             "env_waiting": [orch.env_waiting.get(i, 0) for i in range(len(orch.policy.view.instances))]
             if orch.cfg.env.multi_turn else None,
             "fenced": sorted(orch.roles.instance_of_rank(r) for r in orch.fenced if orch.roles.role(r) == "rollout"),
-            "trainers": [len(orch.live_replicas), orch.roles.trainers] if orch.roles.replicated else None,
+            "trainers": [orch.live_groups, orch.cfg.train.replicas] if orch.roles.replicated else None,
             "live": [[round(t, 1), n] for t, n in orch.live_counts[-LIVE_SHOWN:]],
             "queued": {str(v): len(q) for v, q in sorted(orch.policy.view.queues.items()) if q},
             "stale": {str(s): n for s, n in sorted(orch.stale.items())}}

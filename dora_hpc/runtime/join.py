@@ -190,9 +190,12 @@ class JoinDesk:
         self.orch.comm.links.pop(r, None)
         self.orch.comm.fence(r, self.peers(r))
         for gid, ranks in list(self.groups.items()):
-            if r in ranks:  # a group joins whole or not at all
+            if r in ranks:  # a group joins whole or not at all: the ones that said Hello are fenced again too
                 del self.groups[gid]
-                self.greeted -= set(ranks)
+                for q in [q for q in ranks if q in self.greeted]:
+                    self.greeted.discard(q)
+                    self.orch.comm.links.pop(q, None)
+                    self.orch.comm.fence(q, self.peers(q))
                 for q in [q for q in ranks if q in self.pending]:
                     self.abandon(q, f"group of rank {r}", f"is of rank {r}'s group, whose join failed")
 

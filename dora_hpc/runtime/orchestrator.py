@@ -412,8 +412,8 @@ class Orchestrator(OpLog):
     def fence_trainer(self, r: int, silent_s: float, cause: str) -> None:
         """Give up on trainer rank ``r`` and with it its replica group (every rank of it: they shard one model):
         the other groups take each step from now on (a step it was lost in is taken again by them,
-        train/ft.py); nothing is sent to its ranks again (one still running leaves once its group's
-        collective fails and it hears of the fence), loads waiting for its weights take them from another
+        train/ft.py); nothing is sent to its ranks again (one still running leaves once it hears of the
+        fence: TrainerRank.leave), loads waiting for its weights take them from another
         replica, and a checkpoint it was writing is abandoned (taken again at once where no step is left to
         trigger the next)."""
         group = [r, *(q for q in self.roles.replica_ranks(r) if q != r and q not in self.fenced)]
@@ -423,9 +423,10 @@ class Orchestrator(OpLog):
             self.op("fence", peer=q, detail=f"cause={cause if q == r else 'group'} silent={silent_s:.0f}s "
                     "role=trainer")
             self.comm.fence(q, [other for other in range(1, self.roles.size) if other not in self.fenced])
+        self.log.flush()
+        for q in group:  # the whole group fenced first: a load taken elsewhere never goes to its other ranks
             self.weights.source_lost(q)
             abandoned = self.checkpoints.trainer_lost(q) or abandoned
-        self.log.flush()
         why = "died" if cause == "died" else f"sent nothing for {silent_s:.0f} s"
         more = f" with its replica group (ranks {', '.join(map(str, sorted(group)))})" if len(group) > 1 else ""
         print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced{more}; the replicas left ({self.live_groups}) "

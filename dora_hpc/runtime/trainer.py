@@ -19,7 +19,7 @@ Invariants:
   ranks leave (``leave``). The weights live in a trainer backend
   (``train.backend``: replicated torch, FSDP2 or megatron-core); every collective of a sharded backend (a
   step, gathering the weights to publish, gathering the optimizer for a checkpoint) is reached by every
-  trainer rank in the same message order;
+  rank it shards over (every trainer rank, or every rank of a replica group) in the same message order;
 * weights are served while a step computes (``runtime.serve_weights_while_training``): a helper thread
   answers SendWeights for versions already held, queues arriving trajectories (the step has taken its
   own out of the queue) and sets every other message aside, in arrival order, for after the step; it
@@ -110,7 +110,6 @@ class TrainerRank(RankClock):
         self.comm, self.cfg, self.t0, self.run_dir, self.attempt = comm, cfg, t0, run_dir, attempt
         t = cfg.train
         self.replicated = comm.roles.replicated
-        self.fenced_before = set(comm.fenced)  # a replacement's: its group's other ranks, joining beside it
         self.dp = self.data_parallel(lighthouse)
         self.lead = comm.rank == comm.roles.lead_trainer
         # logs each step's row, reports Initial and Published: the lead, or each replica group's first rank
@@ -170,7 +169,7 @@ class TrainerRank(RankClock):
         group = None
         if len(ranks) > 1:
             sub = comm.trainer_comm.Split(ranks[0], comm.rank)
-            group = DataParallel(sub, collectives=collectives, timeout_s=t.replica_timeout_s)
+            group = DataParallel(sub, collectives=collectives)  # a lost peer: its rank leaves when fenced
         return Replicas(lighthouse, f"trainer{ranks[0]}", t.replica_timeout_s, self.replica_state,
                         self.load_replica_state, group=group)
 
@@ -183,17 +182,18 @@ class TrainerRank(RankClock):
             raise
 
     def group_lost(self, wait: bool = False) -> bool:
-        """Whether rank 0 fenced a rank of this rank's replica group of several ranks (such a group fails as a
-        whole); ``wait``: after a failure, for its notice, up to the time rank 0 takes to fence a silent rank."""
+        """Whether rank 0's notices fenced a rank of this rank's replica group of several ranks (such a group fails
+        as a whole; a replacement's group-mates were fenced before it joined, so only notices count); ``wait``:
+        after a failure, for such a notice, up to the time rank 0 takes to fence a silent rank."""
         roles = self.comm.roles
         if not roles.replicated or roles.replica_size == 1:
             return False
-        group = set(roles.replica_ranks(self.comm.rank)) - self.fenced_before  # a replacement's peers were fenced
+        group = set(roles.replica_ranks(self.comm.rank))
         end = time.monotonic() + (self.cfg.runtime.hang_timeout_s + 2 * self.cfg.runtime.heartbeat_s if wait else 0)
-        while not group & set(self.comm.fenced) and time.monotonic() < end:
+        while not group & self.comm.told_fenced and time.monotonic() < end:
             self.comm.poll()  # takes rank 0's Fenced notices in; what else arrives is of no use now
             time.sleep(0.05)
-        return bool(group & set(self.comm.fenced))
+        return bool(group & self.comm.told_fenced)
 
     def leave(self, why: str) -> None:
         """End this process, taking nothing down: rank 0 fenced its replica group, whose other ranks leave
@@ -202,6 +202,7 @@ class TrainerRank(RankClock):
         ranks = self.comm.roles.replica_ranks(self.comm.rank)
         print(f"dora-hpc: rank {self.comm.rank} leaves: its trainer replica group (ranks {ranks}) was fenced ({why})",
               file=sys.stderr, flush=True)
+        self.comm.finish_sends(timeout_s=5.0)  # weights it was sending reach their instance (or are given up on)
         os._exit(0)
 
     def serve(self) -> None:
@@ -210,6 +211,8 @@ class TrainerRank(RankClock):
         while self.running:
             got = self.next_message()
             if got is None:
+                if self.group_lost():  # fenced with its group while it waited: nothing will come
+                    self.leave("while it waited for a step")
                 if self.rollout is None or not self.rollout.work():
                     time.sleep(0.001)
                 continue
@@ -371,6 +374,8 @@ class TrainerRank(RankClock):
                                    f"did not arrive within {limit_s:g} s")
             got = self.comm.poll()
             if got is None:
+                if self.group_lost():
+                    self.leave("while it waited for its step's trajectories")
                 time.sleep(0.001)
             elif isinstance(got[0], Trajectory | SendWeights):
                 self.handle(*got)

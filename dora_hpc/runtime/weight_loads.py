@@ -8,9 +8,10 @@ Invariants:
   version added beside others (an adapter, ``add``) comes whole and leaves the base a later delta uses alone;
 * version 0 taken from the model folder (FOLDER) is checked against the trainer's version 0 (its Initial):
   an instance whose folder differs stops the run, naming the instance;
-* fault-tolerant trainer replicas (``Roles.replicated``) each keep a version whole: a load from the trainers
-  comes from the lowest live replica that holds it (``holders``, from their Initial, Published and Holds),
-  and from the next when that one is lost. One source, not spread over the replicas: MPICH's OFI netmod
+* fault-tolerant trainer replica groups (``Roles.replicated``) each keep a version (a shard on each rank of a
+  group): a load from the trainers comes from the lowest live replica group that holds it (``holders``, from
+  their Initial, Published and Holds; ``Roles.weight_ranks``: every rank of that group sends its shard), and
+  from the next when that one is lost. One source, not spread over the replicas: MPICH's OFI netmod
   kills a rank that is receiving a large buffer from a process that dies (a completion-queue error is
   fatal, slurm/NOTES.md), so only the source's death, not every replica's, can take a rollout rank along.
 """

@@ -241,7 +241,8 @@ class Simulator(Borrowing, EpisodeSteps):
         t0, steps0, running, waiting = inst.t_run, inst.steps, len(inst.reqs), len(inst.waiting)
         if self.now > t0:  # the batch's versions, for its engine-step row (before advance finishes any): one where
             # the instance hosts one (a request runs only under the version its instance holds, Instance.hosts)
-            versions = len({self.trajs[t].segments[-1] for t in inst.reqs}) if inst.resident else min(len(inst.reqs), 1)
+            versions = len({self.trajs[t].segments[-1] for t in inst.reqs}) if len(inst.resident) > 1 else \
+                min(len(inst.reqs), 1)
         inst.advance(self.now)
         self.running -= 1
         if self.now > t0:

@@ -9,6 +9,8 @@ off for eager and for learned lean at the config's K.
 
 A run resumes: each finished simulation is kept under the output folder's ``points/`` (named by a digest of
 the config, the point and the seed), and a later run with the same config, point and seed takes it from there.
+The digest does not cover the simulator's code: a change that moves a simulation's figures must delete the
+kept points it makes stale.
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ def frontier(cfg: RunConfig, seeds: tuple[int, ...] = (0,), ks: tuple[int, ...] 
         for fut in as_completed(futures):
             i, kept = futures[fut]
             runs[i].append(fut.result())
-            if kept is not None:
+            if kept is not None:  # whole or not at all: a run stopped mid-write leaves no half point
                 kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps(runs[i][-1]) + "\n")
+                kept.with_suffix(".tmp").write_text(json.dumps(runs[i][-1]) + "\n")
+                kept.with_suffix(".tmp").rename(kept)
             progress.advance(task)
     out = []
     for i, p in enumerate(pts):

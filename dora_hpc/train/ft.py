@@ -145,27 +145,39 @@ class Replicas(Reductions):
         """``t`` reduced over the quorum's replicas, rank i of each with rank i of the others."""
         if self.size == 1:
             return t
+        self._reduce(t, op)
+        self._check_lost()
+        return t
+
+    def _reduce(self, t: torch.Tensor, op: str) -> None:
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM if op == "sum" else ReduceOp.MAX).wait()
+
+    def _check_lost(self) -> None:
+        """Raise StepAborted on every rank of the group, or on none, where a replica collective of this step
+        failed on any of them."""
         lost = torch.tensor([self.manager.errored() is not None], dtype=torch.int64)
         if self.group:  # every rank of the group ends the step, or none: the group's collectives stay in step
             self.group._all_reduce(lost, "max")
-        if lost.item():  # ``t`` may hold anything: the step ends here, uncommitted
+        if lost.item():  # what was reduced may hold anything: the step ends here, uncommitted
             self.commit()
             raise StepAborted(f"replica {self.replica_id}: a replica was lost in step {self.manager.current_step()}")
-        return t
 
     def sum_shards_(self, tensors: list[torch.Tensor]) -> None:
-        """Sum each of this rank's gradient shards with the same shard of the other replicas (in place)."""
+        """Sum each of this rank's gradient shards with the same shard of the other replicas (in place). The ranks
+        of a group may cut their shards into different numbers of buckets (FSDP2 shards unevenly), so they agree
+        on a lost replica once, after the last."""
         if self.size == 1:
             return
         for bucket in buckets(tensors, lambda t: t.numel() * t.element_size(), BUCKET_BYTES):
-            flat = self._across(torch.cat([t.reshape(-1) for t in bucket]), "sum")
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self._reduce(flat, "sum")  # after an error torchft's reductions do nothing: the check below ends it
             off = 0
             for t in bucket:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
+        self._check_lost()
 
     def allgather(self, obj) -> list:
         """Every rank of this replica group's ``obj`` in rank order: replicas share nothing outside a step's
