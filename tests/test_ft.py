@@ -139,6 +139,25 @@ def run_dir_steps(run_dir: Path) -> int:
         return 0
 
 
+def signal_after_two_steps(run_dir: Path, sets: list[str], victim: int, sig: int, wait_s: float) -> str:
+    """Run tiny-cpu for 8 steps with ``sets`` (trainer replicas), send ``sig`` to rank ``victim`` once two steps
+    are logged, and return the run's stderr once it ended in success."""
+    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
+           *sets, "--set", "train.max_steps=8", "--set", "train.checkpoint_every=3",
+           "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + wait_s
+    while run_dir_steps(run_dir) < 2 and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    import os
+
+    os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim, sig", [(1, signal.SIGKILL), (2, signal.SIGSTOP)], ids=["kill-rank1", "stop-rank2"])
 def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_path, victim, sig):
@@ -150,19 +169,7 @@ def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_pat
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "ft"
-    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-           *REPLICAS, "--set", "train.max_steps=8", "--set", "train.checkpoint_every=3",
-           "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while run_dir_steps(run_dir) < 2 and time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    import os
-
-    os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    err = signal_after_two_steps(run_dir, REPLICAS, victim, sig, wait_s=180)
     why = "died" if sig == signal.SIGKILL else "sent nothing for"
     assert f"rank {victim} (trainer replica) {why}" in err, err[-3000:]
     assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # no requeue, no restart
@@ -193,20 +200,8 @@ def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishe
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "hsdp"
-    cmd = [sys.executable, "-m", "dora_hpc.cli", "run", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-           "--set", "cluster.trainer_ranks=4", "--set", "train.replicas=2", "--set", "train.backend=fsdp",
-           "--set", "train.max_steps=8", "--set", "train.checkpoint_every=3",
-           "--set", "train.replica_timeout_s=10", "--set", "runtime.hang_timeout_s=8"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while run_dir_steps(run_dir) < 2 and time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    import os
-
-    os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    groups = ["--set", "cluster.trainer_ranks=4", "--set", "train.replicas=2", "--set", "train.backend=fsdp"]
+    err = signal_after_two_steps(run_dir, groups, victim, sig, wait_s=240)
     group, why = ([1, 2], "died") if victim == 2 else ([3, 4], "sent nothing for")
     other, = set(group) - {victim}
     assert f"rank {victim} (trainer replica) {why}" in err and "fenced with its replica group" in err, err[-3000:]
