@@ -5,6 +5,7 @@ committed step: its step, the quorum's size and its index in it, the loss and th
     python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S] [--after PID] [--lora R]
     mpiexec -n G python tests/ft_replicas.py replica ...        # a replica group of G ranks sharding with FSDP2
     python tests/ft_replicas.py single MODEL_DIR STEPS [--lora R]  # one plain trainer, the reference
+    python tests/ft_replicas.py overwrite MODEL_DIR             # one FSDP2 rank loads another's replica state
 
 Every replica takes the whole batch of ``dp_equivalence.batch(step)`` and trains on its share of the groups
 (``Replicas.share``), as the runtime's trainer does. ``--die-in STEP`` SIGKILLs the replica (the first rank of a
@@ -95,6 +96,26 @@ def single(model_dir: str, steps: int, adapter: LoraSpec | None = None) -> None:
              checksum=checksum_of(trainer.state_dict(), 1, torch.float32))
 
 
+def overwrite(model_dir: str) -> None:
+    """Trainer b (two steps) loads trainer a's replica state (one step) less one parameter's Adam moments, as
+    from a source that has none for it: b then holds exactly a's weights and moments, none of its own."""
+    a = GRPOTrainer(model_dir, CFG, seed=0, backend="fsdp")
+    b = GRPOTrainer(model_dir, CFG, seed=0, backend="fsdp", dp=a.dp)
+    a.train_step(batch(0))
+    b.train_step(batch(0))
+    b.train_step(batch(1))
+    state = a.replica_state()
+    gone = next(iter(state["optimizer"]))
+    del state["optimizer"][gone]
+    b.load_replica_state(state)
+    names = {p: n for n, p in b.backend.model.named_parameters()}
+    moments = {names[p]: v for p, v in b.opt.state.items()}
+    line(step=b.step, moments=sorted(moments) == sorted(state["optimizer"]),
+         equal=all(torch.equal(v.full_tensor(), state["optimizer"][n]["exp_avg"]) for n, v in
+                   ((n, m["exp_avg"]) for n, m in moments.items())),
+         checksum=checksum_of(b.state_dict(), 1, torch.float32) == checksum_of(a.state_dict(), 1, torch.float32))
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     if argv[0] == "lighthouse":
@@ -103,6 +124,8 @@ def main(argv: list[str]) -> None:
         lh = serve_lighthouse(2.0)  # a replica that starts later recovers the first one's state
         line(address=lh.address())
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    elif argv[0] == "overwrite":
+        overwrite(argv[1])
     elif argv[0] == "single":
         single(argv[1], int(argv[2]), lora(argv[4] if argv[3:4] == ["--lora"] else None))
     else:

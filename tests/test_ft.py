@@ -96,6 +96,16 @@ def test_a_replica_lost_in_a_step_costs_that_step_and_a_replacement_recovers_fro
     same_steps(got_a, single(tiny, 6))  # every step, the lost and the shared, is the one trainer's
 
 
+@pytest.mark.slow
+def test_a_recovered_fsdp_rank_keeps_none_of_its_own_optimizer_state(tiny):
+    """An FSDP2 rank loading a live replica's state takes its weights, step and Adam moments, and drops its
+    own moments for a parameter the source has none for (one rank, its own process: torch.distributed)."""
+    p = subprocess.run([*SCRIPT, "overwrite", tiny], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parent)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == {"step": 1, "moments": True, "equal": True, "checksum": True}
+
+
 def group(tiny: str, address: str, rid: str, steps: int, *opts: str) -> subprocess.Popen:
     """A replica group of two ranks sharding the model with FSDP2 (one mpiexec)."""
     from dora_hpc.launch.local import mpiexec

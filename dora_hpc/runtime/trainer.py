@@ -115,7 +115,7 @@ class TrainerRank(RankClock):
         # logs each step's row, reports Initial and Published: the lead, or each replica group's first rank
         self.reports = self.lead or self.replicated and self.dp.shard_rank == 0
         lora = LoraSpec.of(cfg)
-        self.adapter_versions = lora is not None  # a version is the adapter
+        self.lora = lora is not None  # a version is the adapter
         self.trainer = GRPOTrainer(model_dir, grpo_config(cfg), seed=cfg.seed, dp=self.dp, backend=t.backend,
                                    tensor_parallel=t.tensor_parallel,
                                    activation_checkpointing=t.activation_checkpointing,
@@ -275,7 +275,7 @@ class TrainerRank(RankClock):
     def publish(self, version: int, step: int) -> str:
         """Keep this rank's shard of the weights it holds now as ``version`` (dropping versions no longer
         live) and return the version's checksum (a collective over the trainer ranks)."""
-        base = version == 0 and self.adapter_versions  # v0 is the model folder's base: a fresh adapter is the identity
+        base = version == 0 and self.lora  # v0 is the model folder's base: a fresh adapter is the identity
         shard = self.trainer.backend.shard_state_dict(self.shard, self.shards, self.dtype, base=base)
         digests = self.dp.allgather(shard_digest(shard))
         if self.trainer.backend.whole and self.shards > 1:  # a replica checks its neighbour's shard as well

@@ -150,7 +150,8 @@ class FSDPBackend(ReplicatedBackend):
 
     def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
         """Another group's ``local_state`` of the same rank: an optimizer entry shaped like the parameter's shard
-        (Adam's moments) is sharded as the parameter is; the others (its step count) are plain."""
+        (Adam's moments) is sharded as the parameter is; the others (its step count) are plain. This rank's own
+        optimizer state is replaced whole."""
         from torch.distributed.tensor import DTensor
 
         trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -159,6 +160,8 @@ class FSDPBackend(ReplicatedBackend):
         with torch.no_grad():
             for n, p in trained.items():
                 _local(p).copy_(state["weights"][n])
+        for p in trained.values():  # a parameter the source has no moments for (it had not stepped) has none here
+            opt.state.pop(p, None)
         for n, entries in state["optimizer"].items():
             p = trained[n]
             for k, v in entries.items():
