@@ -3,7 +3,7 @@ committed step: its step, the quorum's size and its index in it, the loss and th
 
     python tests/ft_replicas.py lighthouse                     # prints its address, serves until killed
     python tests/ft_replicas.py replica MODEL_DIR ADDR ID STEPS [--die-in STEP] [--pace S] [--after PID] [--lora R]
-    mpiexec -n G python tests/ft_replicas.py replica ...        # a replica group of G ranks sharding with FSDP2
+    mpiexec -n G python tests/ft_replicas.py replica ... [--backend megatron]  # a group of G ranks: FSDP2 or TP
     python tests/ft_replicas.py single MODEL_DIR STEPS [--lora R]  # one plain trainer, the reference
     python tests/ft_replicas.py overwrite MODEL_DIR             # one FSDP2 rank loads another's replica state
 
@@ -12,7 +12,8 @@ Every replica takes the whole batch of ``dp_equivalence.batch(step)`` and trains
 group) inside that step's gradient sum over the replicas (after its forward and backward); ``--pace S`` sleeps S
 seconds after each step (so a late replica can join while the others still train); ``--after PID`` starts the
 replica once process PID is gone (a replacement that has imported everything already). A group's first rank
-prints. ``--lora R`` trains a rank-R LoRA adapter (train/lora.py) instead of every weight.
+prints. ``--lora R`` trains a rank-R LoRA adapter (train/lora.py) instead of every weight; ``--backend megatron``
+makes a group of G ranks one megatron-core tensor-parallel group instead of FSDP2's shards.
 """
 
 import json
@@ -41,7 +42,7 @@ def lora(rank: str | None) -> LoraSpec | None:
 
 
 def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int | None, pace: float,
-            after: int | None = None, adapter: LoraSpec | None = None) -> None:
+            after: int | None = None, adapter: LoraSpec | None = None, sharded: str = "fsdp") -> None:
     from dora_hpc.train.ft import Replicas
 
     while after is not None and os.path.exists(f"/proc/{after}"):
@@ -60,7 +61,7 @@ def replica(model_dir: str, lighthouse: str, rid: str, steps: int, die_in: int |
     dp = Replicas(lighthouse, rid, timeout_s=10.0, state=lambda: holder["trainer"].replica_state(),
                   load_state=load_state, group=group)
     say = line if dp.shard_rank == 0 else (lambda **_: None)
-    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp, backend="fsdp" if group else "torch",
+    trainer = holder["trainer"] = GRPOTrainer(model_dir, CFG, seed=0, dp=dp, backend=sharded if group else "torch",
                                               lora=adapter)
     if die_in is not None:
         name = "sum_shards_" if group else "sum_grads_"
@@ -132,7 +133,7 @@ def main(argv: list[str]) -> None:
         opts = dict(zip(argv[5::2], argv[6::2], strict=True))
         replica(argv[1], argv[2], argv[3], int(argv[4]), int(opts["--die-in"]) if "--die-in" in opts else None,
                 float(opts.get("--pace", 0)), int(opts["--after"]) if "--after" in opts else None,
-                lora(opts.get("--lora")))
+                lora(opts.get("--lora")), opts.get("--backend", "fsdp"))
 
 
 if __name__ == "__main__":

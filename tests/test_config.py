@@ -69,7 +69,9 @@ def test_a_shared_prompt_forward_is_refused_where_it_cannot_run(sets):
     (["train.replicas=2"], "must divide cluster.trainer_ranks"),
     (["train.replicas=2", "cluster.trainer_ranks=2", "train.backend=fsdp"], "nothing to shard"),
     (["train.replicas=2", "cluster.trainer_ranks=4"], "train.backend=fsdp"),
-    (["train.replicas=2", "cluster.trainer_ranks=4", "train.backend=megatron"], "megatron"),
+    (["train.replicas=2", "cluster.trainer_ranks=4", "train.backend=megatron", "train.tensor_parallel=1"],
+     "one tensor-parallel group"),
+    (["train.replicas=2", "cluster.trainer_ranks=2", "train.backend=megatron"], "nothing to shard"),
     (["train.replicas=2", "cluster.trainer_ranks=2", "cluster.elastic=true"], "cluster.elastic"),
     (["train.replicas=0"], "train.replicas"),
 ])

@@ -3,6 +3,8 @@
 all-reduce costs that step, which the survivor takes again alone with the same result; a replacement
 recovers the weights and optimizer from the survivor (no checkpoint) and trains beside it."""
 
+import contextlib
+import importlib.util
 import json
 import signal
 import subprocess
@@ -22,14 +24,21 @@ def tiny(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny"))
 
 
-@pytest.fixture
-def lighthouse():
+@contextlib.contextmanager
+def serving():
+    """A lighthouse of its own (tests/ft_replicas.py); yields its address."""
     p = subprocess.Popen([*SCRIPT, "lighthouse"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         yield json.loads(p.stdout.readline())["address"]
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
+
+
+@pytest.fixture
+def lighthouse():
+    with serving() as address:
+        yield address
 
 
 def replica(tiny: str, address: str, rid: str, steps: int, *opts: str) -> subprocess.Popen:
@@ -115,14 +124,18 @@ def group(tiny: str, address: str, rid: str, steps: int, *opts: str) -> subproce
 
 
 @pytest.mark.slow
-def test_two_fsdp_replica_groups_take_one_trainers_steps_and_a_lost_group_costs_a_step(tiny, lighthouse):
-    """Two replica groups of two FSDP2 ranks each (HSDP: sharded inside a group, summed across groups): the
-    single trainer's losses and gradient norms, bit-identical across groups; group b SIGKILLed inside step 1's
-    sum across groups costs that step, which a takes again alone, and b's replacement recovers its shards from
-    a (rank for rank, no checkpoint) and trains beside it to the end."""
-    a = group(tiny, lighthouse, "a", 6, "--pace", "1")
-    b = group(tiny, lighthouse, "b", 6, "--die-in", "1")
-    c = group(tiny, lighthouse, "b", 6, "--after", str(b.pid))  # its replacement, under its name, once b is gone
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core not installed"))])
+def test_two_replica_groups_take_one_trainers_steps_and_a_lost_group_costs_a_step(tiny, lighthouse, backend):
+    """Two replica groups of two ranks each, sharded inside a group (FSDP2, HSDP; or megatron-core TP=2) and
+    summed across groups: one trainer's losses and gradient norms (FSDP2: the plain trainer's; megatron: one TP
+    group's alone), bit-identical across groups; group b SIGKILLed inside step 1's sum across groups costs that
+    step, which a takes again alone, and b's replacement recovers its shards from a (rank for rank, no
+    checkpoint) and trains beside it to the end."""
+    opts = ("--backend", backend)
+    a = group(tiny, lighthouse, "a", 6, "--pace", "1", *opts)
+    b = group(tiny, lighthouse, "b", 6, "--die-in", "1", *opts)
+    c = group(tiny, lighthouse, "b", 6, "--after", str(b.pid), *opts)  # its replacement, once b is gone
     b.communicate(timeout=240)  # mpiexec reports the killed rank on stdout, in its own words
     assert b.returncode != 0
     (rows_a, err, rc), (rows_c, err_c, rc_c) = lines(a), lines(c)
@@ -133,7 +146,13 @@ def test_two_fsdp_replica_groups_take_one_trainers_steps_and_a_lost_group_costs_
     healed = [r["healed"] for r in rows_c if "healed" in r]
     assert len(healed) == 1 and min(got_c) == healed[0] >= 1 and max(got_c) == 5, (rows_a, rows_c)
     assert all(got_c[s]["checksum"] == got_a[s]["checksum"] and got_c[s]["size"] == 2 for s in got_c)
-    same_steps(got_a, single(tiny, 6))  # every step, shared, alone and shared again, is the one trainer's
+    if backend == "fsdp":
+        ref = single(tiny, 6)
+    else:
+        with serving() as alone:
+            ref, err, rc = lines(group(tiny, alone, "ref", 6, *opts))
+        assert rc == 0, err[-2000:]
+    same_steps(got_a, ref)  # every step, shared, alone and shared again, is the one trainer's
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,9 +218,14 @@ def test_a_run_loses_a_trainer_replica_and_finishes_in_its_first_attempt(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim, sig", [(2, signal.SIGKILL), (3, signal.SIGSTOP)], ids=["kill-rank2", "stop-rank3"])
-def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishes_it(tmp_path, victim, sig):
-    """Two replica groups of two FSDP2 ranks (cluster.trainer_ranks=4, train.replicas=2): after two steps rank 2,
+@pytest.mark.parametrize("victim, sig, backend", [
+    (2, signal.SIGKILL, "fsdp"), (3, signal.SIGSTOP, "fsdp"),
+    pytest.param(2, signal.SIGKILL, "megatron", marks=pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None, reason="megatron-core not installed"))],
+    ids=["kill-rank2", "stop-rank3", "megatron-kill-rank2"])
+def test_a_run_loses_a_rank_of_a_replica_group_and_the_other_group_finishes_it(tmp_path, victim, sig, backend):
+    """Two replica groups of two ranks (cluster.trainer_ranks=4, train.replicas=2; FSDP2 shards, or megatron-core
+    TP=2): after two steps rank 2,
     the second rank of the first group, is SIGKILLed, or rank 3, the first of the second (it serves its group's
     torchft manager), SIGSTOPped. Rank 0 fences the victim with its group (the other rank leaves once it hears of
     the fence: it takes nothing down), and the other group takes every step from then on; the run ends in its
@@ -210,7 +234,7 @@ def test_a_run_loses_a_rank_of_an_fsdp_replica_group_and_the_other_group_finishe
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "hsdp"
-    groups = ["--set", "cluster.trainer_ranks=4", "--set", "train.replicas=2", "--set", "train.backend=fsdp"]
+    groups = ["--set", "cluster.trainer_ranks=4", "--set", "train.replicas=2", "--set", f"train.backend={backend}"]
     err = signal_after_two_steps(run_dir, groups, victim, sig, wait_s=240)
     group, why = ([1, 2], "died") if victim == 2 else ([3, 4], "sent nothing for")
     other, = set(group) - {victim}

@@ -537,6 +537,47 @@ def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
 
 
 @pytest.mark.slow
+def test_a_lost_replica_group_is_replaced_automatically(tmp_path, slurm_cluster):
+    """Two replica groups of two FSDP2 trainer ranks (HSDP) and ``slurm.replace_lost``: rank 4 SIGKILLed fences
+    its group (ranks 3 and 4; rank 3 leaves), rank 0 asks for one replacement job of two tasks on a node of
+    its own, both join in the group's place together, recover the other group's shards and train beside it
+    with the same weights. The run ends in its first start with every invariant 0."""
+    run_dir = tmp_path / "group"
+    steps = 60
+    job = submit(run_dir, steps, "cluster.trainer_ranks=4", "train.replicas=2", "train.backend=fsdp",
+                 "cluster.rollout_instances=2", "slurm.heterogeneous=false", "slurm.trainer.nodes=4",
+                 "slurm.fence_rollout=true", "slurm.replace_lost=true", "train.replica_timeout_s=20",
+                 "runtime.hang_timeout_s=20", "slurm.time_min=30")
+    try:
+        wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
+        kill_rank(run_dir, 4)
+        wait_for(lambda: "fenced with its replica group (ranks 3, 4)" in slurm_log(run_dir, job), job, timeout=120,
+                 what="rank 0 to fence the killed rank's group", run_dir=run_dir)
+        wait_for(lambda: "rank 4 (trainer replica) is back" in slurm_log(run_dir, job)
+                 and "rank 3 (trainer replica) is back" in slurm_log(run_dir, job), job, timeout=400,
+                 what="the replacement group to join", run_dir=run_dir)
+        wait_for(lambda: job_state(job).get("JobState") == "COMPLETED", job, timeout=600,
+                 what="the run to complete", run_dir=run_dir)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    log = slurm_log(run_dir, job)
+    (replacement,) = re.findall(r"submitted replacement job (\d+) \(trainer\)", log)
+    assert attempts(run_dir) == 1 and "requeueing" not in since_attempt_0(log), log[-3000:]
+    a = analyze(run_dir)
+    assert a["steps"] == steps and a["consumed"] == steps * 4 * 4
+    assert not any(a["invariants"][k] for k in ("lost_groups", "duplicate_groups", "split_groups",
+                                                "staleness_over_k", "mixed_version_trajectories")), a["invariants"]
+    assert [e["event"] for e in a["instances"]["timeline"]] == ["start"]  # a replica is no rollout instance
+    out = (run_dir / "slurm" / f"join-{replacement}.out").read_text()
+    assert "joined as rank 3 (trainer replica)" in out and "joined as rank 4 (trainer replica)" in out, out[-2000:]
+    assert "recovered v" in out, out[-2000:]
+    late, other = replacement_steps(run_dir, 3, 1)  # the new group's first rank logs its steps
+    assert late and max(late) == steps - 1 and all(other[s] == c for s, c in late.items()), sorted(late)
+    wait_for(lambda: job_state(replacement).get("JobState") == "COMPLETED", replacement, timeout=60,
+             what="the replacement to leave")
+
+
+@pytest.mark.slow
 def test_the_last_rollout_instance_lost_ends_the_start_and_the_job_resumes(tmp_path, slurm_cluster):
     """With one rollout instance there is nothing to fence onto: its death ends the start at once (exit 75,
     resumable), and the job requeues itself and resumes from its last checkpoint."""

@@ -193,7 +193,7 @@ class TrainConfig(Section):
                           "batch is split over the replicas alive at it, and a lost replica costs that step, not "
                           "the job; 1: one group, whose loss requeues the job. cluster.trainer_ranks is split into "
                           "this many groups of consecutive ranks: one rank each under the torch backend, several "
-                          "sharding the model under fsdp (HSDP)")
+                          "sharding the model under fsdp (HSDP), or one tensor-parallel group under megatron")
     replica_timeout_s: float = Field(60.0, gt=0, description="train.replicas >= 2: how long a step's collective "
                                      "waits for a replica before giving up on it (a hung or unreachable one; a "
                                      "killed one is noticed within seconds)")
@@ -429,9 +429,9 @@ class RunConfig(Section):
         if self.cluster.trainer_ranks % t.replicas:
             raise ValueError(f"train.replicas ({t.replicas}) must divide cluster.trainer_ranks "
                              f"({self.cluster.trainer_ranks}): each replica group has as many ranks")
-        if t.backend == "megatron":
-            raise ValueError("train.replicas is for train.backend=torch or fsdp (not megatron): a tensor-parallel "
-                             "replica group is not wired to torchft yet")
+        if t.backend == "megatron" and t.tensor_parallel not in (None, self.replica_size):
+            raise ValueError(f"train.tensor_parallel ({t.tensor_parallel}) with train.replicas: a replica group's "
+                             f"ranks are one tensor-parallel group ({self.replica_size} ranks; leave it unset)")
         if t.backend == "torch" and self.replica_size > 1:
             raise ValueError(f"train.replicas ({t.replicas}) with cluster.trainer_ranks "
                              f"({self.cluster.trainer_ranks}): a replica group of several ranks shards the model "
@@ -439,7 +439,7 @@ class RunConfig(Section):
         if self.replica_size > 1 and self.runtime.device == "cuda":
             raise ValueError("train.replicas with groups of several ranks runs on CPU (gloo) for now, not "
                              "runtime.device=cuda: a group's NCCL mesh is not wired to torchft yet")
-        if t.backend == "fsdp" and self.replica_size == 1:
+        if t.backend in ("fsdp", "megatron") and self.replica_size == 1:
             raise ValueError(f"train.replicas ({t.replicas}) equals cluster.trainer_ranks: replica groups of one rank "
                              "have nothing to shard (train.backend=torch), or give each several ranks")
         if self.cluster.elastic:

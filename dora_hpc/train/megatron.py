@@ -6,7 +6,9 @@ Invariants:
 * the trainer ranks form TP groups of ``tensor_parallel`` consecutive ranks (megatron's parallel_state);
   a TP group is one data shard: each of its ranks receives its own groups (routing is unchanged) and the
   group trains on their union (``gather_batch``), so every TP rank runs the same micro-batches; the
-  gradients of the TP groups (data-parallel replicas) are summed like the replicated backend's;
+  gradients of the TP groups (data-parallel replicas) are summed like the replicated backend's; under
+  fault-tolerant replicas (``train.replicas``, train/ft.py) a replica group is one TP group, and each rank's
+  gradient shards are summed with the same rank's of the other groups (``sum_shards_``);
 * logits are gathered over the vocabulary (``parallel_output=False``), so the objective is the same code
   for every backend; its backward splits the gradient back to the vocab shards;
 * sequence parallelism is off, so parameters that are not TP-sharded (norms) get identical gradients on
@@ -98,7 +100,8 @@ class MegatronBackend(TrainBackend):
 
         dp = self.dp
         dp.ensure_process_group()
-        self.tp = self.opts.tensor_parallel or dp.size  # config.py checks that it divides the trainer ranks
+        # the trainer ranks, or a fault-tolerant replica group's (train/ft.py): config.py checks that it divides them
+        self.tp = self.opts.tensor_parallel or dp.shard_size
         on_gpu = dp.collectives == "nccl"
         if not on_gpu:
             _cpu_shims()
@@ -168,8 +171,34 @@ class MegatronBackend(TrainBackend):
         return n_local
 
     def finish_grads(self) -> None:
+        """Sum over megatron's data-parallel groups; under fault-tolerant replicas (one TP group each) over the
+        replica groups instead, each rank's TP shard with the same shard of the others (train/ft.py)."""
         if self.replicas > 1:
             self.dp.sum_grads_(self.parameters(), group=self.dp_group)
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.dp.sum_shards_([p.grad for p in params])
+
+    def local_state(self, opt: torch.optim.Optimizer) -> dict:
+        """This rank's TP shards of the parameters and of their optimizer state, by megatron name (no collective)."""
+        return {"weights": {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
+                "optimizer": {n: {k: v.detach().to("cpu", copy=True) for k, v in opt.state[p].items()}
+                              for n, p in self.params.items() if p in opt.state}}
+
+    def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """The same rank's ``local_state`` of another replica group; this rank's own optimizer state is replaced
+        whole."""
+        if set(state["weights"]) != set(self.params):
+            raise RuntimeError("a recovered replica state does not fit this model's parameters")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state["weights"][n])
+        for p in self.params.values():
+            opt.state.pop(p, None)
+        for n, entries in state["optimizer"].items():
+            opt.state[self.params[n]] = {k: v.to(self.device) for k, v in entries.items()}
 
     def clip_grad_norm(self, max_norm: float) -> float:
         import torch.distributed as dist
