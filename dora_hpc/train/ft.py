@@ -89,6 +89,9 @@ class Replicas(Reductions):
             self.store = TCPStore(*addr, is_master=True, wait_for_workers=False)
         if self.group:
             addr = self.group.mpi.bcast(addr, root=0)
+            # every rank has it before the root blocks outside MPI (MPICH's OFI netmod across nodes delivers a
+            # first message only while both sides progress: train/dp.py's rendezvous)
+            self.group.mpi.Barrier()
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.manager = Manager(pg=self.pg, min_replica_size=1, load_state_dict=load_state, state_dict=state,
                                replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=addr[0],
