@@ -83,7 +83,9 @@ def replica_group(cfg, role: str | None, world) -> tuple[tuple[str, int] | None,
         if world.Get_size() != size:
             return None, (f"the trainer's replica groups have {size} ranks: start {size} replacements together "
                           f"(mpiexec -n {size} dora-hpc join RUN_DIR --role trainer)")
-        return (world.bcast(f"{os.uname().nodename}-{os.getpid()}", root=0), size), ""
+        group = world.bcast(f"{os.uname().nodename}-{os.getpid()}", root=0)
+        world.Barrier()  # each has it before the root goes on outside MPI (train/dp.py's rendezvous says why)
+        return (group, size), ""
     if world.Get_size() > 1:
         return None, ("several processes replace a trainer replica group (--role trainer, train.replicas with "
                       "groups of several ranks) only")
