@@ -81,8 +81,8 @@ class TrainBackend:
         self.mixed_precision = opts.mixed_precision
         if self.mixed_precision == "bf16" and self.device.type == "cpu" and not cpu_has_bf16() and dp.lead:
             print("dora-hpc: warning: train.mixed_precision=bf16 on a CPU without bfloat16 instructions (AVX512-BF16 "
-                  "or AMX): each train step runs many times slower than in float32 (measured 28x on an AVX2 EPYC); "
-                  "set train.mixed_precision=no", file=sys.stderr, flush=True)
+                  "or AMX): each train step runs many times slower than in float32 (about 20x on an AVX2 EPYC); set "
+                  "train.mixed_precision=no", file=sys.stderr, flush=True)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.setup(model_dir)
