@@ -141,3 +141,8 @@ def test_deprecated_keys_keep_working_and_name_their_new_key(tmp_path, capsys):
              "dora": {"kv_offload": False}, "engine": {"on_kv_full": "offload"}}
     cfg = validate(saved, saved=True)
     assert cfg.cluster.rollout_instances == 2 and cfg.engine.on_kv_full == "offload"
+
+
+def test_a_bare_no_is_float32_training_not_a_yaml_false():
+    """``--set train.mixed_precision=no``, as the trainer's bf16 warning says, and ``mixed_precision: no`` in YAML."""
+    assert load_config("configs/smollm2-addition.yaml", ["train.mixed_precision=no"]).train.mixed_precision == "no"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..core.policies import MODES, traits_of
 from .base import ConfigError, Section
@@ -197,6 +197,12 @@ class TrainConfig(Section):
     replica_timeout_s: float = Field(60.0, gt=0, description="train.replicas >= 2: how long a step's collective "
                                      "waits for a replica before giving up on it (a hung or unreachable one; a "
                                      "killed one is noticed within seconds)")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _no_is_no(cls, v: Any) -> Any:
+        """YAML reads a bare ``no`` (``--set train.mixed_precision=no``) as false."""
+        return "no" if v is False else v
 
     @model_validator(mode="after")
     def _band_around_one(self) -> TrainConfig:
