@@ -537,11 +537,13 @@ def test_a_lost_rollout_rank_is_replaced_automatically(tmp_path, slurm_cluster):
 
 
 @pytest.mark.slow
-def test_a_lost_replica_group_is_replaced_automatically(tmp_path, slurm_cluster):
-    """Two replica groups of two FSDP2 trainer ranks (HSDP) and ``slurm.replace_lost``: rank 4 SIGKILLed fences
-    its group (ranks 3 and 4; rank 3 leaves), rank 0 asks for one replacement job of two tasks on a node of
-    its own, both join in the group's place together, recover the other group's shards and train beside it
-    with the same weights. The run ends in its first start with every invariant 0."""
+@pytest.mark.parametrize("victim, sig", [(4, signal.SIGKILL), (3, signal.SIGSTOP)], ids=["kill-rank4", "stop-rank3"])
+def test_a_lost_replica_group_is_replaced_automatically(tmp_path, slurm_cluster, victim, sig):
+    """Two replica groups of two FSDP2 trainer ranks (HSDP) and ``slurm.replace_lost``: rank 4 SIGKILLed, or
+    rank 3 (its group's torchft store) SIGSTOPped and silent for ``runtime.hang_timeout_s``, fences its group
+    (ranks 3 and 4; the other one leaves), rank 0 asks for one replacement job of two tasks on a node of its
+    own, both join in the group's place together, recover the other group's shards and train beside it with
+    the same weights. The run ends in its first start with every invariant 0."""
     run_dir = tmp_path / "group"
     steps = 60
     job = submit(run_dir, steps, "cluster.trainer_ranks=4", "train.replicas=2", "train.backend=fsdp",
@@ -550,9 +552,12 @@ def test_a_lost_replica_group_is_replaced_automatically(tmp_path, slurm_cluster)
                  "runtime.hang_timeout_s=20", "slurm.time_min=30")
     try:
         wait_for(trained(run_dir, 0, 2), job, what="the run to train two steps", run_dir=run_dir)
-        kill_rank(run_dir, 4)
+        if sig == signal.SIGKILL:
+            kill_rank(run_dir, victim)
+        else:
+            os.kill(int((run_dir / "pids" / f"rank-{victim}").read_text()), sig)
         wait_for(lambda: "fenced with its replica group (ranks 3, 4)" in slurm_log(run_dir, job), job, timeout=120,
-                 what="rank 0 to fence the killed rank's group", run_dir=run_dir)
+                 what=f"rank 0 to fence rank {victim}'s group", run_dir=run_dir)
         wait_for(lambda: "rank 4 (trainer replica) is back" in slurm_log(run_dir, job)
                  and "rank 3 (trainer replica) is back" in slurm_log(run_dir, job), job, timeout=400,
                  what="the replacement group to join", run_dir=run_dir)
