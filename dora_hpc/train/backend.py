@@ -205,3 +205,41 @@ def build_backend(name: BackendName, model_dir: str | Path, dp: DataParallel,
         raise ValueError(f"train.backend: unknown trainer backend {name!r} ({', '.join(BACKENDS)})")
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(model_dir, dp, opts)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a plain tensor is its own)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_local_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """A sharded backend's ``local_state`` (FSDP2's DTensor shards, megatron's TP shards): this rank's part of
+    each trained parameter and of its optimizer state, by parameter name, with no collective."""
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return {"weights": {n: local_shard(p).detach().to("cpu", copy=True) for n, p in trained.items()},
+            "optimizer": {n: {k: local_shard(v).detach().to("cpu", copy=True) for k, v in opt.state[p].items()}
+                          for n, p in trained.items() if p in opt.state}}
+
+
+def load_shard_local_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict,
+                           device: torch.device) -> None:
+    """``shard_local_state`` of the same rank of another replica group: an optimizer entry shaped like a DTensor
+    parameter's shard (Adam's moments) is sharded as the parameter is; the others (its step count, or every entry
+    of a plain parameter) are plain. This rank's own optimizer state is replaced whole."""
+    from torch.distributed.tensor import DTensor
+
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(state["weights"]) != set(trained):
+        raise RuntimeError("a recovered replica state does not fit this model's trained parameters")
+    with torch.no_grad():
+        for n, p in trained.items():
+            local_shard(p).copy_(state["weights"][n])
+    for p in trained.values():  # a parameter the source has no moments for (it had not stepped) has none here
+        opt.state.pop(p, None)
+    for n, entries in state["optimizer"].items():
+        p = trained[n]
+        for k, v in entries.items():
+            v = v.to(device)
+            if isinstance(p, DTensor) and v.shape == local_shard(p).shape:
+                v = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            opt.state[p][k] = v

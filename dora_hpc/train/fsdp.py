@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import check_fit, detached_copy, unstepped_state
+from .backend import check_fit, detached_copy, load_shard_local_state, local_shard, shard_local_state, unstepped_state
 from .lora import LoraSpec, attach, check_adapter, hf_name, refuse_adapter, saved_name
 from .publish import piece, rows
 from .replicated import ReplicatedBackend
@@ -88,7 +88,7 @@ class FSDPBackend(ReplicatedBackend):
         """Backward reduce-scattered (summed) each micro-batch's gradients into this group's shards; what is left
         is the sum over the other replica groups, shard by shard (train/ft.py; none without replicas)."""
         grads = [p.grad for p in self.parameters()]  # none is None: backward reduce-scatters each one
-        self.dp.sum_shards_([_local(g) for g in grads])
+        self.dp.sum_shards_([local_shard(g) for g in grads])
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
@@ -142,33 +142,10 @@ class FSDPBackend(ReplicatedBackend):
                              options=StateDictOptions(full_state_dict=True, strict=False))
 
     def local_state(self, opt: torch.optim.Optimizer) -> dict:
-        """This rank's shards of the trained parameters and of their optimizer state, by parameter name."""
-        trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        return {"weights": {n: _local(p).detach().to("cpu", copy=True) for n, p in trained.items()},
-                "optimizer": {n: {k: _local(v).detach().to("cpu", copy=True) for k, v in opt.state[p].items()}
-                              for n, p in trained.items() if p in opt.state}}
+        return shard_local_state(self.model, opt)
 
     def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        """Another group's ``local_state`` of the same rank: an optimizer entry shaped like the parameter's shard
-        (Adam's moments) is sharded as the parameter is; the others (its step count) are plain. This rank's own
-        optimizer state is replaced whole."""
-        from torch.distributed.tensor import DTensor
-
-        trained = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        if set(state["weights"]) != set(trained):
-            raise RuntimeError("a recovered replica state does not fit this model's trained parameters")
-        with torch.no_grad():
-            for n, p in trained.items():
-                _local(p).copy_(state["weights"][n])
-        for p in trained.values():  # a parameter the source has no moments for (it had not stepped) has none here
-            opt.state.pop(p, None)
-        for n, entries in state["optimizer"].items():
-            p = trained[n]
-            for k, v in entries.items():
-                v = v.to(self.device)
-                if isinstance(p, DTensor) and v.shape == _local(p).shape:
-                    v = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                opt.state[p][k] = v
+        load_shard_local_state(self.model, opt, state, self.device)
 
     def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -184,8 +161,3 @@ class FSDPBackend(ReplicatedBackend):
 
         if state["state"]:  # else it had not stepped: nor has this one
             set_optimizer_state_dict(self.model, opt, state, options=StateDictOptions(full_state_dict=True))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (a plain tensor is its own)."""
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import TrainBackend, check_fit
+from .backend import TrainBackend, check_fit, load_shard_local_state, shard_local_state
 from .lora import LoraError, LoraSpec
 from .publish import shard_of
 
@@ -182,23 +182,10 @@ class MegatronBackend(TrainBackend):
         self.dp.sum_shards_([p.grad for p in params])
 
     def local_state(self, opt: torch.optim.Optimizer) -> dict:
-        """This rank's TP shards of the parameters and of their optimizer state, by megatron name (no collective)."""
-        return {"weights": {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-                "optimizer": {n: {k: v.detach().to("cpu", copy=True) for k, v in opt.state[p].items()}
-                              for n, p in self.params.items() if p in opt.state}}
+        return shard_local_state(self.model, opt)
 
     def load_local_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        """The same rank's ``local_state`` of another replica group; this rank's own optimizer state is replaced
-        whole."""
-        if set(state["weights"]) != set(self.params):
-            raise RuntimeError("a recovered replica state does not fit this model's parameters")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(state["weights"][n])
-        for p in self.params.values():
-            opt.state.pop(p, None)
-        for n, entries in state["optimizer"].items():
-            opt.state[self.params[n]] = {k: v.to(self.device) for k, v in entries.items()}
+        load_shard_local_state(self.model, opt, state, self.device)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         import torch.distributed as dist
