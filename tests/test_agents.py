@@ -238,7 +238,8 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
     from dora_hpc.store.shards import read_table
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    tag = f"DORA_HPC_TEST_RUN={run_dir}".encode()  # in every process of this run's two attempts, workers too
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "DORA_HPC_TEST_RUN": str(run_dir)}
     sets = ["train.max_steps=6", "batch.tbs=4", "batch.rbs=6", "dora.k=3", "train.checkpoint_every=2",
             "env.name=openai_agent", "env.workers=8", "env.max_turns=4",
             "env.args={agent: 'client_agents:chat_loop', turns: 4, latency_s: 0.3, latency_sigma: 1.0}"]
@@ -253,7 +254,11 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
     ranks = [int(p.read_text()) for p in (run_dir / "pids").glob("rank-?") if p.is_file()]
     wait_for(lambda: not any(DeathWatch._alive(pid) for pid in ranks), timeout=30)
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # resume() runs with this process's environment
-    p = resume(run_dir)
+    os.environ["DORA_HPC_TEST_RUN"] = str(run_dir)
+    try:
+        p = resume(run_dir)
+    finally:
+        del os.environ["DORA_HPC_TEST_RUN"]
     assert p.returncode == 0, p.stderr[-3000:]
     a = assert_whole(run_dir, steps=6, k=3)  # the invariants, every step, every group once
     assert a["preemption"]["attempts"] == 2 and a["env_errors"] == 0
@@ -268,19 +273,18 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
         pairs = list(zip(spans[::2], spans[1::2], strict=True))
         assert len(pairs) == 3 and all(list(resp[s:e]) == [4, 6, 8, 10] for s, e in pairs)
     time.sleep(1)  # an agent worker of the killed attempt outlives its rank only until its next call fails
-    assert not orphaned_workers()
+    assert not workers_of(tag)
 
 
-def orphaned_workers() -> list[int]:
-    """Environment workers not started by this process (the module's host keeps its own)."""
+def workers_of(tag: bytes) -> list[int]:
+    """Environment workers whose environment holds ``tag``: a run's, not another test's (under pytest-xdist
+    another worker's runs have workers of their own)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b"dora_hpc.envs.worker" in stat.read_bytes():
-                ppid = int((stat.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid != os.getpid():
-                    out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
+            if b"dora_hpc.envs.worker" in stat.read_bytes() and tag in (stat.parent / "environ").read_bytes():
+                out.append(int(stat.parent.name))
+        except OSError:
             continue
     return out
 
