@@ -4,9 +4,6 @@
 #   bash tools/test.sh --quick    the quick tier (under 5 min): core, config, engines, losses, analysis, docs,
 #                                 and one real DORA run; no test marked `slow` (multi-process runs, Slurm
 #                                 jobs, benchmarks) and no vLLM test
-# Tests run on DORA_HPC_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), a file per worker
-# at a time (--dist loadfile: a module's shared runs and the Slurm cluster are made once). Most slow tests
-# wait on timeouts, pacing or Slurm more than they compute, so two workers on 2 cores overlap them.
 # Further arguments go to pytest (e.g. -k resume, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +14,4 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 bash tools/setup.sh
 .venv/bin/ruff check dora_hpc tests
-WORKERS=(-n "${DORA_HPC_TEST_WORKERS:-2}" --dist loadfile)
-[ "${DORA_HPC_TEST_WORKERS:-2}" = "0" ] && WORKERS=()
-.venv/bin/python -m pytest -q --durations=15 "${WORKERS[@]}" "${MARKS[@]}" "$@"
+.venv/bin/python -m pytest -q --durations=15 "${MARKS[@]}" "$@"
