@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv/ and run the test suite (plus ruff).
-#   bash tools/test.sh            everything (about 44 min here, 419 tests + 17 vLLM ones skipped, 2026-12-06: quick 4:33, slow 29:03, Slurm 10:41 in three runs, a simulation running beside them at low priority; over its ~25 min budget; CI (2 cores) ran it in 42 min within its 90 with the vLLM tier after; Slurm tests start a local cluster as root)
+#   bash tools/test.sh            everything: 63:40 here serially (432 passed, 19 vLLM ones skipped; 2026-12-07,
+#                                 a 2-core AVX2 EPYC, nothing beside it; test_slurm 15 min, test_ft 11, test_runtime
+#                                 10: results/tests/); over its ~25 min budget. Two pytest-xdist workers took 59:40 and
+#                                 failed 5 timing-bound tests, so it stays serial. CI ran it with the vLLM tier after
+#                                 in 78 min of its 90. Slurm tests start a local cluster as root.
 #   bash tools/test.sh --quick    the quick tier (under 5 min): core, config, engines, losses, analysis, docs,
 #                                 and one real DORA run; no test marked `slow` (multi-process runs, Slurm
 #                                 jobs, benchmarks) and no vLLM test
