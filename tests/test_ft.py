@@ -71,7 +71,8 @@ def same_steps(rows: dict[int, dict], ref: list[dict]) -> None:
         assert got["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), r["step"]
 
 
-@pytest.mark.parametrize("opts", [(), pytest.param(("--lora", "4"), marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.slow  # two replica processes and a lighthouse
+@pytest.mark.parametrize("opts", [(), ("--lora", "4")], ids=["full", "lora"])
 def test_two_replicas_take_one_trainers_steps(tiny, lighthouse, opts):
     """A replica that starts late joins at a step's quorum (recovering the first one's state: under LoRA the
     adapter and its optimizer state); from then on each takes its share of every step (paced, so the late one
