@@ -277,8 +277,7 @@ def test_agents_under_dora_keep_every_call_on_the_episodes_version_while_waiting
 
 
 def workers_of(tag: bytes) -> list[int]:
-    """Environment workers whose environment holds ``tag``: a run's, not another test's (under pytest-xdist
-    another worker's runs have workers of their own)."""
+    """Environment workers whose environment holds ``tag``: this run's, not those of another run on the machine."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/cmdline"):
         try:

@@ -5,8 +5,8 @@
 #                                 10: results/tests/); over its ~25 min budget. Two pytest-xdist workers took 59:40 and
 #                                 failed 5 timing-bound tests, so it stays serial. CI ran it with the vLLM tier after
 #                                 in 78 min of its 90. Slurm tests start a local cluster as root.
-#   bash tools/test.sh --quick    the quick tier (under 5 min): core, config, engines, losses, analysis, docs,
-#                                 and one real DORA run; no test marked `slow` (multi-process runs, Slurm
+#   bash tools/test.sh --quick    the quick tier (budget 5 min; 5:49 here, 2026-12-07): core, config, engines,
+#                                 losses, analysis, docs, and one real DORA run; no test marked `slow` (multi-process runs, Slurm
 #                                 jobs, benchmarks) and no vLLM test
 # Further arguments go to pytest (e.g. -k resume, -x).
 set -euo pipefail
