@@ -152,6 +152,48 @@ def test_a_link_keeps_order_per_tag_and_a_dead_peer_is_an_error_not_an_abort(tmp
     assert time.time() - t < 30
 
 
+CLOSING_PEER = """
+import os, sys, time
+from dora_hpc.runtime.link import Link, close_links, store
+st = store("127.0.0.1", 0, master=True)
+print(st.port, flush=True)
+link = Link.pair(st, "0", 1)
+link.send("last", tag=1)
+if sys.argv[1] == "silent":  # never closes: its peer's close_links falls back
+    time.sleep(20)
+else:
+    assert link.closed(timeout_s=30)  # its peer closed first
+    print(close_links({1: link}, timeout_s=5, rank=2), flush=True)
+os._exit(0)  # at once, as a rank does after MPI_Finalize
+"""
+
+
+@pytest.mark.parametrize("peer_closes", [True, False])
+def test_a_rank_sends_its_close_before_it_waits_for_its_peers_and_ends_past_a_short_fallback(peer_closes, capfd):
+    """Comm.close's last phase (link.close_links) on two linked processes: a side's CLOSE has left when
+    close_links returns, so a process that ends right after it leaves its peer's link ended by that CLOSE,
+    not broken by the exit; a peer that never closes costs the fallback's seconds, named on stderr."""
+    from dora_hpc.runtime.link import Link, close_links
+
+    how = "close" if peer_closes else "silent"
+    peer = subprocess.Popen([sys.executable, "-c", CLOSING_PEER, how], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    PROCS.append(peer)
+    try:
+        link = Link.connect(f"127.0.0.1:{peer.stdout.readline().strip()}", "0")
+        assert link is not None and link.recv(tag=1) == "last"
+        t = time.monotonic()
+        waited = close_links({2: link}, timeout_s=3, rank=1)
+        took = time.monotonic() - t
+        if peer_closes:
+            assert waited == [] and took < 2.5 and link.error is None, (waited, took, link.error)
+            assert peer.stdout.readline().strip() == "[]" and peer.wait(timeout=30) == 0
+        else:
+            assert waited == ["rank 2's CLOSE"] and 2.9 < took < 10, (waited, took)
+            assert "dora-hpc: rank 1 ends after 3 s of waiting for rank 2's CLOSE" in capfd.readouterr().err
+    finally:
+        peer.kill()
+
+
 def _free_port() -> int:
     import socket
 

@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .data_plane import MPIPlane, PeerLost, make_plane, world_store
-from .link import Link, world_links
+from .link import Link, close_links, world_links
 from .messages import Fenced, Heartbeat, Joined, Linked, MigrateIn, StopRequest, WeightsHeader
 from .roles import Roles
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..train.publish import Delta
 
 TAG_CTRL, TAG_WEIGHTS, TAG_KV, TAG_FENCE = 1, 2, 3, 4  # TAG_FENCE: Fenced/Joined notices, read even mid-send
+CLOSE_TIMEOUT_S = 5.0  # after close()'s barriers every live rank closes its links at once: seconds at most
 
 
 
@@ -236,11 +237,8 @@ class Comm:
         self.group.Barrier()
         dropped = self._drain(float("inf"), notices=True)
         self.group.Barrier()
-        ours = [link for r, link in self.peers.items() if r not in self.left_out]
-        for link in ours:
-            link.close()
-        for link in ours:
-            link.closed(timeout_s=30)
+        ours = {r: link for r, link in self.peers.items() if r not in self.left_out}
+        close_links(ours, CLOSE_TIMEOUT_S, self.rank)
         return dropped
 
     def _drain(self, timeout_s: float, notices: bool) -> int:

@@ -19,6 +19,8 @@ Invariants:
   probe and receive on the link raises ``PeerLost``, after the messages already filed are read;
 * a replacement hosts its pairs' TCPStore (its address is in its offer); the pair with rank ``r`` is under
   the prefix ``str(r)``, ``r`` its rank 0 and the replacement its rank 1;
+* a side's own CLOSE has left before it waits for the peer's (``close_links``), so a rank never ends with
+  its CLOSE still queued while its peer waits for it;
 * the threads are daemons: a rank ends without waiting for them (a hung peer's send blocks its thread),
   with ``os._exit`` after MPI_Finalize (runtime/main.py exit_now): Python's own teardown of a gloo group
   whose receive is still pending aborts the process.
@@ -30,6 +32,7 @@ import collections
 import datetime
 import pickle
 import queue
+import sys
 import threading
 import time
 
@@ -51,6 +54,20 @@ def store(host: str, port: int, master: bool = False, timeout_s: float = CONNECT
 
     return dist.TCPStore(host, port, None, master, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def close_links(links: dict[int, Link], timeout_s: float, rank: int) -> list[str]:
+    """Rank ``rank``'s end of ``links`` (peer rank -> link): send every CLOSE, wait until each has left, then
+    wait for each peer's, all within ``timeout_s``. Past it the rank ends anyway, naming on stderr what it
+    waited for (returned too): a peer's CLOSE that never came means the peer is gone or stuck."""
+    end = time.monotonic() + timeout_s
+    sends = {r: link.close() for r, link in links.items()}
+    waited = [f"its CLOSE to rank {r}" for r, link in links.items() if not link.sent(sends[r], end - time.monotonic())]
+    waited += [f"rank {r}'s CLOSE" for r, link in links.items() if not link.closed(max(0.0, end - time.monotonic()))]
+    if waited:
+        print(f"dora-hpc: rank {rank} ends after {timeout_s:g} s of waiting for {', '.join(waited)}",
+              file=sys.stderr, flush=True)
+    return waited
 
 
 class Request:
@@ -152,12 +169,19 @@ class Link:
             self._match(tag)
         return req
 
-    def close(self) -> None:
+    def close(self) -> Request | None:
         """The last message on this link, once both sides are done with it (Comm.close): the other side's
         receiver thread ends on it, as this side's does on the other's ``close``, so no receive is pending
-        in gloo when a process exits (Python's teardown with one pending can abort the process)."""
-        if self.error is None:
-            self._queue(CLOSE, OBJECT, np.zeros(0, np.uint8))
+        in gloo when a process exits (Python's teardown with one pending can abort the process). Returns the
+        CLOSE's send (None on a broken link): the caller waits for it before its process may end, or the
+        peer would wait for a CLOSE that never left."""
+        if self.error is not None:
+            return None
+        return self._queue(CLOSE, OBJECT, np.zeros(0, np.uint8))
+
+    def sent(self, req: Request | None, timeout_s: float) -> bool:
+        """Whether the send ``req`` completed (or the link broke, or there was none) within ``timeout_s``."""
+        return req is None or req.done.wait(max(0.0, timeout_s)) or self.error is not None
 
     def closed(self, timeout_s: float) -> bool:
         """Whether the receiver thread has ended (the other side closed, or the link broke) within ``timeout_s``."""
@@ -242,7 +266,7 @@ class Loopback(Link):
         return req
 
     def close(self) -> None:
-        pass
+        return None
 
     def closed(self, timeout_s: float) -> bool:
         return True
