@@ -154,6 +154,25 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_finish(args: argparse.Namespace, console: Console) -> int:
+    from .store.finish import ask_finish
+
+    run_dir = Path(args.run_dir)
+    try:
+        meta = json.loads((run_dir / "launch.json").read_text())
+        max_steps = int(meta["config"]["train"]["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return fail("not a run directory", f"{run_dir}: no readable launch.json ({type(e).__name__})")
+    if args.at < 1:
+        return fail("bad --at", f"--at {args.at}: a step is 1 or more")
+    if args.at > max_steps:
+        return fail("bad --at", f"--at {args.at} is past train.max_steps={max_steps}: the run ends there anyway")
+    ask_finish(run_dir, args.at)
+    console.print(f"asked {run_dir} to finish at step {args.at}: it checkpoints and exits 0 there (at its next "
+                  "step if that one is trained already; a stopped run, when it resumes)")
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace, console: Console) -> int:
     import time
 
@@ -355,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--resume", action="store_true", help="the run exists: keep it (resume on the next start)")
     pr.set_defaults(func=cmd_prepare)
     _add_join_parser(sub)
+    f = sub.add_parser("finish", help="end a run at a step, as at train.max_steps: it checkpoints and exits 0")
+    f.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (running, or stopped to resume)")
+    f.add_argument("--at", type=int, required=True, metavar="STEP", help="the last step to train (>= 1)")
+    f.set_defaults(func=cmd_finish)
     a = sub.add_parser("analyze", help="staleness, invariants and mechanisms of a run, from its HDF5 logs")
     a.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to compare side by side")
     a.add_argument("--json", help="write the figures as JSON here ({'runs': [...]} for several)")

@@ -160,6 +160,15 @@ REPO = Path(__file__).resolve().parents[1]
 REPLICAS = ["--set", "cluster.trainer_ranks=2", "--set", "train.replicas=2"]
 
 
+def finish_soon(run_dir: Path, after: int) -> int:
+    """Ask the run to end ``after`` steps past the ones logged now (``dora-hpc finish``); the step it ends at."""
+    at = run_dir_steps(run_dir) + after
+    p = subprocess.run([sys.executable, "-m", "dora_hpc.cli", "finish", str(run_dir), "--at", str(at)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return at
+
+
 def run_dir_steps(run_dir: Path) -> int:
     from dora_hpc.store.shards import read_table
 
@@ -287,6 +296,7 @@ def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
         PROCS.append(p)
         both = lambda: log() + "\n--- the replacement's log ---\n" + (tmp_path / "join.err").read_text()  # noqa: E731
         wait_for(lambda: "rank 1 (trainer replica) is back" in log(), "the replacement to join", log=both)
+        steps = finish_soon(run_dir, after=5)
         assert run.wait(timeout=400) == 0, both()[-5000:]
         assert p.wait(timeout=60) == 0, both()[-5000:]
         out = (tmp_path / "join.err").read_text()
@@ -357,6 +367,7 @@ def test_a_replacement_fsdp_replica_group_joins_a_running_job_and_trains(tmp_pat
         both = lambda: log() + "\n--- the replacements' log ---\n" + (tmp_path / "join.err").read_text()  # noqa: E731
         wait_for(lambda: "rank 2 (trainer replica) is back" in log(), "the replacements to join", timeout=180,
                  log=both)
+        steps = finish_soon(run_dir, after=5)
         assert run.wait(timeout=400) == 0, both()[-5000:]
         assert p.wait(timeout=60) == 0, both()[-5000:]
         out = (tmp_path / "join.err").read_text()

@@ -336,6 +336,24 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert p.returncode == 2 and "batch.group_size" in p.stderr
 
 
+def test_finish_asks_a_run_to_end_at_a_step_and_refuses_what_cannot_be_one(tmp_path, dora_run):
+    """``dora-hpc finish RUN_DIR --at STEP`` writes the request rank 0 reads (tests/test_ft.py ends its replacement
+    runs with it); a directory with no run, a step past train.max_steps or under 1: exit 2, one line."""
+    from dora_hpc.store.finish import FINISH, read_finish
+
+    finish = lambda d, at: subprocess.run(CLI + ["finish", str(d), "--at", str(at)], cwd=REPO,  # noqa: E731
+                                          capture_output=True, text=True, timeout=60)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch.json").write_text((dora_run[1] / "launch.json").read_text())  # max_steps 8
+    for d, at, why in [(tmp_path, 3, "not a run directory"), (run_dir, 9, "past train.max_steps=8"),
+                       (run_dir, 0, "a step is 1 or more")]:
+        p = finish(d, at)
+        assert p.returncode == 2 and why in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (run_dir / FINISH).exists()
+    assert finish(run_dir, 5).returncode == 0 and read_finish(run_dir) == 5
+
+
 def test_a_rank_that_cannot_see_the_run_directory_says_which_node_and_path(tmp_path):
     """A node without the shared filesystem: the rank names its node and the path, in one line, and ends
     the job at start-up instead of hanging later."""

@@ -30,7 +30,7 @@ def status(orch) -> dict:
     t = orch.now()
     bound = orch.policy.traits(orch.cfg.dora.k).staleness_bound  # None: unbounded (partial rollout)
     return {"mode": orch.cfg.mode, "k": bound,
-            "step": orch.steps_done, "max_steps": orch.cfg.train.max_steps, "latest": orch.policy.latest,
+            "step": orch.steps_done, "max_steps": orch.max_steps, "latest": orch.policy.latest,
             "t": t, "tok_s": orch.figures.trained_tokens_per_s(),  # trained tokens/s, as analyze says (glossary)
             "reward": orch.rewards[-1] if orch.rewards else None,
             "instances": [[x.target, x.loading is not None, len(x.active)] for x in orch.policy.view.instances],

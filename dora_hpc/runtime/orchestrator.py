@@ -4,9 +4,9 @@ Invariants:
 * the policy is the same object the simulator drives; this loop adds no scheduling decision;
 * every command becomes exactly one message to the rank that executes it (AssignVersion becomes a
   LoadVersion to the instance and a SendWeights to each weight source: weight_loads.py);
-* the run ends after ``train.max_steps`` published versions, or on a stop request (a signal to any
-  rank: Ctrl-C, preemption, requeue) once a checkpoint of the current state is committed; then every
-  rank gets Shutdown;
+* the run ends after ``train.max_steps`` published versions (fewer when ``dora-hpc finish`` asks), or on a
+  stop request (a signal to any rank: Ctrl-C, preemption, requeue) once a checkpoint of the current state
+  is committed; then every rank gets Shutdown;
 * a checkpoint is two-phase: the policy's snapshot goes to the trainer (which writes its weights of
   the same version beside it) and every rollout rank flushes its trajectory shard; only when all
   confirmed is it committed, so every group it calls complete is on disk (store/resume.py);
@@ -54,6 +54,7 @@ from ..core.ledger import Ledger
 from ..core.policies import make_policy
 from ..core.resume import ResumeError, plan_resume
 from ..store.checkpoint import Checkpoint as StoredCheckpoint
+from ..store.finish import FINISH, read_finish
 from ..store.resume import stored_groups
 from ..store.shards import ShardWriter
 from .checkpoints import Checkpointer
@@ -110,6 +111,7 @@ class Orchestrator(OpLog):
         self.log = ShardWriter(run_dir, "events", 0, "orchestrator", run_id, cfg.model_dump_json(),
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
+        self.max_steps = cfg.train.max_steps  # or earlier: ``dora-hpc finish`` (finish_at)
         self.checksums: dict[int, str] = {}  # version -> its checksum as the trainer published it
         self.reported: set[int] = set()      # versions whose Published has been acted on
         self.stale = Counter()
@@ -167,7 +169,7 @@ class Orchestrator(OpLog):
         self.begin()
         next_tick = time.time() + self.cfg.runtime.tick_s
         deadline = time.time() + self.cfg.runtime.timeout_s
-        while self.steps_done < self.cfg.train.max_steps or self.checkpoints.busy:
+        while self.steps_done < self.max_steps or self.checkpoints.busy:
             if time.time() > deadline:
                 raise RuntimeError(f"run exceeded runtime.timeout_s={self.cfg.runtime.timeout_s}")
             if self.stopping and not self.checkpoints.busy:
@@ -216,7 +218,7 @@ class Orchestrator(OpLog):
                 self.checkpoints.on_progress(msg)
             case NotCheckpointed() if self.checkpoints.busy and self.checkpoints.in_flight["version"] == msg.version:
                 self.checkpoints.abandon(f"writer={src} holds v{msg.holds}")
-                if self.steps_done >= self.cfg.train.max_steps:
+                if self.steps_done >= self.max_steps:
                     self.start_checkpoint()
             case NotCheckpointed():
                 pass  # of a checkpoint already abandoned
@@ -281,7 +283,7 @@ class Orchestrator(OpLog):
         self.record_step(msg)
         self.op("publish", version=msg.version, detail=msg.checksum)
         self.report(force=True)
-        every, last = self.cfg.train.checkpoint_every, self.steps_done >= self.cfg.train.max_steps
+        every, last = self.cfg.train.checkpoint_every, self.steps_done >= self.max_steps
         if every and (msg.version % every == 0 or last) and not self.checkpoints.busy:  # the trained model is kept
             self.start_checkpoint()  # before the policy reacts: the snapshot is exactly v_n
         if not last:
@@ -296,7 +298,9 @@ class Orchestrator(OpLog):
         self.checkpoints.start(self.policy.next_step, state, self.live_instance_ranks, self.now())
 
     def end(self) -> str:
-        outcome = "done" if self.steps_done >= self.cfg.train.max_steps else "preempted"
+        outcome = "done" if self.steps_done >= self.max_steps else "preempted"
+        if outcome == "done":  # a finish asked for is spent: a later resume goes on to train.max_steps
+            (self.run_dir / FINISH).unlink(missing_ok=True)
         self.op("pending_at_end", detail=",".join(map(str, sorted(self.policy.ledger.open_groups()))))
         self.op(outcome, version=self.checkpoints.last, detail=f"next_group={self.policy.ledger.next_group}")
         self.dashboard.close(self)
@@ -315,6 +319,7 @@ class Orchestrator(OpLog):
         job naming it, committing nothing: the last checkpoint stands (resumable: a requeued job continues
         from it)."""
         self.joins.poll()
+        self.finish_at()
         now = time.monotonic()
         for r in [*self.live_rollout, *self.live_replicas]:  # its launcher saw it die (launch/local.py:
             if not self.died(r):                               # DeathWatch; launch/slurm.py: task)
@@ -337,6 +342,19 @@ class Orchestrator(OpLog):
             self.log.flush()
             raise RankHung(f"rank {r} ({self.roles.role(r)}) sent nothing for {now - t:.0f} s "
                            f"(runtime.hang_timeout_s={self.cfg.runtime.hang_timeout_s:g})")
+
+    def finish_at(self) -> None:
+        """``dora-hpc finish RUN_DIR --at STEP`` asked this run to end at STEP (RUN_DIR/finish.json): it ends
+        there as at ``train.max_steps`` (the last checkpoint, exit 0); a step already trained ends it at the
+        next one."""
+        asked = read_finish(self.run_dir)
+        if asked is None or asked == self.max_steps:
+            return
+        at = min(asked if asked > self.steps_done else self.steps_done + 1, self.cfg.train.max_steps)
+        if at != self.max_steps:
+            self.max_steps = at
+            self.op("finish", version=at, detail=f"asked={asked}")
+            print(f"dora-hpc: finishing at step {at} (dora-hpc finish --at {asked})", file=sys.stderr, flush=True)
 
     def died(self, r: int) -> bool:
         """``pids/rank-N.dead`` names this start's process of rank ``r`` (a marker of an earlier start, under
@@ -431,7 +449,7 @@ class Orchestrator(OpLog):
         more = f" with its replica group (ranks {', '.join(map(str, sorted(group)))})" if len(group) > 1 else ""
         print(f"dora-hpc: rank {r} (trainer replica) {why}: fenced{more}; the replicas left ({self.live_groups}) "
               "take each step", file=sys.stderr, flush=True)
-        if abandoned and self.steps_done >= self.cfg.train.max_steps:
+        if abandoned and self.steps_done >= self.max_steps:
             self.start_checkpoint()
 
     def rejoin(self, r: int) -> None:
