@@ -19,7 +19,8 @@ from dora_hpc.store.shards import read_table
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dora_hpc.cli"]
 BASE = ["--set", "batch.tbs=4", "--set", "batch.rbs=6", "--set", "train.checkpoint_every=2"]
-pytestmark = pytest.mark.slow  # every test here launches real runs (tools/test.sh --quick leaves them out)
+# every test here launches real runs: all but two are `slow` (tools/test.sh --full); the README tier (tools/test.sh)
+# keeps a Ctrl-C stop and its resume, and a hung and a killed rollout rank fenced
 
 
 def start(run_dir: Path, mode: str, steps: int) -> subprocess.Popen:
@@ -66,6 +67,7 @@ def assert_whole(run_dir: Path, steps: int, k: int) -> dict:
     return a
 
 
+@pytest.mark.slow
 def test_sigterm_then_sigkill_then_resume_loses_nothing(tmp_path):
     run_dir = tmp_path / "dora"
     proc = start(run_dir, "dora", steps=10)
@@ -104,7 +106,7 @@ def job_processes(launcher: int) -> list[int]:
 
 
 @pytest.mark.parametrize("how,mode", [("SIGINT to the process group", "dora"),
-                                      ("SIGTERM to every process", "one_step")])
+                                      pytest.param("SIGTERM to every process", "one_step", marks=pytest.mark.slow)])
 def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path, how, mode):
     """A terminal's Ctrl-C (SIGINT to the foreground process group), or SIGTERM to each process of the job
     (a container stop, Slurm's preemption): one stop request, a checkpoint of the step the run is at --
@@ -136,6 +138,7 @@ def test_a_signal_to_the_whole_job_commits_the_current_step_and_resumes(tmp_path
     assert a["preemption"]["resumed_at_steps"] == [stopped_at]
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_says_so_and_starts_fresh_only_when_asked(tmp_path):
     run_dir = tmp_path / "early"
     proc = start(run_dir, "dora", steps=3)
@@ -167,6 +170,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_resumably_with_every_checkpoint_intact(small_tmpfs):
     from dora_hpc.launch.local import RESUMABLE
     from dora_hpc.store import checkpoint
@@ -189,6 +193,7 @@ def test_a_full_disk_stops_the_run_resumably_with_every_checkpoint_intact(small_
     assert a["preemption"]["resumed_at_steps"] == [2]
 
 
+@pytest.mark.slow
 def test_a_hung_trainer_ends_the_job_naming_it_resumably(tmp_path):
     """SIGSTOP stands in for a trainer stuck in a collective or on a dead node: rank 0 hears nothing from
     it for hang_timeout_s, commits nothing it cannot vouch for and ends the job, naming the rank, with
@@ -237,6 +242,7 @@ def test_a_hung_and_a_killed_rollout_rank_are_fenced_and_the_run_finishes_withou
     assert fences[3]["cause"] == "hung"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
     """A fault-injection point (DORA_HPC_FAULT=die_mid_migration) kills the first rollout rank to migrate
     a request with its KV after it announced the KV and before the KV left: the destination stops
@@ -256,6 +262,7 @@ def test_a_rank_killed_in_the_middle_of_a_kv_migration_loses_nothing(tmp_path):
     assert dead in ops["peer"][ops["kind"] == "migration_lost"]  # the destination stopped waiting for the KV
 
 
+@pytest.mark.slow
 def test_an_elastic_run_stops_at_a_signal_and_resumes_onto_a_new_allocation_without_borrowing(tmp_path):
     """Preempted with 1 trainer (hosting a borrowed instance, cluster.elastic) + 3 rollout ranks: the SIGTERM
     commits the current step (the borrowed instance's shard is flushed with the others, its parked requests
