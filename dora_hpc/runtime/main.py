@@ -218,6 +218,7 @@ def main(run_dir: str) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
         fail(Path(run_dir), rank, e)
+        save_coverage()
         MPI.COMM_WORLD.Abort(1)
         return 1
 
@@ -325,6 +326,7 @@ def finish(world, comm, run: Path, outcome: str) -> None:
                 # requeue_on_failure); a run stopped at a checkpoint leaves none, so the job is run again
                 (run / "pids" / "complete").write_text(
                     f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_RESTART_COUNT') or 0}")
+            save_coverage()
             world.Abort(0)  # exit status 0: the run is complete; this also ends the fenced ranks
 
 
@@ -347,6 +349,18 @@ def fail(run: Path, rank: int, e: BaseException) -> None:
     time.sleep(0.2)
 
 
+def save_coverage() -> None:
+    """Under the tests' coverage measurement (tools/coverage.sh), write this rank's data before MPI_Abort
+    (or an MPI_Finalize that rank 0's MPI_Abort may end), which kill the process with no atexit or os._exit
+    for coverage to save in. Nothing where coverage is not running (not imported, or not installed)."""
+    coverage = sys.modules.get("coverage")
+    if coverage is not None and (cov := coverage.Coverage.current()) is not None:
+        try:
+            cov.save()
+        except Exception:  # noqa: BLE001 - the abort must happen whatever coverage thinks
+            pass
+
+
 def exit_now(code: int) -> None:
     """End this process without Python's teardown: MPI_Finalize, then _exit. Tearing down torch and the
     Hugging Face libraries module by module costs each rank about half a CPU-second and releases nothing
@@ -357,6 +371,7 @@ def exit_now(code: int) -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
+    save_coverage()  # a rank still in MPI_Finalize when rank 0 ends the job over fenced ranks dies there
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
     os._exit(code)
