@@ -160,15 +160,6 @@ REPO = Path(__file__).resolve().parents[1]
 REPLICAS = ["--set", "cluster.trainer_ranks=2", "--set", "train.replicas=2"]
 
 
-def finish_soon(run_dir: Path, after: int) -> int:
-    """Ask the run to end ``after`` steps past the ones logged now (``dora-hpc finish``); the step it ends at."""
-    at = run_dir_steps(run_dir) + after
-    p = subprocess.run([sys.executable, "-m", "dora_hpc.cli", "finish", str(run_dir), "--at", str(at)], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return at
-
-
 def run_dir_steps(run_dir: Path) -> int:
     from dora_hpc.store.shards import read_table
 
@@ -270,7 +261,7 @@ def test_a_replacement_replica_joins_a_running_job_and_trains(tmp_path):
     step's quorum, where it recovers the weights, optimizer, version and the untrained trajectories from the
     survivor (no checkpoint read). From then on both replicas take each step, with bit-identical weights,
     and the run ends in its first attempt with every invariant 0."""
-    from test_join import CLI, PROCS, wait_for
+    from test_join import CLI, PROCS, finish_soon, wait_for
 
     from dora_hpc.analysis.basic import analyze
     run_dir, err = tmp_path / "ft", tmp_path / "run.err"
@@ -340,7 +331,7 @@ def test_a_replacement_fsdp_replica_group_joins_a_running_job_and_trains(tmp_pat
     (``mpiexec -n 2 dora-hpc join --role trainer``) take ranks 3 and 4: they go live at the second's Hello, join
     the next step's quorum, recover the weights and optimizer shard for shard from the other group, and train
     beside it, with the same weights, to the end of the run's first attempt (``dora-hpc finish``: 5 steps on)."""
-    from test_join import CLI, PROCS, wait_for
+    from test_join import CLI, PROCS, finish_soon, wait_for
 
     from dora_hpc.analysis.basic import analyze
     from dora_hpc.launch.local import mpiexec

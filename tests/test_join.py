@@ -31,6 +31,20 @@ def wait_for(cond, what: str, timeout: float = 120, log=None) -> None:
 PROCS: list[subprocess.Popen] = []  # every process a test started: none outlives it
 
 
+def finish_soon(run_dir: Path, after: int) -> int:
+    """Ask the run to end ``after`` steps past the ones logged now (``dora-hpc finish``); the step it ends at."""
+    from dora_hpc.store.shards import read_table
+
+    try:
+        logged = len(read_table(run_dir, "train", "steps", ["step"])["step"])
+    except Exception:  # noqa: BLE001 - a shard being written
+        logged = 0
+    p = subprocess.run(CLI + ["finish", str(run_dir), "--at", str(logged + after)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return logged + after
+
+
 def join(run_dir: Path, *sets: str, role: str | None = None) -> subprocess.Popen:
     PROCS.append(subprocess.Popen(CLI + ["join", str(run_dir), *[x for kv in sets for x in ("--set", kv)],
                                          *(["--role", role] if role else [])],
@@ -75,6 +89,7 @@ def test_replacements_join_a_running_job_and_bad_ones_are_refused(tmp_path):
                  "the first replacement to be fenced", log=log)
         second = join(run_dir)
         wait_for(lambda: log().count("its replacement joined") == 2, "the second replacement to join", log=log)
+        steps = finish_soon(run_dir, after=6)  # of the 60 asked: enough for the last replacement to generate
         assert run.wait(timeout=400) == 0, log()[-3000:]
         out = second.communicate(timeout=60)[1]
         assert second.returncode == 0 and "joined as rank 3" in out, out

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from test_ft import replacement_steps
+from test_join import finish_soon
 
 from dora_hpc.analysis.basic import analyze
 from dora_hpc.core.events import FOLDER
@@ -183,13 +184,6 @@ def trained(run_dir: Path, attempt: int, steps: int):
     return cond
 
 
-def finish_soon(run_dir: Path, after: int) -> int:
-    """Ask the run to end ``after`` steps past the ones logged now (``dora-hpc finish``); the step it ends at."""
-    from test_ft import finish_soon as ask
-
-    return ask(run_dir, after)
-
-
 def submit(run_dir: Path, steps: int, *settings: str) -> str:
     """``dora-hpc submit`` the tiny config (tbs 4, rbs 6) with extra ``key=value`` settings; the job id."""
     sets = [x for kv in (f"train.max_steps={steps}", "batch.tbs=4", "batch.rbs=6", *settings) for x in ("--set", kv)]
@@ -287,6 +281,7 @@ def test_a_time_limit_warning_a_requeue_and_a_killed_rank_then_complete(tmp_path
         wait_for(lambda: not any(DeathWatch._alive(p) for p in pids.values()), job, timeout=60,
                  what="every rank to end", run_dir=run_dir)
         assert time.time() - t < 60
+        steps = finish_soon(run_dir, after=2)  # the start after the killed one ends 2 steps on
         # the failed step requeues the job itself (slurm.requeue_on_failure) and it resumes
         wait_for(lambda: job_state(job).get("JobState") == "COMPLETED" and attempts(run_dir) == 4, job,
                  timeout=400, what="the run to complete", run_dir=run_dir)
