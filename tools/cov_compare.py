@@ -6,6 +6,9 @@
                                               timing-dependent: a second run of the same tests tells which lines)
   cov_compare.py --tier A.json B.json         "A covers X% of the lines B covers" (exits 1 under --min, if given)
   cov_compare.py --export RAW.json OUT.json   coverage.py's `json --show-contexts` report -> OUT.json (coverage.sh)
+  cov_compare.py --subset RUN.json OUT.json   RUN as if only some of its tests had run, from each line's contexts
+    (--keep IDS.txt | --drop PATTERN ...)     (import time counts as run): the tests IDS.txt lists (pytest node ids,
+                                              one a line), or all but those whose id contains a PATTERN
 
 Both runs must measure the same code: line numbers are compared as they are.
 """
@@ -38,6 +41,20 @@ def export(raw: dict) -> dict:
     total = {"covered": t["covered_lines"], "statements": t["num_statements"],
              "percent": round(t["percent_covered"], 2)}
     return {"files": files, "total": total, "tests": tests, "contexts": contexts}
+
+
+def subset(run: dict, keep) -> dict:
+    """RUN with only the lines some kept test reached (``keep(node_id)``; import time, context "", is kept)."""
+    tests = [t.split("|")[0] for t in run["tests"]]
+    kept = {i for i, t in enumerate(tests) if t == "" or keep(t)}
+    files = {}
+    for name, f in run["files"].items():
+        by_line = run["contexts"].get(name, {})
+        lines = sorted(n for n in f["covered"] if kept.intersection(by_line.get(str(n), [])))
+        files[name] = {**f, "covered": lines, "percent": round(100.0 * len(lines) / f["statements"], 2)
+                       if f["statements"] else 100.0}
+    n, total = sum(len(f["covered"]) for f in files.values()), run["total"]["statements"]
+    return {**run, "files": files, "total": {"covered": n, "statements": total, "percent": round(100.0 * n / total, 2)}}
 
 
 def covered(run: dict) -> Lines:
@@ -101,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--tier", action="store_true", help="FIRST covers what share of the lines SECOND covers")
     mode.add_argument("--export", action="store_true", help="FIRST: coverage.py's JSON report; SECOND: output")
+    mode.add_argument("--subset", action="store_true", help="FIRST: a run; SECOND: output; with --keep or --drop")
+    p.add_argument("--keep", type=Path, help="--subset: a file of the pytest node ids to keep")
+    p.add_argument("--drop", nargs="+", default=[], help="--subset: drop the tests whose id contains one of these")
     p.add_argument("--max-drop", type=float, default=0.5, help="points a file may lose (default 0.5)")
     p.add_argument("--stable", type=Path, nargs="+", default=[], help="other runs of OLD's tests: see above")
     p.add_argument("--min", type=float, default=None, help="--tier: exit 1 under this share (%%)")
@@ -112,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         t = run["total"]
         print(f"{args.second}: {t['covered']}/{t['statements']} lines ({t['percent']:.2f}%) in {len(run['files'])} "
               f"files, {len(run['tests'])} contexts")
+        return 0
+    if args.subset:
+        if args.keep:
+            ids = set(args.keep.read_text().split())
+            run = subset(first, lambda t: t in ids)
+        else:
+            run = subset(first, lambda t: not any(pat in t for pat in args.drop))
+        args.second.write_text(json.dumps(run, separators=(",", ":")) + "\n")
+        t = run["total"]
+        print(f"{args.second}: {t['covered']}/{t['statements']} lines ({t['percent']:.2f}%)")
         return 0
     second = json.loads(args.second.read_text())
     if args.tier:
