@@ -40,7 +40,7 @@ def assert_invariants(a):
             inv["mixed_version_trajectories"]) == (0, 0, 0, 0, 0), inv
 
 
-@pytest.mark.slow  # a real multi-process run; the quick tier's one real run is test_runtime's DORA run
+@pytest.mark.slow  # a real multi-process run; the README tier's DORA run is test_runtime's
 def test_toy_turns_under_dora_keeps_every_episode_on_one_version_and_migrates_waiting_ones_with_their_kv(tmp_path):
     """K=3, 3 rollout instances, tool latency with a long tail: episodes wait on their environment while the
     planner moves instances between versions, so some migrate while waiting, with their KV. Whether one does is

@@ -48,7 +48,7 @@ def dora_run(tmp_path_factory):
     return p, run_dir
 
 
-# the quick tier's one real run is DORA's (tools/test.sh --quick)
+# the README tier's (tools/test.sh) real DORA run; the other modes are --full's
 @pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow)
                                    for m in ("sync", "one_step", "partial", "oversample")), "dora"])
 def test_every_mode_runs_and_keeps_its_invariants(tmp_path, mode, request):

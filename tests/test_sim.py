@@ -156,7 +156,7 @@ def test_cli_writes_summary_and_timelines(tmp_path, capsys):
     assert (tmp_path / "timeline-dora.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow  # a scale check, too long for the quick tier's 5 minutes
+@pytest.mark.slow  # a scale check, left to --full
 def test_512_instances_simulate_well_under_a_minute():
     """512 instances of a 4,096-accelerator config in under a minute of one core: 40 s on 2026-12-06's 2-core
     box (50 s before ClusterView kept its live instances as a set; the same code measured 31-43 s on an
