@@ -155,14 +155,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_finish(args: argparse.Namespace, console: Console) -> int:
+    from .launch.local import LaunchError, saved_config
     from .store.finish import ask_finish
 
     run_dir = Path(args.run_dir)
     try:
-        meta = json.loads((run_dir / "launch.json").read_text())
-        max_steps = int(meta["config"]["train"]["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return fail("not a run directory", f"{run_dir}: no readable launch.json ({type(e).__name__})")
+        max_steps = int(saved_config(run_dir)["train"]["max_steps"])
+    except (LaunchError, KeyError, TypeError, ValueError) as e:
+        return fail("not a run directory", e)
     if args.at < 1:
         return fail("bad --at", f"--at {args.at}: a step is 1 or more")
     if args.at > max_steps:

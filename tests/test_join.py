@@ -33,12 +33,9 @@ PROCS: list[subprocess.Popen] = []  # every process a test started: none outlive
 
 def finish_soon(run_dir: Path, after: int) -> int:
     """Ask the run to end ``after`` steps past the ones logged now (``dora-hpc finish``); the step it ends at."""
-    from dora_hpc.store.shards import read_table
+    from test_ft import run_dir_steps
 
-    try:
-        logged = len(read_table(run_dir, "train", "steps", ["step"])["step"])
-    except Exception:  # noqa: BLE001 - a shard being written
-        logged = 0
+    logged = run_dir_steps(run_dir)
     p = subprocess.run(CLI + ["finish", str(run_dir), "--at", str(logged + after)], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr

@@ -112,6 +112,7 @@ class Orchestrator(OpLog):
                                cfg.store.rows_per_shard, attempt)
         self.steps_done = 0
         self.max_steps = cfg.train.max_steps  # or earlier: ``dora-hpc finish`` (finish_at)
+        self.finish_asked: int | None = None  # the finish request acted on
         self.checksums: dict[int, str] = {}  # version -> its checksum as the trainer published it
         self.reported: set[int] = set()      # versions whose Published has been acted on
         self.stale = Counter()
@@ -348,13 +349,13 @@ class Orchestrator(OpLog):
         there as at ``train.max_steps`` (the last checkpoint, exit 0); a step already trained ends it at the
         next one."""
         asked = read_finish(self.run_dir)
-        if asked is None or asked == self.max_steps:
-            return
-        at = min(asked if asked > self.steps_done else self.steps_done + 1, self.cfg.train.max_steps)
-        if at != self.max_steps:
-            self.max_steps = at
-            self.op("finish", version=at, detail=f"asked={asked}")
-            print(f"dora-hpc: finishing at step {at} (dora-hpc finish --at {asked})", file=sys.stderr, flush=True)
+        if asked is None or asked == self.finish_asked:  # each request acts once: re-read later, a step it
+            return                                        # named that has passed would move the end again
+        self.finish_asked = asked
+        self.max_steps = min(asked if asked > self.steps_done else self.steps_done + 1, self.cfg.train.max_steps)
+        self.op("finish", version=self.max_steps, detail=f"asked={asked}")
+        print(f"dora-hpc: finishing at step {self.max_steps} (dora-hpc finish --at {asked})", file=sys.stderr,
+              flush=True)
 
     def died(self, r: int) -> bool:
         """``pids/rank-N.dead`` names this start's process of rank ``r`` (a marker of an earlier start, under
