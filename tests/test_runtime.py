@@ -253,11 +253,13 @@ def test_every_trainer_backend_replays_a_dora_run_to_its_logged_losses(tmp_path,
     r = json.loads(out.read_text())
     assert r["ranks"] == ranks and len(r["steps"]) == 6 and r["tokens_match"]
     assert all(s["loss"] != 0 for s in r["steps"])
-    # step 0 starts from the same weights: only float summation order differs (megatron measured 0 and 1e-7)
+    # step 0 starts from the same weights, and its second mini-batch follows one Adam step: a wrong gradient
+    # moves that loss by far more than float summation order does (megatron measured 0 to 1e-7 on 7 runs)
     assert abs(r["steps"][0]["loss"] - r["steps"][0]["logged_loss"]) < 1e-6, r["steps"]
-    # measured at lr 1e-3, per run: torch 0 (bit-exact), fsdp 3e-8..5e-8, megatron 8e-6..2e-5 over 6 steps (and
-    # 5e-5..1.1e-4 by step 8, which is why the replay stops at 6)
-    assert r["max_abs_loss_diff"] < 1e-4, r["steps"]
+    # later steps drift: Adam steps every parameter by about lr * sign(grad), so a float-order sign flip of a
+    # near-zero gradient is a whole lr step. Measured at lr 1e-3 over 6 steps: torch 0 (bit-exact), fsdp
+    # 3e-8..5e-8, megatron 6e-8..3.4e-4 across seeds 0-6 (results/tests/README.md; one CI box's seed-0 run 3.4e-4)
+    assert r["max_abs_loss_diff"] < 1e-3, r["steps"]
 
 
 @pytest.mark.slow

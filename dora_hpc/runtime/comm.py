@@ -224,19 +224,25 @@ class Comm:
         self._bulk = [e for e in self._bulk if e[2] != rank]
 
     def close(self) -> int:
-        """Orderly end: after the first barrier nobody sends anything new; then every rank drains what
-        is addressed to it (with the buffers a message announces) until its own sends completed, so
-        MPI_Finalize finds no message in flight. Fenced ranks are left out (the barriers span the others;
-        the caller then ends the job with MPI_Abort, which also ends the fenced ranks). Last, the links
-        among the ranks left are closed (Link.close), so none has a receive pending when its process ends.
-        Returns the number of messages discarded (late Done/Trajectory after Shutdown)."""
+        """Orderly end: after the barrier nobody sends anything new; then every rank drains what is
+        addressed to it (with the buffers a message announces) until every rank's own sends completed (a
+        non-blocking barrier each enters once its own have: a rank whose sends are done may still have a
+        message on its way to it), so MPI_Finalize finds no message in flight. Fenced ranks are left out
+        (the barriers span the others; the caller then ends the job with MPI_Abort, which also ends the
+        fenced ranks). Last, the links among the ranks left are closed (Link.close), so none has a receive
+        pending when its process ends. Returns the number of messages discarded (late Done/Trajectory after
+        Shutdown)."""
         for r in self.links if self.rank != 0 else ():  # a replacement leaves without the barriers
             self.abandon(r)
         self.group = self.world if not self.left_out else self.world.Create_group(
             self.world.Get_group().Excl(list(self.left_out)))
-        self.group.Barrier()
-        dropped = self._drain(float("inf"), notices=True)
-        self.group.Barrier()
+        self.group.Barrier()  # nobody sends anything new from here
+        dropped, everyone = 0, None
+        while everyone is None or not everyone.Test():  # a message may still be on its way when this rank's
+            dropped += self._drain(0.0, notices=True)  # sends are done: drain until every rank's are
+            if everyone is None and not (self._pending or self._bulk):
+                everyone = self.group.Ibarrier()
+            time.sleep(0.001)
         ours = {r: link for r, link in self.peers.items() if r not in self.left_out}
         close_links(ours, CLOSE_TIMEOUT_S, self.rank)
         return dropped
