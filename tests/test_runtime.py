@@ -118,10 +118,13 @@ def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp
     and is in the checkpoint (the window's snapshot) and in the logs (an ``admission_cap`` op a step). How far below
     eager the learned cap lands depends on the machine's timing (1.375 and 1.525 against 1.70 on two runs), so only
     the order is asserted. The depth-1 run also plans by work, so its rollout ranks report their requests' progress
-    (DecodeProgress) to rank 0 every tick."""
+    (DecodeProgress) to rank 0 every tick, and it decodes with speculation (engine.speculation.method=group, at
+    temperature 0.1, where the tiny model repeats itself enough to draft): drafts are accepted, and the
+    trajectories' logprobs are still the trainer's."""
     means, caps = {}, {}
     for name, sets, steps in (("eager", ["dora.admission=eager"], 10), ("lean", ["dora.admission=lean"], 10),
-                              ("depth1", ["dora.admission=lean", "dora.depth=1", "dora.planner=work"], 4)):
+                              ("depth1", ["dora.admission=lean", "dora.depth=1", "dora.planner=work",
+                                          "engine.speculation.method=group", "sampling.temperature=0.1"], 4)):
         sets = [a for s in sets + ["cluster.rollout_instances=6", "cluster.accelerators=8"] for a in ("--set", s)]
         p, run_dir = run(tmp_path, "dora", *sets, steps=steps, name=name)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -137,6 +140,11 @@ def test_lean_admission_trains_fresher_groups_than_eager_on_the_same_cluster(tmp
         else:  # one a step, within [TBS, (K + 1) TBS]
             assert len(cap["by_step"]) == steps and all(4 <= c <= 12 for c in cap["by_step"].values()), cap
         caps[name] = cap
+        spec = a["speculation"]
+        if name == "depth1":  # measured: ~57% of drafted tokens accepted, ~1.5 tokens per forward
+            assert spec["accepted"] > 0 and spec["tokens_per_forward"] > 1.1 and a["logprob_gap"]["max"] < 1e-4, spec
+        else:
+            assert spec["drafted"] == 0 and spec["tokens_per_forward"] == 1.0
     assert means["eager"] > 1.5 and means["depth1"] == 0 and means["lean"] < means["eager"], means
     state = json.loads((tmp_path / "lean" / "checkpoints" / "step-10" / "state.json").read_text())
     assert state["orchestrator"]["window"]["depth"] >= 4  # the learned cap, in groups (TBS 4)

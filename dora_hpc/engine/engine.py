@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..train.lora import is_adapter
+from .draft import Drafter
 from .kv import KVFull, KVPool, common_prefix, digest
 from .lora import Adapters
 from .model import Batch, DecoderLM, check_state, load_model
@@ -51,7 +52,8 @@ class RequestError(ValueError):
 
 
 COUNTERS = ("steps", "prefill_tokens", "decode_tokens", "recompute_tokens", "reprefill_tokens", "preemptions",
-            "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens", "prefix_hit_tokens", "dedup_tokens")
+            "offloads", "offloaded_tokens", "free_cache_s", "env_prefill_tokens", "prefix_hit_tokens", "dedup_tokens",
+            "decodes", "drafted_tokens", "accepted_tokens")
 
 
 def check_new(hosted: int | set[int], live, req_id: int, version: int, max_len: int, capacity_tokens: int) -> None:
@@ -121,7 +123,8 @@ class Engine:
     def __init__(self, model: DecoderLM | str | Path, *, kv_blocks: int = 256, block_size: int = 16,
                  max_num_seqs: int = 64, max_batched_tokens: int = 1024, seed: int = 0, version: int = 0,
                  min_step_time_s: float = 0.0, prefill_s_per_token: float = 0.0,
-                 on_kv_full: str = "offload", prefix_caching: bool = True, lora_scale: float | None = None) -> None:
+                 on_kv_full: str = "offload", prefix_caching: bool = True, lora_scale: float | None = None,
+                 speculation: str = "none", draft_tokens: int = 4) -> None:
         if on_kv_full not in ("offload", "recompute"):
             raise ValueError(f"on_kv_full must be 'offload' or 'recompute', not {on_kv_full!r}")
         self.model = load_model(model) if isinstance(model, str | Path) else model
@@ -138,6 +141,7 @@ class Engine:
         self.adapters = Adapters(self.model, lora_scale) if lora_scale is not None else None
         self._version, self._hosted = version, {version}
         self.batch_versions = 0  # versions among the last step's requests
+        self.drafter = Drafter(speculation, draft_tokens) if speculation != "none" else None
 
     @property
     def version(self) -> int:
@@ -161,6 +165,8 @@ class Engine:
         if not prompt:
             raise RequestError(f"request {req_id}: empty prompt")
         self.seqs[req_id] = Sequence(req_id, version, list(prompt), params, hold=hold, head=self._head(prompt, version))
+        if self.drafter:
+            self.drafter.track(req_id, list(prompt), [], version)
 
     def extend(self, req_id: int, tokens: list[int], max_tokens: int) -> None:
         """The next turn of a held episode: ``tokens`` (the environment's) join its context, then up to
@@ -174,6 +180,8 @@ class Engine:
                                f"pool holds {cap}")
         seq.response += tokens
         seq.logprobs += [0.0] * len(tokens)
+        if self.drafter:
+            self.drafter.grow(req_id, tokens)
         seq.turn_start, seq.params, seq.held = len(seq.response), replace(seq.params, max_tokens=max_tokens), False
         seq.auto_restore = seq.status is Status.OFFLOADED
         self.counts["env_prefill_tokens"] += len(tokens)
@@ -199,6 +207,8 @@ class Engine:
         seq = self._get(req_id)
         self.kv.release(seq.table)
         del self.seqs[req_id]
+        if self.drafter:
+            self.drafter.forget(req_id)
 
     def _check_new(self, req_id: int, version: int, max_len: int) -> None:
         hosted = self.versions if self.adapters is not None else self.version
@@ -220,6 +230,8 @@ class Engine:
                 "hold": seq.hold, "held": seq.held, "turn_start": seq.turn_start}
         self.kv.release(seq.table)
         del self.seqs[req_id]
+        if self.drafter:  # its draft state is rebuilt where it goes (import_)
+            self.drafter.forget(req_id)
         return meta, kv
 
     def import_(self, meta: dict, kv: torch.Tensor | None) -> None:
@@ -242,6 +254,8 @@ class Engine:
                        hold=meta.get("hold", False), held=held, turn_start=meta.get("turn_start", 0),
                        head=self._head(meta["prompt"], meta["version"]))
         self.seqs[seq.req_id] = seq
+        if self.drafter:
+            self.drafter.track(seq.req_id, seq.prompt, seq.response, seq.version)
         if carried:
             self._try_restore(seq)
 
@@ -309,6 +323,8 @@ class Engine:
             seq.table, seq.n_cached, seq.host_kv = [], 0, None
             seq.status, seq.version = Status.WAITING, version
             seq.head = self._head(seq.prompt, version)
+            if self.drafter:
+                self.drafter.track(seq.req_id, seq.prompt, seq.response, version)
         if add and adapter:
             self._hosted.add(version)
             self._version = max(self._version, version)
@@ -437,35 +453,40 @@ class Engine:
         seq.table, seq.n_cached, seq.status = [], 0, Status.WAITING
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Finished]:
+        drafts = self._draft(plan)
         ids: list[int] = []
-        for seq, n in plan:
-            ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
-        batch = Batch.build([n for _, n in plan], [s.n_cached + n for s, n in plan], [s.table for s, _ in plan],
+        rows: list[range] = []  # per sequence, the flat rows whose logits it samples from: its last token's,
+        for i, (seq, n) in enumerate(plan):  # then each drafted token's
+            ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n] + drafts.get(i, []))
+            rows.append(range(len(ids) - 1 - len(drafts.get(i, [])), len(ids)))
+        q = [len(r) - 1 + n for r, (_, n) in zip(rows, plan, strict=True)]
+        batch = Batch.build(q, [s.n_cached + k for (s, _), k in zip(plan, q, strict=True)], [s.table for s, _ in plan],
                             self.kv.block_size, self.kv.k.device)
         self.batch_versions = len({s.version for s, _ in plan})
         if self.adapters is not None:
-            self.adapters.set_batch([s.version for s, n in plan for _ in range(n)])
-        logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv)
-        done = []
-        for i, (seq, n) in enumerate(plan):
+            self.adapters.set_batch([s.version for (s, _), k in zip(plan, q, strict=True) for _ in range(k)])
+        done = [i for i, (seq, n) in enumerate(plan) if seq.n_cached + n == len(seq)]  # its last token computed
+        flat = torch.tensor([r for i in done for r in rows[i]], dtype=torch.long, device=self.kv.k.device)
+        logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv, rows=flat)
+        for seq, n in plan:
             seq.n_cached += n
             if self.prefix_caching:
                 self._register(seq, seq.n_cached - n)
-            if seq.n_cached == len(seq):  # its last token was computed: sample the next one
-                done.append(i)
             # a decode computes the one token sampled last; any other token (prompt, environment) is prefill
             sampled = n == 1 and seq.n_cached == len(seq) and len(seq.response) > seq.turn_start
             self.counts["decode_tokens" if sampled else "prefill_tokens"] += n
+            self.counts["decodes"] += sampled
         if not done:
             return []
         seqs = [plan[i][0] for i in done]
-        toks, lps = sample_batch(logits[done].cpu(), [s.params for s in seqs],
-                                 [uniform(self.seed, s.req_id, len(s.response)) for s in seqs])
-        finished = []
-        for seq, tok, lp in zip(seqs, toks, lps, strict=True):
-            seq.response.append(tok)
-            seq.logprobs.append(lp)
-            reason = self._finish_reason(seq, tok)
+        toks, lps = sample_batch(logits.cpu(), [s.params for i, s in zip(done, seqs, strict=True) for _ in rows[i]],
+                                 [uniform(self.seed, s.req_id, len(s.response) + j)
+                                  for i, s in zip(done, seqs, strict=True) for j in range(len(rows[i]))])
+        finished, at = [], 0
+        for i, seq in zip(done, seqs, strict=True):
+            m = len(rows[i])
+            reason = self._accept(seq, drafts.get(i, []), toks[at:at + m], lps[at:at + m])
+            at += m
             if reason:
                 finished.append(Finished(seq.req_id, seq.version, list(seq.prompt), list(seq.response),
                                          list(seq.logprobs), reason))
@@ -474,7 +495,62 @@ class Engine:
                 else:
                     self.kv.release(seq.table)
                     del self.seqs[seq.req_id]
+                    if self.drafter:
+                        self.drafter.finish(seq.req_id, len(seq.prompt))
         return finished
+
+    def _draft(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """With speculation: a draft for each decoding sequence of the plan that has one (plan index -> tokens),
+        within the step's token budget, each with KV room for its tokens (taken from free blocks only: a draft
+        never preempts)."""
+        if self.drafter is None:
+            return {}
+        budget, out = self.max_batched_tokens - sum(n for _, n in plan), {}
+        for i, (seq, n) in enumerate(plan):
+            if budget <= 0:
+                break
+            if n != 1 or seq.n_cached + 1 != len(seq) or len(seq.response) <= seq.turn_start:
+                continue  # not a decode: a prefill (chunk) samples at most its last token
+            left = seq.params.max_tokens - (len(seq.response) - seq.turn_start) - 1  # the token after the draft
+            if not (draft := self.drafter.propose(seq.req_id, min(left, budget))):
+                continue
+            try:
+                self.kv.prepare(seq.table, seq.n_cached, seq.n_cached + 1 + len(draft))
+            except KVFull:
+                continue
+            out[i], budget = draft, budget - len(draft)
+        return out
+
+    def _accept(self, seq: Sequence, draft: list[int], toks: list[int], lps: list[float]) -> str | None:
+        """Append a decode's tokens: ``toks[j]`` was sampled from the logits after the draft's first j tokens,
+        with position ``len(response) + j``'s noise, as decoding without a draft samples it. Draft token j is
+        accepted when the sample there is that token -- with probability p(token), and a rejection's sample
+        follows p without it, renormalised: exact speculative sampling for a deterministic draft -- so the
+        tokens are the ones decoding without the draft samples (the same noise, the same distributions). Stops
+        at the first rejection, at the end of the draft (one token past it) or where the sequence finishes.
+        Returns the finish reason, if any."""
+        reason, kept = None, seq.n_cached
+        for j, (tok, lp) in enumerate(zip(toks, lps, strict=True)):
+            seq.response.append(tok)
+            seq.logprobs.append(lp)
+            reason = self._finish_reason(seq, tok)
+            if reason or j == len(draft) or tok != draft[j]:
+                break
+            seq.n_cached += 1  # the drafted token's KV, computed in this forward, is the sampled token's
+        emitted = j + 1
+        if draft:
+            accepted = sum(1 for a, b in zip(toks[:emitted], draft, strict=False) if a == b)
+            self.counts["drafted_tokens"] += len(draft)
+            self.counts["accepted_tokens"] += accepted
+            self.counts["decode_tokens"] += accepted
+            if self.prefix_caching:
+                self._register(seq, kept)
+            extra = seq.table[self.kv.blocks_for(len(seq)):]  # room taken for drafted tokens rejected
+            del seq.table[len(seq.table) - len(extra):]
+            self.kv.release(extra)
+        if self.drafter:
+            self.drafter.grow(seq.req_id, toks[:emitted])
+        return reason
 
     def _match(self, seq: Sequence) -> bool:
         """Take the longest cached prefix of a sequence that holds no KV (all but its last token)."""

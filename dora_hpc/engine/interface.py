@@ -95,4 +95,5 @@ def make_engine(cfg, model_dir, borrowed: bool = False) -> RolloutEngine:
 
     lora = cfg.train.lora  # a version is an adapter (train/lora.py published_adapter)
     return Engine(load_model(model_dir, device=cfg.runtime.device), **kw, on_kv_full=e.on_kv_full,
-                  prefix_caching=e.prefix_caching, lora_scale=lora.alpha / lora.rank if lora else None)
+                  prefix_caching=e.prefix_caching, lora_scale=lora.alpha / lora.rank if lora else None,
+                  speculation=e.speculation.method, draft_tokens=e.speculation.draft_tokens)

@@ -155,13 +155,15 @@ class DecoderLM(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: Batch, kv: KVPool) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) at each sequence's last new token."""
+    def forward(self, input_ids: torch.Tensor, batch: Batch, kv: KVPool,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (fp32) at each sequence's last new token [B, vocab], or at the flat token rows ``rows``
+        [len(rows), vocab] (a speculative decode's drafted tokens)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv)
-        x = self.model.norm(x[batch.last_index])
+        x = self.model.norm(x[batch.last_index if rows is None else rows])
         return self.lm_head(x).float()
 
 

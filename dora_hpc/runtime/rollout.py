@@ -63,6 +63,9 @@ from .messages import (
 )
 from .migration import Migrations
 
+# speculative decoding's engine counters, logged per engine step (store/shards.py ENGINE_STEPS: column -> counter)
+SPEC_COUNTS = {"decodes": "decodes", "drafted": "drafted_tokens", "accepted": "accepted_tokens"}
+
 
 class RolloutRank(OpLog, Migrations):
     def __init__(self, comm: Comm, cfg, run_dir: Path, model_dir: Path, task, run_id: str, t0: float,
@@ -138,7 +141,8 @@ class RolloutRank(OpLog, Migrations):
                                      "prefill_tokens": st["prefill_tokens"] - before["prefill_tokens"],
                                      "prefix_hit_tokens": st["prefix_hit_tokens"] - before["prefix_hit_tokens"],
                                      "running": st["running"], "groups": self.live_groups(),
-                                     "batch_versions": st.get("batch_versions", 1)})
+                                     "batch_versions": st.get("batch_versions", 1),
+                                     **{c: st[k] - before[k] for c, k in SPEC_COUNTS.items()}})
         freed = st["free_cache_s"] - before["free_cache_s"]  # every backend keeps engine.COUNTERS
         if freed > 0:  # KV moved to host and back for space (the paper's free-cache overhead)
             self.op("free_cache", t_start=self.now() - freed,

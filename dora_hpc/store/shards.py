@@ -28,8 +28,8 @@ import numpy as np
 
 from . import writing
 
-SCHEMA_VERSION = 10  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
-READABLE = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy,
+SCHEMA_VERSION = 11  # 2: every table has `attempt` (which launch of the run wrote the row); 3: train steps
+READABLE = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # have logprob_gap/gap_tokens; 4: and the loss's statistics (entropy,
 #   clip split, importance weights, response lengths); 5: trajectories name their tag `dispatch_version` (was
 #   `dispatch_step`) and lose `prompt_id` (always group_id) and `t_first_token` (never measured);
 #   6: a trajectory's tokens are its `response` (was `tokens`, the glossary's name); 7: train steps have
@@ -37,7 +37,8 @@ READABLE = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # have logprob_gap/gap_tokens; 4: and t
 #   `response`, flat [start, end) pairs), `env_s`, `env_error`, `env_prefill_tokens`, `env_reruns`,
 #   `segment_turns` (the turn each of `segment_versions` began at); 9: engine steps have `prefill_tokens`,
 #   `prefix_hit_tokens` (prompt tokens taken from the prefix cache), `running` and `groups` (live on the engine);
-#   10: engine steps have `batch_versions` (versions among the step's requests: 2+ under LoRA's shared instances).
+#   10: engine steps have `batch_versions` (versions among the step's requests: 2+ under LoRA's shared instances);
+#   11: engine steps have `decodes`, `drafted`, `accepted` (speculative decoding: measure/speculation.py).
 #   An older shard reads a newer column as its default, or under its old name (RENAMED)
 RENAMED = {("trajectories", "dispatch_version"): "dispatch_step",  # (table, column) -> its older name
            ("trajectories", "response"): "tokens"}
@@ -59,7 +60,8 @@ TRAJECTORIES = {
 }
 ENGINE_STEPS = {"t_start": "f8", "t_end": "f8", "batch_size": "i8", "capacity": "i8", "new_tokens": "i8",
                 "kv_blocks_used": "i8", "version": "i8", "attempt": "i8", "prefill_tokens": "i8",
-                "prefix_hit_tokens": "i8", "running": "i8", "groups": "i8", "batch_versions": "i8"}
+                "prefix_hit_tokens": "i8", "running": "i8", "groups": "i8", "batch_versions": "i8", "decodes": "i8",
+                "drafted": "i8", "accepted": "i8"}
 OPS = {"t_start": "f8", "t_end": "f8", "kind": "str", "traj_id": "i8", "peer": "i8", "bytes": "i8",
        "version": "i8", "detail": "str", "attempt": "i8"}
 CONSUMED = {"traj_id": "i8", "group_id": "i8", "consume_step": "i8", "version": "i8", "staleness": "i8",
