@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_util import run_all
 
-from dora_hpc.engine.draft import HISTORY, Drafter
+from dora_hpc.engine.draft import HISTORY, MIN_PATH_P, Drafter
 from dora_hpc.engine.engine import Engine
 from dora_hpc.engine.local_models import build_tiny_model
 from dora_hpc.engine.model import Batch, load_model
@@ -159,3 +159,12 @@ def test_group_drafts_come_from_live_siblings_then_the_prompts_history_own_versi
     d.forget(2)
     d.forget(4)
     assert not d.own and not d.live and not d.siblings
+
+
+def test_a_draft_follows_what_most_matching_texts_continue_with_while_they_agree():
+    d = Drafter("group", 4)
+    for i, resp in enumerate(([5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 3, 3])):
+        d.track(i, [1], resp, version=0)
+    d.track(9, [1], [5, 6], version=0)
+    # three siblings match its last tokens: two go on with 7 (share 2/3), then split 8 / 9 (1/2 of those)
+    assert d.propose(9, 4) == ([7, 8] if 2 / 3 * 1 / 2 >= MIN_PATH_P else [7])

@@ -111,10 +111,23 @@ def bench_agent_gateway_cmd(args: argparse.Namespace, console: Console) -> None:
                   f"a call; turns/s {s['turns_per_s_ratio']:.2f}x; wrote {args.out}/summary.json")
 
 
+def bench_speculation_cmd(args: argparse.Namespace, console: Console) -> None:
+    from .speculation_bench import CASES, bench_speculation
+
+    cases = args.cases.split(",") if args.cases else list(CASES)
+    if unknown := sorted(set(cases) - set(CASES)):
+        raise ConfigError(f"--cases: unknown {unknown}; choose from {','.join(CASES)}")
+    if args.repeats < 1 or args.prompts < 1:
+        raise ConfigError("--repeats and --prompts must be >= 1")
+    bench_speculation(Path(args.out), cases, prompts=args.prompts, repeats=args.repeats, console=console)
+    console.print(f"wrote {args.out}/summary.json and {args.out}/speculation.png")
+
+
 # what -> (its function, whether it runs a config: those write runs under OUT/runs)
 BENCHES = {"engine": (bench_engine_cmd, False), "analysis": (bench_analysis_cmd, False),
            "modes": (bench_modes_cmd, True), "ablation": (bench_ablation_cmd, True),
-           "convergence": (bench_convergence_cmd, True), "agent-gateway": (bench_agent_gateway_cmd, False)}
+           "convergence": (bench_convergence_cmd, True), "agent-gateway": (bench_agent_gateway_cmd, False),
+           "speculation": (bench_speculation_cmd, False)}
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -159,7 +172,8 @@ def add_parser(sub) -> None:
                    help="engine: built-in engine vs transformers generate; analysis: analyze on a large log; "
                         "modes: the five modes on the real runtime; ablation: one mechanism on vs off (--ablation); "
                         "convergence: mean reward per step of sync and dora (--cases), held-out eval (--eval); "
-                        "agent-gateway: an agent's calls through the endpoint against an environment's steps")
+                        "agent-gateway: an agent's calls through the endpoint against an environment's steps; "
+                        "speculation: the built-in engine's speculative decoding by method and batch size")
     b.add_argument("config", nargs="?", help="modes/ablation/convergence: the run config (see configs/bench-*.yaml)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes/ablation/convergence: override a config key in every run (repeatable)")
@@ -168,7 +182,8 @@ def add_parser(sub) -> None:
                    "every case: ppo_clip, ppo_clip+truncate, decoupled, decoupled+truncate, decoupled+mask, gspo")
     b.add_argument("--cases", help="convergence: comma-separated subset of sync,dora-k1,dora-k2,dora-k3,"
                    "dora-k3-eager,dora-k3-lean,partial "
-                   "with sync (default sync,dora-k1,dora-k3)")
+                   "with sync (default sync,dora-k1,dora-k3); speculation: of smollm2-addition,tiny (default both)")
+    b.add_argument("--prompts", type=int, default=8, help="speculation: prompts per epoch (G samples each)")
     b.add_argument("--eval", type=int, default=0, metavar="N", help="convergence: score each run's final "
                    "checkpoint and each seed's initial model on N held-out prompts (dora-hpc eval; 0: none)")
     b.add_argument("--modes", help="modes: comma-separated subset of " + ",".join(MODE_CASES))

@@ -1,11 +1,13 @@
 """Drafts for speculative decoding, taken from text the run already holds: no draft model.
 
-A draft is the continuation of the longest recent n-gram match (``MAX_NGRAM`` tokens down to ``MIN_NGRAM``)
-of a request's last tokens in a corpus of token texts:
+A draft continues the longest n-gram match (``MAX_NGRAM`` tokens down to ``MIN_NGRAM``) of a request's last
+tokens in a corpus of token texts, token by token with what most of the match's occurrences continue with
+(while they agree enough: ``MIN_PATH_P``):
 * ``ngram``: the request's own prompt and response (prompt-lookup decoding, as vLLM's n-gram drafter);
 * ``group``: also the responses that answer the same prompt on this engine -- the group's siblings, live
   (their tokens as they are decoded) or finished, and the prompt's earlier responses (an earlier epoch's),
-  up to ``HISTORY`` a prompt, the request's own version's text first.
+  up to ``HISTORY`` a prompt and version: the request's own version's texts first, other versions' only
+  where those match nothing.
 
 Invariants:
 * a draft is only a proposal: the engine verifies every drafted token under the request's version
@@ -21,6 +23,8 @@ from __future__ import annotations
 import collections
 
 MAX_NGRAM, MIN_NGRAM = 4, 2   # the longest match tried first; a single token matches too often to pay
+MAX_OCCURRENCES = 32          # the latest occurrences of an n-gram a text contributes to a draft
+MIN_PATH_P = 0.3              # a draft stops where the share of occurrences agreeing on its path falls below
 HISTORY = 16                  # finished texts kept per prompt and version
 PROMPTS = 4096                # prompts whose corpora an engine keeps
 METHODS = ("none", "ngram", "group")
@@ -96,27 +100,54 @@ class Drafter:
                 del self.siblings[key]
 
     def propose(self, req_id: int, k: int) -> list[int]:
-        """A draft of at most ``min(k, draft_tokens)`` tokens for a tracked request; [] when nothing matches."""
+        """A draft of at most ``min(k, draft_tokens)`` tokens for a tracked request; [] when nothing matches.
+        The longest n-gram of its last tokens (``MAX_NGRAM`` down to ``MIN_NGRAM``) that occurs in its own
+        version's texts (or, failing every n, in other versions'), then the tokens most of those occurrences
+        continue with, one at a time, while the share of occurrences that agree keeps the path's estimated
+        probability at ``MIN_PATH_P`` or more."""
         own = self.own.get(req_id)
         k = min(k, self.k)
         if own is None or k <= 0:
             return []
         toks = own.tokens
-        for n in range(min(MAX_NGRAM, len(toks)), MIN_NGRAM - 1, -1):
-            gram = tuple(toks[-n:])
-            for text, before in self._sources(req_id, own):
-                if draft := text.follow(gram, k, before):
-                    return draft
+        for tier in self._tiers(req_id, own):
+            for n in range(min(MAX_NGRAM, len(toks)), MIN_NGRAM - 1, -1):
+                gram = tuple(toks[-n:])
+                occ = [(t.tokens, e) for t, before in tier for e in t.ends.get(gram, ())[-MAX_OCCURRENCES:]
+                       if e < (len(t.tokens) if before is None else before)]
+                if occ:
+                    return walk(occ, k)
         return []
 
-    def _sources(self, req_id: int, own: Text):
-        """Where a request's draft may come from, best first: its live siblings' texts and its prompt's
-        finished ones under its version, then under other versions (newest first), then its own text (an
-        occurrence ending before its last token)."""
-        if self.method == "group":
-            key, version = self.live[req_id]
-            yield from ((self.own[r], None) for r in self.siblings[key, version] if r != req_id)
-            texts = self.done.get(key, {})
-            for v in sorted(texts, key=lambda v: (v != version, -v)):
-                yield from ((t, None) for t in reversed(texts[v]))
-        yield own, len(own.tokens)
+    def _tiers(self, req_id: int, own: Text):
+        """The texts a request's draft may come from, as (text, end bound) in tiers tried in turn: its own
+        version's (its own text, an occurrence ending before its last token; its live siblings'; its prompt's
+        finished responses), then other versions' finished responses of its prompt (``group`` only)."""
+        mine: list[tuple[Text, int | None]] = [(own, len(own.tokens))]
+        if self.method != "group":
+            yield mine
+            return
+        key, version = self.live[req_id]
+        mine += [(self.own[r], None) for r in self.siblings[key, version] if r != req_id]
+        texts = self.done.get(key, {})
+        mine += [(t, None) for t in texts.get(version, ())]
+        yield mine
+        yield [(t, None) for v in sorted(texts, reverse=True) if v != version for t in texts[v]]
+
+
+def walk(occ: list[tuple[list[int], int]], k: int) -> list[int]:
+    """Up to ``k`` tokens continuing the occurrences (text, end): each the token most of those still agreeing
+    continue with, while the product of those majorities' shares stays at ``MIN_PATH_P`` or more."""
+    draft: list[int] = []
+    p = 1.0
+    while len(draft) < k:
+        nxt = collections.Counter(t[e] for t, e in occ if e < len(t))
+        if not nxt:
+            break
+        tok, c = nxt.most_common(1)[0]
+        p *= c / len(occ)
+        if p < MIN_PATH_P:
+            break
+        draft.append(tok)
+        occ = [(t, e + 1) for t, e in occ if e < len(t) and t[e] == tok]
+    return draft
