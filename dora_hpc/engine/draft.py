@@ -15,12 +15,16 @@ Invariants:
   logprobs -- only how many tokens a forward makes;
 * the corpus of a prompt holds at most ``HISTORY`` finished texts a version and the engine keeps at most
   ``PROMPTS`` prompts' corpora (least recently used out), so memory is bounded over any run;
-* a draft never runs past what its source holds: it is the source's next tokens, at most ``k``.
+* a draft never runs past what its source holds: it is the source's next tokens, at most ``k``;
+* a step drafts at most ``Budget.limit`` tokens a sequence: the draft length that makes the most tokens a
+  second by the engine's own measurements (its steps' seconds against their tokens, its drafts' acceptance).
 """
 
 from __future__ import annotations
 
 import collections
+
+import numpy as np
 
 MAX_NGRAM, MIN_NGRAM = 4, 2   # the longest match tried first; a single token matches too often to pay
 MAX_OCCURRENCES = 32          # the latest occurrences of an n-gram a text contributes to a draft
@@ -151,3 +155,52 @@ def walk(occ: list[tuple[list[int], int]], k: int) -> list[int]:
         draft.append(tok)
         occ = [(t, e + 1) for t, e in occ if e < len(t) and t[e] == tok]
     return draft
+
+
+class Budget:
+    """How long a step's drafts may be: the length g in 0..k that maximises the expected tokens a second of a
+    decode batch of n, tau(g) / (c0 + c1 * n * (1 + g)), where tau(g) = (1 - a^(g+1)) / (1 - a) is the expected
+    tokens a verify makes at acceptance a per drafted token (i.i.d., Leviathan et al. 2023), and c0 + c1 * tokens
+    the engine's step time, least squares over its last ``WINDOW`` steps. It drafts fully until ``WARMUP`` steps
+    are measured, and every ``EXPLORE``-th step whatever the fit says, so both figures stay current."""
+
+    WINDOW, WARMUP, EXPLORE = 128, 16, 16
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.drafted, self.accepted = 4.0, 2.0   # a weak prior: acceptance 0.5
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOW)
+        self.calls = 0
+
+    def observe(self, tokens: int, seconds: float, drafted: int, accepted: int) -> None:
+        """A step computed ``tokens`` tokens in ``seconds``; its drafts proposed ``drafted``, ``accepted`` kept."""
+        self.steps.append((tokens, seconds))
+        decay = 0.98 ** max(drafted, 1)  # acceptance over about the last 50 drafted tokens
+        self.drafted, self.accepted = self.drafted * decay + drafted, self.accepted * decay + accepted
+
+    @property
+    def acceptance(self) -> float:
+        return min(self.accepted / self.drafted, 0.999)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(c0, c1) of seconds = c0 + c1 * tokens over the window, c1 >= 0; None before ``WARMUP`` steps or
+        while every step had the same token count."""
+        if len(self.steps) < self.WARMUP:
+            return None
+        x, y = np.array(self.steps, dtype=float).T
+        if np.ptp(x) == 0:
+            return None
+        c1, c0 = np.polyfit(x, y, 1)
+        c1 = max(float(c1), 0.0)
+        return max(float(np.mean(y - c1 * x)), 1e-9), c1
+
+    def limit(self, n: int) -> int:
+        """The draft length for a step of ``n`` decoding sequences."""
+        self.calls += 1
+        fit = self.fit()
+        if fit is None or self.calls % self.EXPLORE == 0:
+            return self.k
+        c0, c1 = fit
+        a = self.acceptance
+        rate = [(1 - a ** (g + 1)) / (1 - a) / (c0 + c1 * n * (1 + g)) for g in range(self.k + 1)]
+        return int(np.argmax(rate))

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..train.lora import is_adapter
-from .draft import Drafter
+from .draft import Budget, Drafter
 from .kv import KVFull, KVPool, common_prefix, digest
 from .lora import Adapters
 from .model import Batch, DecoderLM, check_state, load_model
@@ -142,6 +142,7 @@ class Engine:
         self._version, self._hosted = version, {version}
         self.batch_versions = 0  # versions among the last step's requests
         self.drafter = Drafter(speculation, draft_tokens) if speculation != "none" else None
+        self.budget = Budget(draft_tokens) if self.drafter else None
 
     @property
     def version(self) -> int:
@@ -356,9 +357,13 @@ class Engine:
         plan = self._schedule()
         if plan and not self.kv.resident:
             raise RequestError("the engine sleeps (its KV pool is freed): load weights to wake it")
+        before = (self.counts["drafted_tokens"], self.counts["accepted_tokens"])
         finished = self._run(plan) if plan else []
         self.counts["steps"] += 1
         pace(t0, self.min_step_time_s, self.prefill_s_per_token, self.counts["prefill_tokens"] - prefilled)
+        if self.budget is not None and plan:  # the step's seconds (paced: the roofline's) against its tokens
+            self.budget.observe(self._step_tokens, time.perf_counter() - t0, self.counts["drafted_tokens"] - before[0],
+                                self.counts["accepted_tokens"] - before[1])
         return finished
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
@@ -460,6 +465,7 @@ class Engine:
             ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n] + drafts.get(i, []))
             rows.append(range(len(ids) - 1 - len(drafts.get(i, [])), len(ids)))
         q = [len(r) - 1 + n for r, (_, n) in zip(rows, plan, strict=True)]
+        self._step_tokens = sum(q)
         batch = Batch.build(q, [s.n_cached + k for (s, _), k in zip(plan, q, strict=True)], [s.table for s, _ in plan],
                             self.kv.block_size, self.kv.k.device)
         self.batch_versions = len({s.version for s, _ in plan})
@@ -501,18 +507,23 @@ class Engine:
 
     def _draft(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """With speculation: a draft for each decoding sequence of the plan that has one (plan index -> tokens),
-        within the step's token budget, each with KV room for its tokens (taken from free blocks only: a draft
-        never preempts)."""
+        at most the length that pays at this batch by the engine's measurements (draft.py Budget), within the
+        step's token budget, each with KV room for its tokens (taken from free blocks only: a draft never
+        preempts)."""
         if self.drafter is None:
             return {}
+        decoding = [n == 1 and seq.n_cached + 1 == len(seq) and len(seq.response) > seq.turn_start
+                    for seq, n in plan]  # else a prefill (chunk): it samples at most its last token
+        if not (k := self.budget.limit(sum(decoding)) if self.budget else self.drafter.k):
+            return {}
         budget, out = self.max_batched_tokens - sum(n for _, n in plan), {}
-        for i, (seq, n) in enumerate(plan):
+        for i, (seq, _) in enumerate(plan):
             if budget <= 0:
                 break
-            if n != 1 or seq.n_cached + 1 != len(seq) or len(seq.response) <= seq.turn_start:
-                continue  # not a decode: a prefill (chunk) samples at most its last token
+            if not decoding[i]:
+                continue
             left = seq.params.max_tokens - (len(seq.response) - seq.turn_start) - 1  # the token after the draft
-            if not (draft := self.drafter.propose(seq.req_id, min(left, budget))):
+            if not (draft := self.drafter.propose(seq.req_id, min(left, budget, k))):
                 continue
             try:
                 self.kv.prepare(seq.table, seq.n_cached, seq.n_cached + 1 + len(draft))
