@@ -2,7 +2,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dora_hpc.store.shards import ShardError, ShardWriter, read_table, scan, stored_name
+from dora_hpc.store.shards import SCHEMA_VERSION, ShardError, ShardWriter, read_table, scan, stored_name
 
 
 def writer(tmp_path, **kw):
@@ -23,7 +23,7 @@ def test_rows_round_trip_with_vlen_columns_and_rotation(tmp_path):
     assert t["logprobs"][3].dtype == np.float32 and t["finish_reason"][6] == "stop"
     assert t["n_migrations"][0] == -1  # unset columns get their documented default
     with h5py.File(tmp_path / "traj-r3-00000.h5") as f:
-        assert dict(f.attrs) == {"schema_version": 10, "run_id": "r1", "rank": 3, "role": "rollout",
+        assert dict(f.attrs) == {"schema_version": SCHEMA_VERSION, "run_id": "r1", "rank": 3, "role": "rollout",
                                  "config_json": '{"seed": 0}', "attempt": 0}
     assert t["attempt"].tolist() == [0] * 7  # every row says which launch wrote it
     # a new writer (after a restart) continues the numbering instead of overwriting
