@@ -164,17 +164,18 @@ class Budget:
     the engine's step time, least squares over its last ``WINDOW`` steps. It drafts fully until ``WARMUP`` steps
     are measured, and every ``EXPLORE``-th step whatever the fit says, so both figures stay current."""
 
-    WINDOW, WARMUP, EXPLORE = 128, 16, 16
+    WINDOW, WARMUP, EXPLORE, REFIT = 128, 16, 16, 8
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.drafted, self.accepted = 4.0, 2.0   # a weak prior: acceptance 0.5
         self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOW)
-        self.calls = 0
+        self.calls, self.seen, self._fit = 0, 0, None  # the fit is redone every REFIT steps measured
 
     def observe(self, tokens: int, seconds: float, drafted: int, accepted: int) -> None:
         """A step computed ``tokens`` tokens in ``seconds``; its drafts proposed ``drafted``, ``accepted`` kept."""
         self.steps.append((tokens, seconds))
+        self.seen += 1
         decay = 0.98 ** max(drafted, 1)  # acceptance over about the last 50 drafted tokens
         self.drafted, self.accepted = self.drafted * decay + drafted, self.accepted * decay + accepted
 
@@ -183,10 +184,15 @@ class Budget:
         return min(self.accepted / self.drafted, 0.999)
 
     def fit(self) -> tuple[float, float] | None:
-        """(c0, c1) of seconds = c0 + c1 * tokens over the window, c1 >= 0; None before ``WARMUP`` steps or
-        while every step had the same token count."""
+        """(c0, c1) of seconds = c0 + c1 * tokens over the window, c1 >= 0, as of the last multiple of ``REFIT``
+        steps measured; None before ``WARMUP`` steps or while every step had the same token count."""
         if len(self.steps) < self.WARMUP:
             return None
+        if self._fit is None or self.seen % self.REFIT == 0:
+            self._fit = (self._solve(),)
+        return self._fit[0]
+
+    def _solve(self) -> tuple[float, float] | None:
         x, y = np.array(self.steps, dtype=float).T
         if np.ptp(x) == 0:
             return None
