@@ -38,7 +38,7 @@ def requests(cfg, model_dir: Path, prompts: int) -> tuple[list[tuple[int, list[i
     from ..engine.spec import read_spec
 
     task = make_task(cfg, read_spec(model_dir).vocab_size, model_dir)
-    size, g_size = getattr(cfg.task, "size", None) or prompts, cfg.batch.group_size
+    size, g_size = cfg.task.size, cfg.batch.group_size
     out = []
     for epoch in range(2):
         for p in range(prompts):

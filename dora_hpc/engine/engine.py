@@ -458,7 +458,9 @@ class Engine:
         seq.table, seq.n_cached, seq.status = [], 0, Status.WAITING
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Finished]:
-        drafts = self._draft(plan)
+        # a decode computes the one token sampled last; any other token (prompt, environment) is prefill
+        decoding = [n == 1 and s.n_cached + 1 == len(s) and len(s.response) > s.turn_start for s, n in plan]
+        drafts = self._draft(plan, decoding)
         ids: list[int] = []
         rows: list[range] = []  # per sequence, the flat rows whose logits it samples from: its last token's,
         for i, (seq, n) in enumerate(plan):  # then each drafted token's
@@ -474,14 +476,12 @@ class Engine:
         done = [i for i, (seq, n) in enumerate(plan) if seq.n_cached + n == len(seq)]  # its last token computed
         flat = torch.tensor([r for i in done for r in rows[i]], dtype=torch.long, device=self.kv.k.device)
         logits = self.model(torch.tensor(ids, device=self.kv.k.device), batch, self.kv, rows=flat)
-        for seq, n in plan:
+        for (seq, n), decode in zip(plan, decoding, strict=True):
             seq.n_cached += n
             if self.prefix_caching:
                 self._register(seq, seq.n_cached - n)
-            # a decode computes the one token sampled last; any other token (prompt, environment) is prefill
-            sampled = n == 1 and seq.n_cached == len(seq) and len(seq.response) > seq.turn_start
-            self.counts["decode_tokens" if sampled else "prefill_tokens"] += n
-            self.counts["decodes"] += sampled
+            self.counts["decode_tokens" if decode else "prefill_tokens"] += n
+            self.counts["decodes"] += decode
         if not done:
             return []
         seqs = [plan[i][0] for i in done]
@@ -505,15 +505,13 @@ class Engine:
                         self.drafter.finish(seq.req_id, len(seq.prompt))
         return finished
 
-    def _draft(self, plan: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+    def _draft(self, plan: list[tuple[Sequence, int]], decoding: list[bool]) -> dict[int, list[int]]:
         """With speculation: a draft for each decoding sequence of the plan that has one (plan index -> tokens),
         at most the length that pays at this batch by the engine's measurements (draft.py Budget), within the
         step's token budget, each with KV room for its tokens (taken from free blocks only: a draft never
         preempts)."""
         if self.drafter is None:
             return {}
-        decoding = [n == 1 and seq.n_cached + 1 == len(seq) and len(seq.response) > seq.turn_start
-                    for seq, n in plan]  # else a prefill (chunk): it samples at most its last token
         if not (k := self.budget.limit(sum(decoding)) if self.budget else self.drafter.k):
             return {}
         budget, out = self.max_batched_tokens - sum(n for _, n in plan), {}
